@@ -1,0 +1,370 @@
+// Package vmm owns the virtual machine monitor processes behind sandboxes: it
+// builds QEMU `microvm` command lines, starts and re-adopts QEMU processes,
+// and drives them over QMP (pause, resume, power-down, kill, events). Guest
+// RAM is always a file-backed mapping so that later snapshot and fork work
+// can reuse it.
+package vmm
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Config describes one virtual machine.
+type Config struct {
+	// QEMU is the qemu-system-x86_64 binary; empty means look it up in PATH.
+	QEMU  string
+	Accel Accel
+	VCPUs int
+	// MemoryMiB is the guest RAM size.
+	MemoryMiB int
+	Kernel    string
+	Initrd    string
+	Cmdline   string
+	// RootDisk is the sandbox's writable qcow2 overlay.
+	RootDisk string
+	// MemFile backs guest RAM (memory-backend-file, share=on).
+	MemFile string
+	// Tap, when set, is an open tap device handed to QEMU as the guest NIC.
+	Tap *os.File
+	MAC string
+	// RunDir holds the QMP socket, console log, QEMU log and pid file.
+	RunDir string
+	// TBSizeMiB bounds TCG's translation cache (0: QEMU's default).
+	TBSizeMiB int
+}
+
+// Paths inside RunDir.
+const (
+	QMPSocketName = "qmp.sock"
+	ConsoleName   = "console.log"
+	QEMULogName   = "qemu.log"
+	PIDFileName   = "qemu.pid"
+)
+
+func (c *Config) validate() error {
+	var missing []string
+	for name, p := range map[string]string{"kernel": c.Kernel, "initrd": c.Initrd, "root disk": c.RootDisk} {
+		if p == "" {
+			missing = append(missing, name+" (not set)")
+			continue
+		}
+		if _, err := os.Stat(p); err != nil {
+			missing = append(missing, fmt.Sprintf("%s %s", name, p))
+		}
+	}
+	if len(missing) > 0 {
+		return fmt.Errorf("vm files missing: %s", strings.Join(missing, ", "))
+	}
+	if c.VCPUs < 1 || c.MemoryMiB < 64 {
+		return fmt.Errorf("invalid vm size: %d vCPUs, %d MiB", c.VCPUs, c.MemoryMiB)
+	}
+	if c.RunDir == "" || c.MemFile == "" {
+		return errors.New("vm run dir and memory file must be set")
+	}
+	return nil
+}
+
+// FindQEMU returns the path of qemu-system-x86_64 or an error saying how to
+// install it.
+func FindQEMU(explicit string) (string, error) {
+	name := explicit
+	if name == "" {
+		name = "qemu-system-x86_64"
+	}
+	p, err := exec.LookPath(name)
+	if err != nil {
+		return "", fmt.Errorf("QEMU not found (%s): install it with `apt-get install qemu-system-x86 qemu-utils` or run scripts/setup", name)
+	}
+	return p, nil
+}
+
+// Args returns QEMU's command line arguments (without the binary). The tap
+// file, when present, is passed as file descriptor 3.
+func (c *Config) Args() []string {
+	accel := string(c.Accel)
+	if c.Accel == AccelTCG {
+		accel = "tcg,thread=multi"
+		if c.TBSizeMiB > 0 {
+			accel += ",tb-size=" + strconv.Itoa(c.TBSizeMiB)
+		}
+	}
+	cpu := "max"
+	if c.Accel == AccelKVM {
+		cpu = "host"
+	}
+	mem := strconv.Itoa(c.MemoryMiB) + "M"
+	args := []string{
+		"-name", "aenv," + filepath.Base(c.RunDir),
+		"-M", "microvm,x-option-roms=off,isa-serial=on,rtc=on,memory-backend=mem",
+		"-accel", accel,
+		"-cpu", cpu,
+		"-smp", strconv.Itoa(c.VCPUs),
+		"-m", mem,
+		"-object", "memory-backend-file,id=mem,size=" + mem + ",mem-path=" + c.MemFile + ",share=on",
+		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+		"-kernel", c.Kernel,
+		"-initrd", c.Initrd,
+		"-append", c.Cmdline,
+		"-chardev", "file,id=console,path=" + filepath.Join(c.RunDir, ConsoleName),
+		"-serial", "chardev:console",
+		"-drive", "id=root,file=" + c.RootDisk + ",format=qcow2,if=none,cache=writeback,discard=unmap",
+		"-device", "virtio-blk-device,drive=root",
+		"-object", "rng-random,id=rng,filename=/dev/urandom",
+		"-device", "virtio-rng-device,rng=rng",
+		"-device", "virtio-balloon-device,free-page-reporting=on",
+		"-qmp", "unix:" + filepath.Join(c.RunDir, QMPSocketName) + ",server=on,wait=off",
+		"-pidfile", filepath.Join(c.RunDir, PIDFileName),
+	}
+	if c.Tap != nil {
+		nic := "virtio-net-device,netdev=net0"
+		if c.MAC != "" {
+			nic += ",mac=" + c.MAC
+		}
+		args = append(args, "-netdev", "tap,id=net0,fd=3", "-device", nic)
+	}
+	return args
+}
+
+// Machine is a running QEMU process.
+type Machine struct {
+	pid    int
+	runDir string
+	qmp    *QMP
+
+	exited  chan struct{}
+	exitMu  sync.Mutex
+	exitErr error
+}
+
+// Start launches QEMU for cfg and connects to its QMP socket. QEMU runs in its
+// own session so that it survives a restart of the calling process; the
+// caller re-adopts it with Attach.
+func Start(ctx context.Context, cfg Config) (*Machine, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	bin, err := FindQEMU(cfg.QEMU)
+	if err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(cfg.RunDir, 0o700); err != nil {
+		return nil, fmt.Errorf("create run dir: %w", err)
+	}
+	_ = os.Remove(filepath.Join(cfg.RunDir, QMPSocketName))
+	logf, err := os.OpenFile(filepath.Join(cfg.RunDir, QEMULogName), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("open qemu log: %w", err)
+	}
+	defer logf.Close()
+	cmd := exec.Command(bin, cfg.Args()...)
+	cmd.Stdout = logf
+	cmd.Stderr = logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if cfg.Tap != nil {
+		cmd.ExtraFiles = []*os.File{cfg.Tap}
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start qemu: %w", err)
+	}
+	m := &Machine{pid: cmd.Process.Pid, runDir: cfg.RunDir, exited: make(chan struct{})}
+	go func() {
+		err := cmd.Wait()
+		m.setExited(err)
+	}()
+	if err := m.connect(ctx); err != nil {
+		_ = m.Kill()
+		<-m.exited
+		return nil, fmt.Errorf("%w%s", err, m.logTail())
+	}
+	return m, nil
+}
+
+// Attach re-adopts a QEMU process started earlier (by this or a previous
+// process) from its run directory.
+func Attach(ctx context.Context, runDir string) (*Machine, error) {
+	b, err := os.ReadFile(filepath.Join(runDir, PIDFileName))
+	if err != nil {
+		return nil, fmt.Errorf("read qemu pid file: %w", err)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		return nil, fmt.Errorf("parse qemu pid file: %w", err)
+	}
+	if !isQEMU(pid, runDir) {
+		return nil, fmt.Errorf("process %d is not the QEMU of %s", pid, runDir)
+	}
+	pidfd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open pidfd for qemu %d: %w", pid, err)
+	}
+	m := &Machine{pid: pid, runDir: runDir, exited: make(chan struct{})}
+	go func() {
+		defer unix.Close(pidfd)
+		fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
+		for {
+			if _, err := unix.Poll(fds, -1); err != nil && err != unix.EINTR {
+				break
+			}
+			if fds[0].Revents != 0 {
+				break
+			}
+		}
+		m.setExited(errors.New("qemu exited"))
+	}()
+	if err := m.connect(ctx); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// isQEMU reports whether pid is a live QEMU process whose command line names
+// runDir, so that a recycled pid is never mistaken for ours.
+func isQEMU(pid int, runDir string) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	if err != nil {
+		return false
+	}
+	cmdline := string(b)
+	return strings.Contains(cmdline, "qemu-system") && strings.Contains(cmdline, "aenv,"+filepath.Base(runDir))
+}
+
+func (m *Machine) connect(ctx context.Context) error {
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	type res struct {
+		q   *QMP
+		err error
+	}
+	ch := make(chan res, 1)
+	go func() {
+		q, err := DialQMP(cctx, filepath.Join(m.runDir, QMPSocketName))
+		ch <- res{q, err}
+	}()
+	select {
+	case r := <-ch:
+		if r.err != nil {
+			return r.err
+		}
+		m.qmp = r.q
+		return nil
+	case <-m.exited:
+		cancel()
+		return fmt.Errorf("qemu exited during start: %v", m.ExitErr())
+	}
+}
+
+func (m *Machine) setExited(err error) {
+	m.exitMu.Lock()
+	m.exitErr = err
+	m.exitMu.Unlock()
+	close(m.exited)
+}
+
+func (m *Machine) logTail() string {
+	b, err := os.ReadFile(filepath.Join(m.runDir, QEMULogName))
+	if err != nil || len(b) == 0 {
+		return ""
+	}
+	if len(b) > 2000 {
+		b = b[len(b)-2000:]
+	}
+	return ": qemu said: " + strings.TrimSpace(string(b))
+}
+
+// PID is the QEMU process id.
+func (m *Machine) PID() int { return m.pid }
+
+// RunDir is the directory holding the machine's sockets and logs.
+func (m *Machine) RunDir() string { return m.runDir }
+
+// Exited is closed when the QEMU process has exited.
+func (m *Machine) Exited() <-chan struct{} { return m.exited }
+
+// ExitErr is the QEMU process's exit status once Exited is closed.
+func (m *Machine) ExitErr() error {
+	m.exitMu.Lock()
+	defer m.exitMu.Unlock()
+	return m.exitErr
+}
+
+// QMP returns the machine's QMP connection.
+func (m *Machine) QMP() *QMP { return m.qmp }
+
+// Events returns QMP events (STOP, RESUME, SHUTDOWN, ...).
+func (m *Machine) Events() <-chan Event { return m.qmp.Events() }
+
+// Pause stops the guest's vCPUs.
+func (m *Machine) Pause(ctx context.Context) error {
+	_, err := m.qmp.Execute(ctx, "stop", nil)
+	return err
+}
+
+// Resume continues the guest's vCPUs.
+func (m *Machine) Resume(ctx context.Context) error {
+	_, err := m.qmp.Execute(ctx, "cont", nil)
+	return err
+}
+
+// Status returns QEMU's run state ("running", "paused", ...).
+func (m *Machine) Status(ctx context.Context) (string, error) {
+	raw, err := m.qmp.Execute(ctx, "query-status", nil)
+	if err != nil {
+		return "", err
+	}
+	var st struct {
+		Status string `json:"status"`
+	}
+	if err := json.Unmarshal(raw, &st); err != nil {
+		return "", err
+	}
+	return st.Status, nil
+}
+
+// Shutdown asks the guest to power off (ACPI power button) and waits up to
+// grace for QEMU to exit, then kills it.
+func (m *Machine) Shutdown(ctx context.Context, grace time.Duration) error {
+	if m.qmp != nil {
+		_, _ = m.qmp.Execute(ctx, "system_powerdown", nil)
+	}
+	select {
+	case <-m.exited:
+		return nil
+	case <-time.After(grace):
+	case <-ctx.Done():
+	}
+	return m.Kill()
+}
+
+// Kill ends QEMU immediately and waits for it to exit.
+func (m *Machine) Kill() error {
+	select {
+	case <-m.exited:
+		return nil
+	default:
+	}
+	if err := unix.Kill(m.pid, unix.SIGKILL); err != nil && err != unix.ESRCH {
+		return fmt.Errorf("kill qemu %d: %w", m.pid, err)
+	}
+	select {
+	case <-m.exited:
+	case <-time.After(10 * time.Second):
+		return fmt.Errorf("qemu %d did not exit after SIGKILL", m.pid)
+	}
+	if m.qmp != nil {
+		_ = m.qmp.Close()
+	}
+	return nil
+}
