@@ -1,0 +1,421 @@
+// Package network owns sandbox networking on a node: one network namespace
+// per sandbox holding the guest's tap device, a veth pair linking it to the
+// host, NAT so every guest can use the same address, and nftables rules that
+// keep guests away from the host, from each other and (when asked) from the
+// internet.
+package network
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"text/template"
+	"unsafe"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+)
+
+// Fixed addresses inside every sandbox namespace. Clones of one sandbox must
+// keep the guest's address and MAC, so they are the same everywhere.
+var (
+	GuestIP   = netip.MustParseAddr("169.254.0.21")
+	TapIP     = netip.MustParseAddr("169.254.0.22")
+	tapPrefix = 30
+)
+
+const (
+	// GuestMAC is the MAC address of every guest NIC.
+	GuestMAC = "02:ae:00:00:00:01"
+	// TapName is the tap device inside each sandbox namespace.
+	TapName = "tap0"
+	// nsVethName is the namespace end of the veth pair.
+	nsVethName = "veth0"
+	// hostVethPrefix names the host end of each sandbox's veth pair.
+	hostVethPrefix = "aenv-h"
+	nsPrefix       = "aenv-"
+	// DefaultCIDR is the host-side range sandboxes' veth pairs are numbered from.
+	DefaultCIDR = "10.213.0.0/16"
+)
+
+// Manager creates and removes sandbox networks on this host.
+type Manager struct {
+	cidr      netip.Prefix
+	hostTable string
+}
+
+// NewManager returns a manager numbering veth pairs from cidr (an IPv4 range
+// of /16 to /28), e.g. DefaultCIDR.
+func NewManager(cidr string) (*Manager, error) {
+	p, err := netip.ParsePrefix(cidr)
+	if err != nil || !p.Addr().Is4() || p.Bits() > 28 || p.Bits() < 8 {
+		return nil, fmt.Errorf("sandbox network range %q must be an IPv4 prefix between /8 and /28", cidr)
+	}
+	return &Manager{cidr: p.Masked(), hostTable: "aenv_host"}, nil
+}
+
+// Slots is how many sandboxes the range can number.
+func (m *Manager) Slots() int { return 1 << (32 - m.cidr.Bits() - 2) }
+
+// Endpoint is one sandbox's network.
+type Endpoint struct {
+	Namespace string
+	Slot      int
+	// HostIP is the host end of the veth pair; NSIP the namespace end, which
+	// the host uses to reach the guest (DNAT to GuestIP).
+	HostIP   netip.Addr
+	NSIP     netip.Addr
+	HostVeth string
+	Internet bool
+}
+
+// GuestAddr returns the host-reachable address of a port in the guest.
+func (e *Endpoint) GuestAddr(port int) string {
+	return net.JoinHostPort(e.NSIP.String(), fmt.Sprint(port))
+}
+
+// Endpoint returns the addressing of a slot without creating anything.
+func (m *Manager) Endpoint(id string, slot int, internet bool) (*Endpoint, error) {
+	if slot < 0 || slot >= m.Slots() {
+		return nil, fmt.Errorf("network slot %d out of range 0..%d", slot, m.Slots()-1)
+	}
+	base := m.cidr.Addr().As4()
+	n := uint32(base[0])<<24 | uint32(base[1])<<16 | uint32(base[2])<<8 | uint32(base[3])
+	n += uint32(slot) * 4
+	ip := func(v uint32) netip.Addr {
+		return netip.AddrFrom4([4]byte{byte(v >> 24), byte(v >> 16), byte(v >> 8), byte(v)})
+	}
+	return &Endpoint{
+		Namespace: nsPrefix + id,
+		Slot:      slot,
+		HostIP:    ip(n + 1),
+		NSIP:      ip(n + 2),
+		HostVeth:  fmt.Sprintf("%s%d", hostVethPrefix, slot),
+		Internet:  internet,
+	}, nil
+}
+
+// EnsureHost prepares the host once per start: IP forwarding and the host
+// firewall table that stops guests from reaching host services or each other
+// and masquerades their internet traffic.
+func (m *Manager) EnsureHost(ctx context.Context) error {
+	if err := os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1\n"), 0o644); err != nil {
+		return fmt.Errorf("enable ip forwarding: %w", err)
+	}
+	var buf bytes.Buffer
+	if err := hostRules.Execute(&buf, map[string]string{"Table": m.hostTable, "CIDR": m.cidr.String(), "Veth": hostVethPrefix + "*"}); err != nil {
+		return err
+	}
+	return nft(ctx, "", buf.String())
+}
+
+var hostRules = template.Must(template.New("host").Parse(`
+table inet {{.Table}}
+delete table inet {{.Table}}
+table inet {{.Table}} {
+	chain input {
+		type filter hook input priority filter - 10; policy accept;
+		iifname "{{.Veth}}" ct state established,related accept
+		iifname "{{.Veth}}" drop
+	}
+	chain forward {
+		type filter hook forward priority filter - 10; policy accept;
+		iifname "{{.Veth}}" oifname "{{.Veth}}" drop
+		oifname "{{.Veth}}" ct state established,related accept
+		oifname "{{.Veth}}" drop
+	}
+	chain postrouting {
+		type nat hook postrouting priority srcnat; policy accept;
+		ip saddr {{.CIDR}} oifname != "{{.Veth}}" masquerade
+	}
+}
+`))
+
+var nsRules = template.Must(template.New("ns").Parse(`
+table ip aenv
+delete table ip aenv
+table ip aenv {
+	chain prerouting {
+		type nat hook prerouting priority dstnat; policy accept;
+		iifname "{{.Veth}}" ip daddr {{.NSIP}} dnat to {{.Guest}}
+	}
+	chain postrouting {
+		type nat hook postrouting priority srcnat; policy accept;
+		oifname "{{.Veth}}" ip saddr {{.Guest}} masquerade
+	}
+	chain input {
+		type filter hook input priority filter; policy drop;
+		iif "lo" accept
+		ct state established,related accept
+	}
+	chain forward {
+		type filter hook forward priority filter; policy drop;
+		ct state established,related accept
+		iifname "{{.Veth}}" oifname "{{.Tap}}" ip daddr {{.Guest}} accept
+{{- if .Internet}}
+		iifname "{{.Tap}}" oifname "{{.Veth}}" ip daddr { 0.0.0.0/8, 127.0.0.0/8, 169.254.0.0/16, 224.0.0.0/4, 240.0.0.0/4, {{.CIDR}} } drop
+		iifname "{{.Tap}}" oifname "{{.Veth}}" accept
+{{- end}}
+	}
+}
+`))
+
+// Setup creates the sandbox's namespace, veth pair, addresses, routes and
+// firewall. On error everything it created is removed.
+func (m *Manager) Setup(ctx context.Context, ep *Endpoint) (err error) {
+	defer func() {
+		if err != nil {
+			_ = m.Teardown(ep)
+		}
+	}()
+	ns, err := newNamedNS(ep.Namespace)
+	if err != nil {
+		return fmt.Errorf("create netns %s: %w", ep.Namespace, err)
+	}
+	defer ns.Close()
+	nh, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		return fmt.Errorf("netlink in %s: %w", ep.Namespace, err)
+	}
+	defer nh.Close()
+
+	veth := &netlink.Veth{
+		LinkAttrs:     netlink.LinkAttrs{Name: ep.HostVeth},
+		PeerName:      nsVethName,
+		PeerNamespace: netlink.NsFd(int(ns)),
+	}
+	_ = netlink.LinkDel(veth) // a leftover from a crash would block the name
+	if err := netlink.LinkAdd(veth); err != nil {
+		return fmt.Errorf("create veth %s: %w", ep.HostVeth, err)
+	}
+	host, err := netlink.LinkByName(ep.HostVeth)
+	if err != nil {
+		return fmt.Errorf("find veth %s: %w", ep.HostVeth, err)
+	}
+	if err := netlink.AddrAdd(host, addr(ep.HostIP, 30)); err != nil {
+		return fmt.Errorf("address host veth: %w", err)
+	}
+	if err := netlink.LinkSetUp(host); err != nil {
+		return fmt.Errorf("bring up host veth: %w", err)
+	}
+	lo, err := nh.LinkByName("lo")
+	if err != nil {
+		return fmt.Errorf("find lo in %s: %w", ep.Namespace, err)
+	}
+	if err := nh.LinkSetUp(lo); err != nil {
+		return fmt.Errorf("bring up lo in %s: %w", ep.Namespace, err)
+	}
+	peer, err := nh.LinkByName(nsVethName)
+	if err != nil {
+		return fmt.Errorf("find %s in %s: %w", nsVethName, ep.Namespace, err)
+	}
+	if err := nh.AddrAdd(peer, addr(ep.NSIP, 30)); err != nil {
+		return fmt.Errorf("address %s: %w", nsVethName, err)
+	}
+	if err := nh.LinkSetUp(peer); err != nil {
+		return fmt.Errorf("bring up %s: %w", nsVethName, err)
+	}
+	gw := net.IP(ep.HostIP.AsSlice())
+	if err := nh.RouteAdd(&netlink.Route{LinkIndex: peer.Attrs().Index, Gw: gw}); err != nil {
+		return fmt.Errorf("default route in %s: %w", ep.Namespace, err)
+	}
+	if err := inNS(ns, func() error {
+		return os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1\n"), 0o644)
+	}); err != nil {
+		return fmt.Errorf("enable forwarding in %s: %w", ep.Namespace, err)
+	}
+	return m.applyRules(ctx, ep)
+}
+
+// SetInternet switches a sandbox's outbound internet access.
+func (m *Manager) SetInternet(ctx context.Context, ep *Endpoint, on bool) error {
+	ep.Internet = on
+	return m.applyRules(ctx, ep)
+}
+
+func (m *Manager) applyRules(ctx context.Context, ep *Endpoint) error {
+	var buf bytes.Buffer
+	if err := nsRules.Execute(&buf, map[string]any{
+		"Veth": nsVethName, "Tap": TapName, "NSIP": ep.NSIP, "Guest": GuestIP,
+		"CIDR": m.cidr, "Internet": ep.Internet,
+	}); err != nil {
+		return err
+	}
+	return nft(ctx, ep.Namespace, buf.String())
+}
+
+// OpenTap creates the namespace's tap device (if QEMU's previous one is gone)
+// and returns an open queue for QEMU. The device lives as long as some
+// process holds the file.
+func (m *Manager) OpenTap(ep *Endpoint) (*os.File, error) {
+	ns, err := netns.GetFromName(ep.Namespace)
+	if err != nil {
+		return nil, fmt.Errorf("open netns %s: %w", ep.Namespace, err)
+	}
+	defer ns.Close()
+	var f *os.File
+	err = inNS(ns, func() error {
+		var err error
+		f, err = openTap(TapName)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("create tap in %s: %w", ep.Namespace, err)
+	}
+	nh, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	defer nh.Close()
+	tap, err := nh.LinkByName(TapName)
+	if err == nil {
+		err = nh.AddrReplace(tap, addr(TapIP, tapPrefix))
+	}
+	if err == nil {
+		err = nh.LinkSetUp(tap)
+	}
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("configure tap in %s: %w", ep.Namespace, err)
+	}
+	return f, nil
+}
+
+// Teardown removes the sandbox's namespace and veth pair. Missing pieces are
+// not an error, so it can run after a partial setup or a crash.
+func (m *Manager) Teardown(ep *Endpoint) error {
+	var errs []error
+	if l, err := netlink.LinkByName(ep.HostVeth); err == nil {
+		if err := netlink.LinkDel(l); err != nil {
+			errs = append(errs, fmt.Errorf("delete veth %s: %w", ep.HostVeth, err))
+		}
+	}
+	if err := netns.DeleteNamed(ep.Namespace); err != nil && !errors.Is(err, os.ErrNotExist) {
+		errs = append(errs, fmt.Errorf("delete netns %s: %w", ep.Namespace, err))
+	}
+	return errors.Join(errs...)
+}
+
+// Leftovers lists sandbox namespaces present on the host (for recovery and
+// leak checks).
+func Leftovers() ([]string, error) {
+	ents, err := os.ReadDir("/run/netns")
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, e := range ents {
+		if strings.HasPrefix(e.Name(), nsPrefix) {
+			out = append(out, e.Name())
+		}
+	}
+	return out, nil
+}
+
+// HostVeths lists the host ends of sandbox veth pairs present on the host.
+func HostVeths() ([]string, error) {
+	links, err := netlink.LinkList()
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, l := range links {
+		if strings.HasPrefix(l.Attrs().Name, hostVethPrefix) {
+			out = append(out, l.Attrs().Name)
+		}
+	}
+	return out, nil
+}
+
+func addr(ip netip.Addr, bits int) *netlink.Addr {
+	return &netlink.Addr{IPNet: &net.IPNet{IP: net.IP(ip.AsSlice()), Mask: net.CIDRMask(bits, 32)}}
+}
+
+// newNamedNS creates a named namespace without leaving the calling thread in it.
+func newNamedNS(name string) (netns.NsHandle, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	orig, err := netns.Get()
+	if err != nil {
+		return 0, err
+	}
+	defer orig.Close()
+	_ = netns.DeleteNamed(name) // leftover from a crash
+	ns, err := netns.NewNamed(name)
+	if serr := netns.Set(orig); serr != nil {
+		// The thread is stuck in the wrong namespace: never reuse it.
+		runtime.Goexit()
+	}
+	return ns, err
+}
+
+// inNS runs fn on a thread switched into ns.
+func inNS(ns netns.NsHandle, fn func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		orig, err := netns.Get()
+		if err != nil {
+			errc <- err
+			return
+		}
+		defer orig.Close()
+		if err := netns.Set(ns); err != nil {
+			errc <- err
+			runtime.UnlockOSThread()
+			return
+		}
+		errc <- fn()
+		if netns.Set(orig) == nil {
+			runtime.UnlockOSThread()
+		} // otherwise the thread exits with the goroutine, still locked
+	}()
+	return <-errc
+}
+
+func openTap(name string) (*os.File, error) {
+	fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open /dev/net/tun: %w", err)
+	}
+	var req [unix.IFNAMSIZ + 64]byte
+	copy(req[:unix.IFNAMSIZ-1], name)
+	flags := uint16(unix.IFF_TAP | unix.IFF_NO_PI | unix.IFF_VNET_HDR)
+	*(*uint16)(unsafe.Pointer(&req[unix.IFNAMSIZ])) = flags
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), uintptr(unix.TUNSETIFF), uintptr(unsafe.Pointer(&req[0]))); errno != 0 {
+		unix.Close(fd)
+		return nil, fmt.Errorf("TUNSETIFF %s: %w", name, errno)
+	}
+	return os.NewFile(uintptr(fd), "/dev/net/tun:"+name), nil
+}
+
+// nft loads a ruleset, inside the named namespace when ns is not empty.
+func nft(ctx context.Context, ns, rules string) error {
+	var cmd *exec.Cmd
+	if ns == "" {
+		cmd = exec.CommandContext(ctx, "nft", "-f", "-")
+	} else {
+		cmd = exec.CommandContext(ctx, "ip", "netns", "exec", ns, "nft", "-f", "-")
+	}
+	cmd.Stdin = strings.NewReader(rules)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		if errors.Is(err, exec.ErrNotFound) {
+			return fmt.Errorf("nft not found: install it with `apt-get install nftables`")
+		}
+		return fmt.Errorf("load nftables rules%s: %w: %s", map[bool]string{true: " in " + ns}[ns != ""], err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}
