@@ -4,7 +4,6 @@ go 1.26.0
 
 require (
 	connectrpc.com/connect v1.21.1 // indirect
-	github.com/cavaliergopher/cpio v1.0.1 // indirect
 	github.com/creack/pty v1.1.24 // indirect
 	github.com/dustin/go-humanize v1.1.0 // indirect
 	github.com/fsnotify/fsnotify v1.10.1 // indirect

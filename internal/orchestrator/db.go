@@ -1,0 +1,191 @@
+package orchestrator
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	_ "modernc.org/sqlite" // registers the "sqlite" driver
+)
+
+const schema = `
+CREATE TABLE IF NOT EXISTS sandboxes (
+	id             TEXT PRIMARY KEY,
+	template_id    TEXT NOT NULL,
+	state          TEXT NOT NULL,
+	vcpus          INTEGER NOT NULL,
+	memory_mib     INTEGER NOT NULL,
+	disk_mib       INTEGER NOT NULL,
+	slot           INTEGER NOT NULL UNIQUE,
+	pid            INTEGER NOT NULL DEFAULT 0,
+	allow_internet INTEGER NOT NULL,
+	secure         INTEGER NOT NULL,
+	auto_pause     INTEGER NOT NULL,
+	access_token   TEXT NOT NULL,
+	traffic_token  TEXT NOT NULL,
+	default_user   TEXT NOT NULL,
+	metadata       TEXT NOT NULL,
+	env_vars       TEXT NOT NULL,
+	created_at     INTEGER NOT NULL,
+	started_at     INTEGER NOT NULL,
+	end_at         INTEGER NOT NULL,
+	updated_at     INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+`
+
+func openDB(path string) (*sql.DB, error) {
+	dsn := "file:" + path + "?_pragma=journal_mode(WAL)&_pragma=synchronous(FULL)&_pragma=busy_timeout(5000)&_pragma=foreign_keys(ON)"
+	db, err := sql.Open("sqlite", dsn)
+	if err != nil {
+		return nil, fmt.Errorf("open state db %s: %w", path, err)
+	}
+	db.SetMaxOpenConns(1) // one writer; SQLite serializes anyway
+	if _, err := db.Exec(schema); err != nil {
+		db.Close()
+		return nil, fmt.Errorf("migrate state db %s: %w", path, err)
+	}
+	return db, nil
+}
+
+const sandboxColumns = `id, template_id, state, vcpus, memory_mib, disk_mib, slot, pid, allow_internet, secure,
+	auto_pause, access_token, traffic_token, default_user, metadata, env_vars, created_at, started_at, end_at`
+
+func scanSandbox(row interface{ Scan(...any) error }) (*Sandbox, error) {
+	var s Sandbox
+	var meta, env string
+	var created, started, end int64
+	if err := row.Scan(&s.ID, &s.TemplateID, &s.State, &s.VCPUs, &s.MemoryMiB, &s.DiskMiB, &s.Slot, &s.PID,
+		&s.AllowInternet, &s.Secure, &s.AutoPause, &s.AccessToken, &s.TrafficToken, &s.DefaultUser,
+		&meta, &env, &created, &started, &end); err != nil {
+		return nil, err
+	}
+	if err := json.Unmarshal([]byte(meta), &s.Metadata); err != nil {
+		return nil, fmt.Errorf("sandbox %s metadata: %w", s.ID, err)
+	}
+	if err := json.Unmarshal([]byte(env), &s.EnvVars); err != nil {
+		return nil, fmt.Errorf("sandbox %s env vars: %w", s.ID, err)
+	}
+	s.CreatedAt = time.UnixMilli(created).UTC()
+	s.StartedAt = time.UnixMilli(started).UTC()
+	s.EndAt = time.UnixMilli(end).UTC()
+	return &s, nil
+}
+
+func (n *Node) insertSandbox(ctx context.Context, s *Sandbox) error {
+	meta, _ := json.Marshal(nonNil(s.Metadata))
+	env, _ := json.Marshal(nonNil(s.EnvVars))
+	_, err := n.db.ExecContext(ctx, `INSERT INTO sandboxes (`+sandboxColumns+`, updated_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+		s.ID, s.TemplateID, s.State, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure,
+		s.AutoPause, s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env),
+		s.CreatedAt.UnixMilli(), s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), time.Now().UnixMilli())
+	if err != nil {
+		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
+	}
+	return nil
+}
+
+func nonNil(m map[string]string) map[string]string {
+	if m == nil {
+		return map[string]string{}
+	}
+	return m
+}
+
+func (n *Node) loadSandbox(ctx context.Context, id string) (*Sandbox, error) {
+	row := n.db.QueryRowContext(ctx, `SELECT `+sandboxColumns+` FROM sandboxes WHERE id = ?`, id)
+	s, err := scanSandbox(row)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
+	}
+	return s, err
+}
+
+func (n *Node) loadSandboxes(ctx context.Context, where string, args ...any) ([]*Sandbox, error) {
+	q := `SELECT ` + sandboxColumns + ` FROM sandboxes`
+	if where != "" {
+		q += " WHERE " + where
+	}
+	q += " ORDER BY created_at, id"
+	rows, err := n.db.QueryContext(ctx, q, args...)
+	if err != nil {
+		return nil, fmt.Errorf("list sandboxes: %w", err)
+	}
+	defer rows.Close()
+	var out []*Sandbox
+	for rows.Next() {
+		s, err := scanSandbox(rows)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, rows.Err()
+}
+
+// transition moves a sandbox from one of the given states to another,
+// atomically: it fails with ErrConflict when another operation got there
+// first.
+func (n *Node) transition(ctx context.Context, id string, to State, from ...State) error {
+	ph := strings.TrimSuffix(strings.Repeat("?,", len(from)), ",")
+	args := []any{string(to), time.Now().UnixMilli(), id}
+	for _, f := range from {
+		args = append(args, string(f))
+	}
+	res, err := n.db.ExecContext(ctx, `UPDATE sandboxes SET state = ?, updated_at = ? WHERE id = ? AND state IN (`+ph+`)`, args...)
+	if err != nil {
+		return fmt.Errorf("update sandbox %s state: %w", id, err)
+	}
+	if c, _ := res.RowsAffected(); c == 1 {
+		return nil
+	}
+	s, err := n.loadSandbox(ctx, id)
+	if err != nil {
+		return err
+	}
+	return fmt.Errorf("%w: sandbox %s is %s", ErrConflict, id, s.State)
+}
+
+func (n *Node) setFields(ctx context.Context, id string, set string, args ...any) error {
+	args = append(args, time.Now().UnixMilli(), id)
+	if _, err := n.db.ExecContext(ctx, `UPDATE sandboxes SET `+set+`, updated_at = ? WHERE id = ?`, args...); err != nil {
+		return fmt.Errorf("update sandbox %s: %w", id, err)
+	}
+	return nil
+}
+
+func (n *Node) deleteSandbox(ctx context.Context, id string) error {
+	if _, err := n.db.ExecContext(ctx, `DELETE FROM sandboxes WHERE id = ?`, id); err != nil {
+		return fmt.Errorf("forget sandbox %s: %w", id, err)
+	}
+	return nil
+}
+
+// freeSlot returns the lowest network slot no sandbox uses.
+func (n *Node) freeSlot(ctx context.Context) (int, error) {
+	rows, err := n.db.QueryContext(ctx, `SELECT slot FROM sandboxes ORDER BY slot`)
+	if err != nil {
+		return 0, fmt.Errorf("find free network slot: %w", err)
+	}
+	defer rows.Close()
+	want := 0
+	for rows.Next() {
+		var s int
+		if err := rows.Scan(&s); err != nil {
+			return 0, err
+		}
+		if s > want {
+			break
+		}
+		want = s + 1
+	}
+	if want >= n.net.Slots() {
+		return 0, fmt.Errorf("%w: all %d network slots are in use", ErrCapacity, n.net.Slots())
+	}
+	return want, rows.Err()
+}

@@ -1,0 +1,331 @@
+// Package orchestrator owns the sandboxes of one node: their lifecycle state
+// machine (persisted in an embedded SQLite database before anything is done),
+// creating a sandbox from a template (disk overlay, network, QEMU, envd
+// handshake), killing it with full teardown, expiry, and recovery of
+// everything after a restart of the node process.
+package orchestrator
+
+import (
+	"context"
+	"crypto/rand"
+	"database/sql"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/network"
+	"github.com/agentenv/agentenv/internal/vmm"
+)
+
+// State is a sandbox's lifecycle state.
+type State string
+
+// The lifecycle states. Only running and paused are stable; the others mark
+// an operation in progress, and a sandbox in one of them accepts no other
+// operation.
+const (
+	StateCreating     State = "creating"
+	StateRunning      State = "running"
+	StatePausing      State = "pausing"
+	StatePaused       State = "paused"
+	StateResuming     State = "resuming"
+	StateSnapshotting State = "snapshotting"
+	StateForking      State = "forking"
+	StateKilling      State = "killing"
+)
+
+// Errors callers map to API responses; returned wrapped with context.
+var (
+	ErrNotFound = errors.New("not found")
+	ErrConflict = errors.New("conflict")
+	ErrInvalid  = errors.New("invalid request")
+	ErrCapacity = errors.New("no capacity")
+	ErrSetup    = errors.New("node not set up")
+)
+
+// EnvdPort is the port envd listens on inside every guest.
+const EnvdPort = 49983
+
+// Sandbox is the recorded state of one sandbox.
+type Sandbox struct {
+	ID            string
+	TemplateID    string
+	State         State
+	VCPUs         int
+	MemoryMiB     int
+	DiskMiB       int
+	Slot          int
+	PID           int
+	AllowInternet bool
+	Secure        bool
+	AutoPause     bool
+	AccessToken   string
+	TrafficToken  string
+	DefaultUser   string
+	Metadata      map[string]string
+	EnvVars       map[string]string
+	CreatedAt     time.Time
+	StartedAt     time.Time
+	EndAt         time.Time
+	// EnvdAddr is host:port where the node reaches the sandbox's envd.
+	EnvdAddr string
+}
+
+// Config configures a node.
+type Config struct {
+	DataDir string
+	// Kernel and Initrd boot every guest.
+	Kernel string
+	Initrd string
+	QEMU   string
+	Accel  vmm.Accel
+	// NetworkCIDR numbers the sandboxes' veth pairs (network.DefaultCIDR).
+	NetworkCIDR string
+	// BootTimeout bounds a cold boot until envd answers.
+	BootTimeout time.Duration
+	// DefaultTimeout is a sandbox's time to live when the request gives none.
+	DefaultTimeout time.Duration
+	// MaxTimeout caps any requested time to live.
+	MaxTimeout time.Duration
+	// Limits for one sandbox.
+	MaxVCPUs     int
+	MaxMemoryMiB int
+	// TCGTranslationCacheMiB bounds QEMU's TCG translation cache per sandbox.
+	TCGTranslationCacheMiB int
+	Logger                 *slog.Logger
+}
+
+func (c *Config) setDefaults() {
+	if c.BootTimeout == 0 {
+		c.BootTimeout = 90 * time.Second
+	}
+	if c.DefaultTimeout == 0 {
+		c.DefaultTimeout = 5 * time.Minute
+	}
+	if c.MaxTimeout == 0 {
+		c.MaxTimeout = 24 * time.Hour
+	}
+	if c.MaxVCPUs == 0 {
+		c.MaxVCPUs = max(runtime.NumCPU(), 8)
+	}
+	if c.MaxMemoryMiB == 0 {
+		c.MaxMemoryMiB = 16 << 10
+	}
+	if c.NetworkCIDR == "" {
+		c.NetworkCIDR = network.DefaultCIDR
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.TCGTranslationCacheMiB == 0 {
+		c.TCGTranslationCacheMiB = 64
+	}
+}
+
+// Node manages the sandboxes on this host.
+type Node struct {
+	cfg Config
+	db  *sql.DB
+	net *network.Manager
+	log *slog.Logger
+
+	mu       sync.Mutex
+	machines map[string]*vmm.Machine
+	opLocks  map[string]*sync.Mutex
+
+	stop chan struct{}
+	wg   sync.WaitGroup
+}
+
+// Open starts a node on its data directory: it opens the state database,
+// prepares host networking, re-adopts or cleans up what a previous process
+// left, and starts the expiry loop.
+func Open(ctx context.Context, cfg Config) (*Node, error) {
+	cfg.setDefaults()
+	for name, p := range map[string]string{"guest kernel": cfg.Kernel, "initramfs": cfg.Initrd} {
+		if p == "" {
+			return nil, fmt.Errorf("%w: %s path not configured: run `aenv setup`", ErrSetup, name)
+		}
+		if _, err := os.Stat(p); err != nil {
+			return nil, fmt.Errorf("%w: %s %s missing: run `aenv setup --data-dir %s`", ErrSetup, name, p, cfg.DataDir)
+		}
+	}
+	if _, err := vmm.FindQEMU(cfg.QEMU); err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrSetup, err)
+	}
+	if err := os.MkdirAll(filepath.Join(cfg.DataDir, "sandboxes"), 0o700); err != nil {
+		return nil, fmt.Errorf("create data dir: %w", err)
+	}
+	netm, err := network.NewManager(cfg.NetworkCIDR)
+	if err != nil {
+		return nil, err
+	}
+	if err := netm.EnsureHost(ctx); err != nil {
+		return nil, fmt.Errorf("prepare host network: %w", err)
+	}
+	db, err := openDB(filepath.Join(cfg.DataDir, "aenv.db"))
+	if err != nil {
+		return nil, err
+	}
+	n := &Node{
+		cfg:      cfg,
+		db:       db,
+		net:      netm,
+		log:      cfg.Logger,
+		machines: map[string]*vmm.Machine{},
+		opLocks:  map[string]*sync.Mutex{},
+		stop:     make(chan struct{}),
+	}
+	if err := n.recover(ctx); err != nil {
+		db.Close()
+		return nil, fmt.Errorf("recover node state: %w", err)
+	}
+	n.wg.Add(1)
+	go n.expiryLoop()
+	return n, nil
+}
+
+// Close stops background work. Running sandboxes keep running: a later Open
+// re-adopts them.
+func (n *Node) Close() error {
+	close(n.stop)
+	n.wg.Wait()
+	n.mu.Lock()
+	for _, m := range n.machines {
+		if q := m.QMP(); q != nil {
+			q.Close()
+		}
+	}
+	n.mu.Unlock()
+	return n.db.Close()
+}
+
+// Accel is the accelerator sandboxes on this node use.
+func (n *Node) Accel() vmm.Accel { return n.cfg.Accel }
+
+func (n *Node) sandboxDir(id string) string { return filepath.Join(n.cfg.DataDir, "sandboxes", id) }
+
+// lockOp serializes operations on one sandbox.
+func (n *Node) lockOp(id string) func() {
+	n.mu.Lock()
+	l, ok := n.opLocks[id]
+	if !ok {
+		l = &sync.Mutex{}
+		n.opLocks[id] = l
+	}
+	n.mu.Unlock()
+	l.Lock()
+	return l.Unlock
+}
+
+func (n *Node) endpoint(s *Sandbox) (*network.Endpoint, error) {
+	return n.net.Endpoint(s.ID, s.Slot, s.AllowInternet)
+}
+
+func (n *Node) withAddr(s *Sandbox) *Sandbox {
+	if ep, err := n.endpoint(s); err == nil {
+		s.EnvdAddr = ep.GuestAddr(EnvdPort)
+	}
+	return s
+}
+
+// Get returns one sandbox.
+func (n *Node) Get(ctx context.Context, id string) (*Sandbox, error) {
+	s, err := n.loadSandbox(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	return n.withAddr(s), nil
+}
+
+// List returns all sandboxes, oldest first.
+func (n *Node) List(ctx context.Context) ([]*Sandbox, error) {
+	all, err := n.loadSandboxes(ctx, "")
+	if err != nil {
+		return nil, err
+	}
+	for _, s := range all {
+		n.withAddr(s)
+	}
+	return all, nil
+}
+
+// SetTimeout sets a running sandbox's end time to now + d.
+func (n *Node) SetTimeout(ctx context.Context, id string, d time.Duration) (*Sandbox, error) {
+	if d <= 0 || d > n.cfg.MaxTimeout {
+		return nil, fmt.Errorf("%w: timeout must be between 1s and %s", ErrInvalid, n.cfg.MaxTimeout)
+	}
+	s, err := n.loadSandbox(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	if s.State != StateRunning {
+		return nil, fmt.Errorf("%w: sandbox %s is %s", ErrConflict, id, s.State)
+	}
+	end := time.Now().Add(d)
+	if err := n.setFields(ctx, id, "end_at = ?", end.UnixMilli()); err != nil {
+		return nil, err
+	}
+	s.EndAt = end.UTC()
+	return n.withAddr(s), nil
+}
+
+// expiryLoop kills sandboxes whose time to live has run out. (Pausing on
+// expiry arrives with snapshots.)
+func (n *Node) expiryLoop() {
+	defer n.wg.Done()
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-n.stop:
+			return
+		case <-t.C:
+		}
+		ctx := context.Background()
+		expired, err := n.loadSandboxes(ctx, "state = ? AND end_at <= ?", StateRunning, time.Now().UnixMilli())
+		if err != nil {
+			n.log.Error("expiry scan", "err", err)
+			continue
+		}
+		for _, s := range expired {
+			n.log.Info("sandbox expired", "sandbox", s.ID, "end", s.EndAt)
+			if err := n.Kill(ctx, s.ID); err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrConflict) {
+				n.log.Error("kill expired sandbox", "sandbox", s.ID, "err", err)
+			}
+		}
+	}
+}
+
+// NewSandboxID returns a fresh 20-character [a-z0-9] identifier.
+func NewSandboxID() string {
+	const alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+	out := make([]byte, 0, 20)
+	buf := make([]byte, 32)
+	for len(out) < 20 {
+		if _, err := rand.Read(buf); err != nil {
+			panic(err)
+		}
+		for _, c := range buf {
+			// 252 = 7*36: rejecting the rest keeps every letter equally likely.
+			if c < 252 && len(out) < 20 {
+				out = append(out, alphabet[int(c)%len(alphabet)])
+			}
+		}
+	}
+	return string(out)
+}
+
+func newToken() string {
+	b := make([]byte, 24)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	return hex.EncodeToString(b)
+}

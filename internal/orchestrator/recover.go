@@ -1,0 +1,145 @@
+package orchestrator
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
+	"github.com/agentenv/agentenv/internal/network"
+	"github.com/agentenv/agentenv/internal/vmm"
+)
+
+// recover reconciles the database with what exists on the host after a
+// restart: running sandboxes whose QEMU is still alive are re-adopted,
+// sandboxes caught mid-operation are cleaned up, and anything on the host
+// that no record owns (QEMU processes, namespaces, veths, directories) is
+// removed.
+func (n *Node) recover(ctx context.Context) error {
+	all, err := n.loadSandboxes(ctx, "")
+	if err != nil {
+		return err
+	}
+	known := map[string]bool{}
+	slots := map[string]bool{}
+	for _, s := range all {
+		switch s.State {
+		case StateRunning:
+			m, err := vmm.Attach(ctx, n.sandboxDir(s.ID))
+			if err == nil {
+				n.adopt(s.ID, m)
+				known[s.ID] = true
+				slots[fmt.Sprint(s.Slot)] = true
+				n.log.Info("re-adopted running sandbox", "sandbox", s.ID, "pid", m.PID())
+				continue
+			}
+			n.log.Warn("running sandbox lost its QEMU; removing it", "sandbox", s.ID, "err", err)
+		case StatePaused:
+			known[s.ID] = true
+			slots[fmt.Sprint(s.Slot)] = true
+			continue
+		default:
+			n.log.Warn("sandbox was mid-operation at restart; removing it", "sandbox", s.ID, "state", s.State)
+		}
+		n.destroy(ctx, s)
+	}
+
+	for pid, id := range qemuProcesses() {
+		if !known[id] {
+			n.log.Warn("killing orphaned QEMU", "pid", pid, "sandbox", id)
+			killStray(pid, n.sandboxDir(id))
+		}
+	}
+	nss, err := network.Leftovers()
+	if err != nil {
+		return err
+	}
+	for _, ns := range nss {
+		if id := strings.TrimPrefix(ns, "aenv-"); !known[id] {
+			n.log.Warn("removing orphaned network namespace", "netns", ns)
+			if err := netns.DeleteNamed(ns); err != nil {
+				n.log.Error("remove netns", "netns", ns, "err", err)
+			}
+		}
+	}
+	veths, err := network.HostVeths()
+	if err != nil {
+		return err
+	}
+	for _, v := range veths {
+		if !slots[strings.TrimPrefix(v, "aenv-h")] {
+			if l, err := netlink.LinkByName(v); err == nil {
+				n.log.Warn("removing orphaned veth", "veth", v)
+				_ = netlink.LinkDel(l)
+			}
+		}
+	}
+	ents, err := os.ReadDir(filepath.Join(n.cfg.DataDir, "sandboxes"))
+	if err != nil {
+		return err
+	}
+	for _, e := range ents {
+		if !known[e.Name()] {
+			n.log.Warn("removing orphaned sandbox files", "dir", e.Name())
+			_ = os.RemoveAll(filepath.Join(n.cfg.DataDir, "sandboxes", e.Name()))
+		}
+	}
+	return nil
+}
+
+// qemuProcesses maps the pids of QEMU processes started by aenv (named
+// "aenv,<sandbox id>") to their sandbox ids.
+func qemuProcesses() map[int]string {
+	out := map[int]string{}
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+		if err != nil {
+			continue
+		}
+		args := bytes.Split(b, []byte{0})
+		if len(args) == 0 || !strings.Contains(string(args[0]), "qemu-system") {
+			continue
+		}
+		for i := 0; i+1 < len(args); i++ {
+			if string(args[i]) == "-name" && bytes.HasPrefix(args[i+1], []byte("aenv,")) {
+				out[pid] = string(args[i+1][len("aenv,"):])
+			}
+		}
+	}
+	return out
+}
+
+// killStray kills a QEMU we do not hold a handle for, after checking that the
+// pid still belongs to it, and waits for it to disappear.
+func killStray(pid int, dir string) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	if err != nil || !strings.Contains(string(b), "aenv,"+filepath.Base(dir)) {
+		return
+	}
+	_ = unix.Kill(pid, unix.SIGKILL)
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if err := unix.Kill(pid, 0); err == unix.ESRCH {
+			return
+		}
+		// A zombie child of ours: reap it.
+		var ws unix.WaitStatus
+		if wpid, _ := unix.Wait4(pid, &ws, unix.WNOHANG, nil); wpid == pid {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

@@ -1,0 +1,336 @@
+package orchestrator
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/network"
+	"github.com/agentenv/agentenv/internal/storage"
+	"github.com/agentenv/agentenv/internal/vmm"
+)
+
+// CreateRequest asks for a new sandbox.
+type CreateRequest struct {
+	TemplateID string
+	VCPUs      int // 0: the template's default
+	MemoryMiB  int // 0: the template's default
+	DiskMiB    int // 0: the template's disk size
+	Timeout    time.Duration
+	AutoPause  bool
+	Secure     bool
+	// AllowInternet nil means allowed.
+	AllowInternet *bool
+	Metadata      map[string]string
+	EnvVars       map[string]string
+}
+
+// Files of a sandbox's directory.
+const (
+	overlayName = "overlay.qcow2"
+	memFileName = "memory"
+)
+
+func (n *Node) validate(req *CreateRequest, t *Template) error {
+	if req.VCPUs == 0 {
+		req.VCPUs = t.VCPUs
+	}
+	if req.MemoryMiB == 0 {
+		req.MemoryMiB = t.MemoryMiB
+	}
+	if req.VCPUs < 1 || req.VCPUs > n.cfg.MaxVCPUs {
+		return fmt.Errorf("%w: cpuCount %d is outside 1..%d", ErrInvalid, req.VCPUs, n.cfg.MaxVCPUs)
+	}
+	if req.MemoryMiB < 128 || req.MemoryMiB > n.cfg.MaxMemoryMiB {
+		return fmt.Errorf("%w: memoryMB %d is outside 128..%d", ErrInvalid, req.MemoryMiB, n.cfg.MaxMemoryMiB)
+	}
+	if req.DiskMiB < 0 || req.DiskMiB > 1<<20 {
+		return fmt.Errorf("%w: diskSizeMB %d is outside 0..%d", ErrInvalid, req.DiskMiB, 1<<20)
+	}
+	if req.Timeout == 0 {
+		req.Timeout = n.cfg.DefaultTimeout
+	}
+	if req.Timeout < 0 || req.Timeout > n.cfg.MaxTimeout {
+		return fmt.Errorf("%w: timeout must be between 1s and %s", ErrInvalid, n.cfg.MaxTimeout)
+	}
+	return nil
+}
+
+// Create cold-boots a new sandbox from a template and waits until its envd
+// answers. On failure nothing of it is left behind.
+func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) {
+	t, err := n.Template(req.TemplateID)
+	if err != nil {
+		return nil, err
+	}
+	if err := n.validate(&req, t); err != nil {
+		return nil, err
+	}
+	internet := true
+	if req.AllowInternet != nil {
+		internet = *req.AllowInternet
+	}
+	now := time.Now().UTC()
+	s := &Sandbox{
+		ID:            NewSandboxID(),
+		TemplateID:    t.Name,
+		State:         StateCreating,
+		VCPUs:         req.VCPUs,
+		MemoryMiB:     req.MemoryMiB,
+		DiskMiB:       max(req.DiskMiB, t.DiskMiB),
+		AllowInternet: internet,
+		Secure:        req.Secure,
+		AutoPause:     req.AutoPause,
+		TrafficToken:  newToken(),
+		DefaultUser:   t.DefaultUser,
+		Metadata:      req.Metadata,
+		EnvVars:       req.EnvVars,
+		CreatedAt:     now,
+		StartedAt:     now,
+		EndAt:         now.Add(req.Timeout),
+	}
+	if req.Secure {
+		s.AccessToken = newToken()
+	}
+	unlock := n.lockOp(s.ID)
+	defer unlock()
+
+	// Record first, then act: a crash from here on leaves a row that
+	// recovery cleans up.
+	n.mu.Lock()
+	slot, err := n.freeSlot(ctx)
+	if err == nil {
+		s.Slot = slot
+		err = n.insertSandbox(ctx, s)
+	}
+	n.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	if err := n.boot(ctx, s, t); err != nil {
+		n.log.Warn("create failed, cleaning up", "sandbox", s.ID, "err", err)
+		n.destroy(context.WithoutCancel(ctx), s)
+		return nil, err
+	}
+	if err := n.transition(ctx, s.ID, StateRunning, StateCreating); err != nil {
+		n.destroy(context.WithoutCancel(ctx), s)
+		return nil, err
+	}
+	s.State = StateRunning
+	n.log.Info("sandbox created", "sandbox", s.ID, "template", t.Name, "boot", time.Since(start).Round(time.Millisecond))
+	return n.withAddr(s), nil
+}
+
+func (n *Node) boot(ctx context.Context, s *Sandbox, t *Template) error {
+	dir := n.sandboxDir(s.ID)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("create sandbox dir: %w", err)
+	}
+	overlay := filepath.Join(dir, overlayName)
+	if err := storage.CreateOverlay(ctx, t.RootDisk, overlay, s.DiskMiB); err != nil {
+		return err
+	}
+	ep, err := n.endpoint(s)
+	if err != nil {
+		return err
+	}
+	if err := n.net.Setup(ctx, ep); err != nil {
+		return err
+	}
+	tap, err := n.net.OpenTap(ep)
+	if err != nil {
+		return err
+	}
+	defer tap.Close() // QEMU holds its own copy
+	m, err := vmm.Start(ctx, vmm.Config{
+		QEMU:      n.cfg.QEMU,
+		Accel:     n.cfg.Accel,
+		VCPUs:     s.VCPUs,
+		MemoryMiB: s.MemoryMiB,
+		Kernel:    n.cfg.Kernel,
+		Initrd:    n.cfg.Initrd,
+		Cmdline:   kernelCmdline(s),
+		RootDisk:  overlay,
+		MemFile:   filepath.Join(dir, memFileName),
+		Tap:       tap,
+		MAC:       network.GuestMAC,
+		RunDir:    dir,
+		TBSizeMiB: n.cfg.TCGTranslationCacheMiB,
+	})
+	if err != nil {
+		return err
+	}
+	n.adopt(s.ID, m)
+	if err := n.setFields(ctx, s.ID, "pid = ?", m.PID()); err != nil {
+		return err
+	}
+	s.PID = m.PID()
+	bctx, cancel := context.WithTimeout(ctx, n.cfg.BootTimeout)
+	defer cancel()
+	addr := ep.GuestAddr(EnvdPort)
+	if err := waitEnvd(bctx, m, addr); err != nil {
+		return fmt.Errorf("%w%s", err, consoleTail(dir))
+	}
+	return initEnvd(bctx, addr, s)
+}
+
+func kernelCmdline(s *Sandbox) string {
+	return strings.Join([]string{
+		"console=ttyS0", "quiet", "panic=-1", "reboot=t",
+		"aenv.ip=" + network.GuestIP.String() + "/30",
+		"aenv.gw=" + network.TapIP.String(),
+		"aenv.hostname=sandbox",
+		fmt.Sprintf("aenv.envd_port=%d", EnvdPort),
+	}, " ")
+}
+
+// waitEnvd polls envd's /health until it answers 204, the machine dies or ctx ends.
+func waitEnvd(ctx context.Context, m *vmm.Machine, addr string) error {
+	client := &http.Client{Timeout: 2 * time.Second}
+	url := "http://" + addr + "/health"
+	for {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+		resp, err := client.Do(req)
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusNoContent || resp.StatusCode == http.StatusOK {
+				return nil
+			}
+		}
+		select {
+		case <-m.Exited():
+			return fmt.Errorf("guest stopped before envd answered: %v", m.ExitErr())
+		case <-ctx.Done():
+			return fmt.Errorf("envd at %s did not answer in time: %w", addr, ctx.Err())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// initEnvd hands envd the sandbox's environment, access token, default user
+// and the current time, as E2B's orchestrator does after every boot or resume.
+func initEnvd(ctx context.Context, addr string, s *Sandbox) error {
+	body := map[string]any{
+		"envVars":   nonNil(s.EnvVars),
+		"timestamp": time.Now().UTC().Format(time.RFC3339Nano),
+	}
+	if s.AccessToken != "" {
+		body["accessToken"] = s.AccessToken
+	}
+	if s.DefaultUser != "" {
+		body["defaultUser"] = s.DefaultUser
+		if s.DefaultUser == "root" {
+			body["defaultWorkdir"] = "/root"
+		} else {
+			body["defaultWorkdir"] = "/home/" + s.DefaultUser
+		}
+	}
+	b, _ := json.Marshal(body)
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr+"/init", bytes.NewReader(b))
+	req.Header.Set("Content-Type", "application/json")
+	if s.AccessToken != "" {
+		req.Header.Set("X-Access-Token", s.AccessToken)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("envd /init: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode/100 != 2 {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+		return fmt.Errorf("envd /init answered %d: %s", resp.StatusCode, strings.TrimSpace(string(msg)))
+	}
+	return nil
+}
+
+func consoleTail(dir string) string {
+	b, err := os.ReadFile(filepath.Join(dir, vmm.ConsoleName))
+	if err != nil || len(b) == 0 {
+		return ""
+	}
+	if len(b) > 1500 {
+		b = b[len(b)-1500:]
+	}
+	return "; guest console: " + strings.TrimSpace(string(b))
+}
+
+// adopt records a live machine and watches for its unexpected exit.
+func (n *Node) adopt(id string, m *vmm.Machine) {
+	n.mu.Lock()
+	n.machines[id] = m
+	n.mu.Unlock()
+	go func() {
+		<-m.Exited()
+		n.mu.Lock()
+		current := n.machines[id] == m
+		n.mu.Unlock()
+		if !current {
+			return
+		}
+		// Expected exits (kill) remove the machine from the map first.
+		ctx := context.Background()
+		s, err := n.loadSandbox(ctx, id)
+		if err != nil || s.State != StateRunning {
+			return
+		}
+		n.log.Warn("sandbox's QEMU exited unexpectedly; removing the sandbox", "sandbox", id, "exit", m.ExitErr())
+		if err := n.Kill(ctx, id); err != nil && !errors.Is(err, ErrNotFound) {
+			n.log.Error("clean up dead sandbox", "sandbox", id, "err", err)
+		}
+	}()
+}
+
+// Kill stops a sandbox and removes everything it had: QEMU, network, files,
+// record.
+func (n *Node) Kill(ctx context.Context, id string) error {
+	unlock := n.lockOp(id)
+	defer unlock()
+	s, err := n.loadSandbox(ctx, id)
+	if err != nil {
+		return err
+	}
+	if err := n.transition(ctx, id, StateKilling, StateRunning, StatePaused); err != nil {
+		return err
+	}
+	n.destroy(ctx, s)
+	n.mu.Lock()
+	delete(n.opLocks, id)
+	n.mu.Unlock()
+	return nil
+}
+
+// destroy tears a sandbox down completely; every step tolerates pieces that
+// are already gone, so it also serves failed creates and recovery.
+func (n *Node) destroy(ctx context.Context, s *Sandbox) {
+	n.mu.Lock()
+	m := n.machines[s.ID]
+	delete(n.machines, s.ID)
+	n.mu.Unlock()
+	if m != nil {
+		if err := m.Kill(); err != nil {
+			n.log.Error("kill qemu", "sandbox", s.ID, "err", err)
+		}
+	} else if s.PID > 0 {
+		killStray(s.PID, n.sandboxDir(s.ID))
+	}
+	if ep, err := n.endpoint(s); err == nil {
+		if err := n.net.Teardown(ep); err != nil {
+			n.log.Error("tear down network", "sandbox", s.ID, "err", err)
+		}
+	}
+	if err := os.RemoveAll(n.sandboxDir(s.ID)); err != nil {
+		n.log.Error("remove sandbox files", "sandbox", s.ID, "err", err)
+	}
+	if err := n.deleteSandbox(ctx, s.ID); err != nil {
+		n.log.Error("forget sandbox", "sandbox", s.ID, "err", err)
+	}
+}

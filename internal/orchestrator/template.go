@@ -1,0 +1,122 @@
+package orchestrator
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+
+	"github.com/agentenv/agentenv/internal/storage"
+)
+
+// Template is a bootable image sandboxes are created from: a read-only root
+// disk layer plus the defaults of sandboxes made from it.
+type Template struct {
+	Name        string `json:"name"`
+	RootDisk    string `json:"-"`
+	VCPUs       int    `json:"vcpus"`
+	MemoryMiB   int    `json:"memoryMiB"`
+	DiskMiB     int    `json:"diskMiB"`
+	DefaultUser string `json:"defaultUser"`
+	// EnvdVersion is the envd version inside sandboxes of this template.
+	EnvdVersion string `json:"envdVersion"`
+}
+
+var templateNameRE = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)
+
+const (
+	templateFile   = "template.json"
+	rootLayerName  = "rootfs.qcow2"
+	templatesDir   = "templates"
+	defaultVCPUs   = 2
+	defaultMemMiB  = 512
+	defaultEnvdVer = "0.5.0"
+)
+
+// TemplateDir is where a template's files live under a data dir.
+func TemplateDir(dataDir, name string) string { return filepath.Join(dataDir, templatesDir, name) }
+
+// TemplateRootLayer is the path of a template's root disk layer.
+func TemplateRootLayer(dataDir, name string) string {
+	return filepath.Join(TemplateDir(dataDir, name), rootLayerName)
+}
+
+// RegisterTemplate records a template whose root layer is already in place
+// (see TemplateRootLayer). The record is written atomically and last, so a
+// template is listed only once it is complete.
+func RegisterTemplate(dataDir string, t Template) error {
+	if !templateNameRE.MatchString(t.Name) {
+		return fmt.Errorf("%w: template name %q must match %s", ErrInvalid, t.Name, templateNameRE)
+	}
+	if _, err := os.Stat(TemplateRootLayer(dataDir, t.Name)); err != nil {
+		return fmt.Errorf("template %s root layer: %w", t.Name, err)
+	}
+	if t.VCPUs == 0 {
+		t.VCPUs = defaultVCPUs
+	}
+	if t.MemoryMiB == 0 {
+		t.MemoryMiB = defaultMemMiB
+	}
+	if t.EnvdVersion == "" {
+		t.EnvdVersion = defaultEnvdVer
+	}
+	b, err := json.MarshalIndent(t, "", "  ")
+	if err != nil {
+		return err
+	}
+	return storage.WriteFileAtomic(filepath.Join(TemplateDir(dataDir, t.Name), templateFile), append(b, '\n'), 0o644)
+}
+
+// Template looks a template up by name.
+func (n *Node) Template(name string) (*Template, error) {
+	return LoadTemplate(n.cfg.DataDir, name)
+}
+
+// LoadTemplate reads a registered template.
+func LoadTemplate(dataDir, name string) (*Template, error) {
+	if name == "" {
+		return nil, fmt.Errorf("%w: templateID is required", ErrInvalid)
+	}
+	if !templateNameRE.MatchString(name) {
+		return nil, fmt.Errorf("%w: template %q", ErrNotFound, name)
+	}
+	b, err := os.ReadFile(filepath.Join(TemplateDir(dataDir, name), templateFile))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("%w: template %q (build it with `aenv setup` or `aenv template build`)", ErrNotFound, name)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read template %s: %w", name, err)
+	}
+	var t Template
+	if err := json.Unmarshal(b, &t); err != nil {
+		return nil, fmt.Errorf("template %s record is corrupt: %w", name, err)
+	}
+	t.Name = name
+	t.RootDisk = TemplateRootLayer(dataDir, name)
+	if _, err := os.Stat(t.RootDisk); err != nil {
+		return nil, fmt.Errorf("template %s root layer missing: %w", name, err)
+	}
+	return &t, nil
+}
+
+// Templates lists the registered templates by name.
+func (n *Node) Templates() ([]*Template, error) {
+	ents, err := os.ReadDir(filepath.Join(n.cfg.DataDir, templatesDir))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var out []*Template
+	for _, e := range ents {
+		if t, err := LoadTemplate(n.cfg.DataDir, e.Name()); err == nil {
+			out = append(out, t)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out, nil
+}

@@ -1,0 +1,73 @@
+package storage
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+)
+
+func TestWriteFileAtomic(t *testing.T) {
+	dir := t.TempDir()
+	p := filepath.Join(dir, "state.json")
+	for _, content := range []string{"first", "second, longer content", ""} {
+		if err := WriteFileAtomic(p, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		got, err := os.ReadFile(p)
+		if err != nil || string(got) != content {
+			t.Fatalf("read back %q, %v; want %q", got, err, content)
+		}
+	}
+	st, _ := os.Stat(p)
+	if st.Mode().Perm() != 0o600 {
+		t.Fatalf("mode %v", st.Mode())
+	}
+	ents, _ := os.ReadDir(dir)
+	if len(ents) != 1 {
+		t.Fatalf("temporary files left: %v", ents)
+	}
+	if err := WriteFileAtomic(filepath.Join(dir, "missing", "x"), nil, 0o600); err == nil {
+		t.Fatal("write into a missing directory succeeded")
+	}
+}
+
+func TestOverlayChain(t *testing.T) {
+	if _, err := FindQEMUImg(); err != nil {
+		t.Skip(err)
+	}
+	ctx := context.Background()
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.qcow2")
+	if out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", base, "64M").CombinedOutput(); err != nil {
+		t.Fatal(err, string(out))
+	}
+	tests := []struct {
+		name    string
+		sizeMiB int
+		want    int64
+	}{
+		{"same size", 0, 64 << 20},
+		{"smaller request keeps base size", 32, 64 << 20},
+		{"grown", 128, 128 << 20},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ov := filepath.Join(dir, tt.name+".qcow2")
+			if err := CreateOverlay(ctx, base, ov, tt.sizeMiB); err != nil {
+				t.Fatal(err)
+			}
+			info, err := Info(ctx, ov)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if info.Format != "qcow2" || info.BackingFilename != base || info.VirtualSize != tt.want {
+				t.Fatalf("overlay info %+v", info)
+			}
+		})
+	}
+	if err := CreateOverlay(ctx, filepath.Join(dir, "nope.qcow2"), filepath.Join(dir, "x.qcow2"), 0); err == nil {
+		t.Fatal("overlay on a missing base succeeded")
+	}
+}
