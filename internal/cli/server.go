@@ -1,0 +1,137 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/agentenv/agentenv/internal/api"
+	"github.com/agentenv/agentenv/internal/guest"
+	"github.com/agentenv/agentenv/internal/orchestrator"
+	"github.com/agentenv/agentenv/internal/proxy"
+	"github.com/agentenv/agentenv/internal/vmm"
+)
+
+// nodePaths are the derived files under a data dir (the runtime cache: all of
+// it can be deleted and rebuilt by `aenv setup`).
+type nodePaths struct {
+	KernelDir string
+	Initrd    string
+}
+
+func pathsOf(dataDir string) nodePaths {
+	return nodePaths{
+		KernelDir: filepath.Join(dataDir, "cache", "kernel"),
+		Initrd:    filepath.Join(dataDir, "cache", "initramfs.img"),
+	}
+}
+
+type serverOptions struct {
+	dataDir     string
+	listen      string
+	domain      string
+	networkCIDR string
+	logLevel    string
+}
+
+func serverCmd() *cobra.Command {
+	var o serverOptions
+	cmd := &cobra.Command{
+		Use:   "server",
+		Short: "Run a single-node server: E2B-compatible REST API and sandbox proxy",
+		Example: `  aenv server --data-dir /var/lib/aenv --listen 127.0.0.1:8000
+  E2B_API_URL=http://127.0.0.1:8000 E2B_SANDBOX_URL=http://127.0.0.1:8000 E2B_API_KEY=$(aenv key) node app.js`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			return runServer(ctx, o)
+		},
+	}
+	dataDirFlag(cmd, &o.dataDir)
+	cmd.Flags().StringVar(&o.listen, "listen", "127.0.0.1:8000", "address of the REST API and sandbox proxy")
+	cmd.Flags().StringVar(&o.domain, "domain", "", "sandbox domain for {port}-{sandboxID}.{domain} hosts (empty: any)")
+	cmd.Flags().StringVar(&o.networkCIDR, "network-cidr", "", "IPv4 range for sandbox veth pairs (default 10.213.0.0/16)")
+	cmd.Flags().StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
+	return cmd
+}
+
+func runServer(ctx context.Context, o serverOptions) error {
+	log := newLogger(o.logLevel)
+	if os.Geteuid() != 0 {
+		return errors.New("aenv server must run as root (it creates network namespaces and tap devices)")
+	}
+	key, err := loadAPIKey(o.dataDir, true)
+	if err != nil {
+		return err
+	}
+	paths := pathsOf(o.dataDir)
+	k, err := guest.LoadKernel(paths.KernelDir)
+	if err != nil {
+		return err
+	}
+	probe := vmm.ProbeAccel()
+	if w := probe.Warning(); w != "" {
+		log.Warn(w)
+	} else {
+		log.Info("accelerator", "accel", probe.Accel, "reason", probe.Reason)
+	}
+	node, err := orchestrator.Open(ctx, orchestrator.Config{
+		DataDir:     o.dataDir,
+		Kernel:      k.Vmlinuz,
+		Initrd:      paths.Initrd,
+		Accel:       probe.Accel,
+		NetworkCIDR: o.networkCIDR,
+		Logger:      log,
+	})
+	if err != nil {
+		return err
+	}
+	defer node.Close()
+	px := proxy.New(api.Resolver{Node: node}, o.domain, orchestrator.EnvdPort, log)
+	handler, err := api.New(node, api.Config{APIKey: key, Domain: o.domain, SandboxProxy: px, Logger: log})
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", o.listen)
+	if err != nil {
+		return fmt.Errorf("listen on %s: %w", o.listen, err)
+	}
+	srv := newHTTPServer(handler)
+	log.Info("aenv server listening", "addr", ln.Addr().String(), "data_dir", o.dataDir)
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	log.Info("shutting down; running sandboxes keep running and are re-adopted on the next start")
+	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	return srv.Shutdown(sctx)
+}
+
+// newHTTPServer returns a server speaking HTTP/1.1 and cleartext HTTP/2, with
+// timeouts that stop slow clients without cutting long streams.
+func newHTTPServer(h http.Handler) *http.Server {
+	var protos http.Protocols
+	protos.SetHTTP1(true)
+	protos.SetUnencryptedHTTP2(true)
+	return &http.Server{
+		Handler:           h,
+		Protocols:         &protos,
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       120 * time.Second,
+		MaxHeaderBytes:    64 << 10,
+	}
+}

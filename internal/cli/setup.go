@@ -1,0 +1,171 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/agentenv/agentenv/internal/guest"
+	"github.com/agentenv/agentenv/internal/orchestrator"
+)
+
+type setupOptions struct {
+	dataDir   string
+	envd      string
+	templates []string
+	rebuild   bool
+}
+
+func setupCmd() *cobra.Command {
+	var o setupOptions
+	cmd := &cobra.Command{
+		Use:   "setup",
+		Short: "Prepare a node: fetch the guest kernel, build the initramfs and the default templates",
+		Long: `Prepare a node's data directory. Steps (each skipped when already done):
+  1. check the host tools (QEMU, qemu-img, nftables, iproute2, debootstrap)
+  2. fetch the Debian cloud kernel package and unpack it
+  3. build the initramfs holding envd (our in-guest daemon and PID 1) and the kernel modules it needs
+  4. build the templates (base: Debian bookworm with bash, python3, git, curl; minimal: busybox)`,
+		Example: `  aenv setup --data-dir /var/lib/aenv
+  aenv setup --templates base,minimal --envd ./bin/envd`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return runSetup(cmd.Context(), cmd.OutOrStdout(), o)
+		},
+	}
+	dataDirFlag(cmd, &o.dataDir)
+	cmd.Flags().StringVar(&o.envd, "envd", "", "static envd binary to put in the initramfs (default: envd next to the aenv binary)")
+	cmd.Flags().StringSliceVar(&o.templates, "templates", []string{"base"}, "templates to build: base, minimal")
+	cmd.Flags().BoolVar(&o.rebuild, "rebuild", false, "rebuild templates that already exist")
+	return cmd
+}
+
+func step(out io.Writer, n, total int, msg string) func(error) error {
+	fmt.Fprintf(out, "[%d/%d] %s\n", n, total, msg)
+	start := time.Now()
+	return func(err error) error {
+		if err != nil {
+			fmt.Fprintf(out, "[%d/%d] failed after %s: %v\n", n, total, time.Since(start).Round(time.Millisecond), err)
+			return err
+		}
+		fmt.Fprintf(out, "[%d/%d] done in %s\n", n, total, time.Since(start).Round(time.Millisecond))
+		return nil
+	}
+}
+
+func runSetup(ctx context.Context, out io.Writer, o setupOptions) error {
+	if os.Geteuid() != 0 {
+		return errors.New("aenv setup must run as root")
+	}
+	for _, t := range o.templates {
+		if t != "base" && t != "minimal" {
+			return fmt.Errorf("unknown template kind %q (want base or minimal)", t)
+		}
+	}
+	total := 3 + len(o.templates)
+	logf := func(format string, args ...any) { fmt.Fprintf(out, "      "+format+"\n", args...) }
+
+	done := step(out, 1, total, "checking host tools")
+	if err := done(checkTools(o.templates)); err != nil {
+		return err
+	}
+
+	paths := pathsOf(o.dataDir)
+	done = step(out, 2, total, "fetching the guest kernel (Debian linux-image-cloud-amd64)")
+	k, err := guest.FetchKernel(ctx, paths.KernelDir, logf)
+	if err = done(err); err != nil {
+		return err
+	}
+	logf("kernel %s", k.Version)
+
+	envd := o.envd
+	if envd == "" {
+		exe, err := os.Executable()
+		if err != nil {
+			return err
+		}
+		envd = filepath.Join(filepath.Dir(exe), "envd")
+	}
+	done = step(out, 3, total, "building the initramfs with "+envd)
+	if _, err := os.Stat(envd); err != nil {
+		return done(fmt.Errorf("envd binary %s: %w (build it with `CGO_ENABLED=0 go build -o bin/envd ./cmd/envd`)", envd, err))
+	}
+	if err := os.MkdirAll(filepath.Dir(paths.Initrd), 0o755); err != nil {
+		return done(err)
+	}
+	if err := done(guest.BuildInitramfs(k, envd, paths.Initrd)); err != nil {
+		return err
+	}
+
+	for i, name := range o.templates {
+		done = step(out, 4+i, total, "building template "+name)
+		if _, err := orchestrator.LoadTemplate(o.dataDir, name); err == nil && !o.rebuild {
+			logf("template %s already built (use --rebuild to build it again)", name)
+			_ = done(nil)
+			continue
+		}
+		if err := done(buildTemplate(ctx, o.dataDir, name, logf)); err != nil {
+			return err
+		}
+	}
+	fmt.Fprintf(out, "setup complete: data dir %s\n", o.dataDir)
+	return nil
+}
+
+func buildTemplate(ctx context.Context, dataDir, name string, logf func(string, ...any)) error {
+	dir := orchestrator.TemplateDir(dataDir, name)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	layer := orchestrator.TemplateRootLayer(dataDir, name)
+	if err := guest.BuildRootfs(ctx, guest.RootfsSpec{Kind: name}, layer, logf); err != nil {
+		return err
+	}
+	t := orchestrator.Template{Name: name, DefaultUser: "user", VCPUs: 2, MemoryMiB: 512}
+	if name == "minimal" {
+		t.MemoryMiB = 256
+		t.VCPUs = 1
+	}
+	return orchestrator.RegisterTemplate(dataDir, t)
+}
+
+// checkTools reports every missing host tool at once, with the package to install.
+func checkTools(templates []string) error {
+	need := map[string]string{
+		"qemu-system-x86_64": "qemu-system-x86",
+		"qemu-img":           "qemu-utils",
+		"nft":                "nftables",
+		"ip":                 "iproute2",
+		"dpkg-deb":           "dpkg",
+		"apt-get":            "apt",
+		"mkfs.ext4":          "e2fsprogs",
+	}
+	for _, t := range templates {
+		switch t {
+		case "base":
+			need["debootstrap"] = "debootstrap"
+		case "minimal":
+			need["busybox"] = "busybox-static"
+		}
+	}
+	var missing, pkgs []string
+	for bin, pkg := range need {
+		if _, err := exec.LookPath(bin); err != nil {
+			missing = append(missing, bin)
+			pkgs = append(pkgs, pkg)
+		}
+	}
+	if len(missing) > 0 {
+		return fmt.Errorf("missing host tools: %s; install them with `apt-get install %s`",
+			strings.Join(missing, ", "), strings.Join(pkgs, " "))
+	}
+	return nil
+}

@@ -1,0 +1,179 @@
+// Package proxy owns the forwarding of sandbox traffic: it parses which
+// sandbox and guest port a request is for (E2b-Sandbox-Id/E2b-Sandbox-Port
+// headers, or a `{port}-{sandboxID}.{domain}` host) and streams the request
+// to that port inside the guest, unbuffered, including Connect server
+// streams and WebSocket upgrades.
+package proxy
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Header names the SDKs use to address a sandbox.
+const (
+	HeaderSandboxID   = "E2b-Sandbox-Id"
+	HeaderSandboxPort = "E2b-Sandbox-Port"
+)
+
+// Target is the sandbox port a request is addressed to.
+type Target struct {
+	SandboxID string
+	Port      int
+}
+
+// ParseTarget extracts the target from the routing headers or, failing that,
+// from a `{port}-{sandboxID}.{domain}` host. domain may be empty, in which
+// case any domain is accepted for the host form.
+func ParseTarget(r *http.Request, domain string) (Target, bool) {
+	if id := r.Header.Get(HeaderSandboxID); id != "" {
+		port, err := strconv.Atoi(r.Header.Get(HeaderSandboxPort))
+		if err != nil || port < 1 || port > 65535 {
+			return Target{SandboxID: id}, true // invalid port: reported by the proxy
+		}
+		return Target{SandboxID: id, Port: port}, true
+	}
+	return parseHost(r.Host, domain)
+}
+
+func parseHost(host, domain string) (Target, bool) {
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	}
+	host = strings.ToLower(host)
+	label, rest, ok := strings.Cut(host, ".")
+	if !ok || rest == "" {
+		return Target{}, false
+	}
+	if domain != "" && rest != strings.ToLower(domain) {
+		return Target{}, false
+	}
+	portStr, id, ok := strings.Cut(label, "-")
+	if !ok || id == "" {
+		return Target{}, false
+	}
+	port, err := strconv.Atoi(portStr)
+	if err != nil || port < 1 || port > 65535 {
+		return Target{}, false
+	}
+	// The SDK may append "-<clientID>" to the sandbox id.
+	if i := strings.IndexByte(id, '-'); i > 0 {
+		id = id[:i]
+	}
+	for _, c := range id {
+		if (c < 'a' || c > 'z') && (c < '0' || c > '9') {
+			return Target{}, false
+		}
+	}
+	return Target{SandboxID: id, Port: port}, true
+}
+
+// Route is where a sandbox's traffic goes.
+type Route struct {
+	// Addr is the host-reachable address of the guest (host, no port).
+	Addr string
+	// Running is false for sandboxes that exist but cannot take traffic.
+	Running bool
+	// TrafficToken, when set, is required (header
+	// e2b-traffic-access-token) on ports other than envd's.
+	TrafficToken string
+}
+
+// Resolver finds a sandbox's route.
+type Resolver interface {
+	Route(ctx context.Context, sandboxID string) (Route, error)
+}
+
+// ErrUnknownSandbox is returned by resolvers for ids they do not know.
+var ErrUnknownSandbox = errors.New("unknown sandbox")
+
+// Proxy forwards sandbox traffic.
+type Proxy struct {
+	resolver Resolver
+	domain   string
+	envdPort int
+	rp       *httputil.ReverseProxy
+	log      *slog.Logger
+}
+
+type ctxKey struct{}
+
+// New returns a proxy resolving sandboxes with r.
+func New(r Resolver, domain string, envdPort int, log *slog.Logger) *Proxy {
+	if log == nil {
+		log = slog.Default()
+	}
+	p := &Proxy{resolver: r, domain: domain, envdPort: envdPort, log: log}
+	transport := &http.Transport{
+		DialContext:           (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConnsPerHost:   64,
+		IdleConnTimeout:       90 * time.Second,
+		ResponseHeaderTimeout: 0, // long-polls and streams may wait
+		DisableCompression:    true,
+	}
+	p.rp = &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			addr := pr.In.Context().Value(ctxKey{}).(string)
+			pr.Out.URL.Scheme = "http"
+			pr.Out.URL.Host = addr
+			pr.Out.Host = addr
+			pr.Out.Header.Del(HeaderSandboxID)
+			pr.Out.Header.Del(HeaderSandboxPort)
+			pr.SetXForwarded()
+		},
+		Transport:     transport,
+		FlushInterval: -1, // stream every write through immediately
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			p.log.Debug("proxy upstream error", "err", err)
+			writeError(w, http.StatusBadGateway, "sandbox is not reachable: "+err.Error())
+		},
+	}
+	return p
+}
+
+// ServeHTTP forwards the request to its sandbox.
+func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	t, ok := ParseTarget(r, p.domain)
+	if !ok {
+		writeError(w, http.StatusBadRequest, "request does not name a sandbox")
+		return
+	}
+	if t.Port == 0 {
+		writeError(w, http.StatusBadRequest, "invalid "+HeaderSandboxPort+" header")
+		return
+	}
+	route, err := p.resolver.Route(r.Context(), t.SandboxID)
+	if err != nil {
+		msg := fmt.Sprintf("sandbox %q not found", t.SandboxID)
+		if !errors.Is(err, ErrUnknownSandbox) {
+			msg = "sandbox lookup failed: " + err.Error()
+		}
+		writeError(w, http.StatusBadGateway, msg)
+		return
+	}
+	if !route.Running {
+		writeError(w, http.StatusBadGateway, fmt.Sprintf("sandbox %q is not running", t.SandboxID))
+		return
+	}
+	if t.Port != p.envdPort && route.TrafficToken != "" && r.Header.Get("E2b-Traffic-Access-Token") != route.TrafficToken {
+		writeError(w, http.StatusForbidden, "missing or invalid e2b-traffic-access-token")
+		return
+	}
+	addr := net.JoinHostPort(route.Addr, strconv.Itoa(t.Port))
+	p.rp.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), ctxKey{}, addr)))
+}
+
+func writeError(w http.ResponseWriter, status int, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(map[string]any{"code": status, "message": msg})
+}
