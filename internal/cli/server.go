@@ -40,6 +40,7 @@ type serverOptions struct {
 	listen      string
 	domain      string
 	networkCIDR string
+	instance    string
 	logLevel    string
 }
 
@@ -61,6 +62,7 @@ func serverCmd() *cobra.Command {
 	cmd.Flags().StringVar(&o.listen, "listen", "127.0.0.1:8000", "address of the REST API and sandbox proxy")
 	cmd.Flags().StringVar(&o.domain, "domain", "", "sandbox domain for {port}-{sandboxID}.{domain} hosts (empty: any)")
 	cmd.Flags().StringVar(&o.networkCIDR, "network-cidr", "", "IPv4 range for sandbox veth pairs (default 10.213.0.0/16)")
+	cmd.Flags().StringVar(&o.instance, "instance", "aenv", "prefix of host objects (netns, veth, nftables); nodes sharing a host need distinct ones")
 	cmd.Flags().StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 	return cmd
 }
@@ -91,6 +93,7 @@ func runServer(ctx context.Context, o serverOptions) error {
 		Initrd:      paths.Initrd,
 		Accel:       probe.Accel,
 		NetworkCIDR: o.networkCIDR,
+		Instance:    o.instance,
 		Logger:      log,
 	})
 	if err != nil {

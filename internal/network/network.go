@@ -14,7 +14,9 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"regexp"
 	"runtime"
+	"strconv"
 	"strings"
 	"text/template"
 	"unsafe"
@@ -39,27 +41,59 @@ const (
 	TapName = "tap0"
 	// nsVethName is the namespace end of the veth pair.
 	nsVethName = "veth0"
-	// hostVethPrefix names the host end of each sandbox's veth pair.
-	hostVethPrefix = "aenv-h"
-	nsPrefix       = "aenv-"
+	// DefaultInstance prefixes the names of everything a node creates on the
+	// host, so nodes (or test nodes) sharing a host never touch each other's.
+	DefaultInstance = "aenv"
 	// DefaultCIDR is the host-side range sandboxes' veth pairs are numbered from.
 	DefaultCIDR = "10.213.0.0/16"
 )
 
 // Manager creates and removes sandbox networks on this host.
 type Manager struct {
-	cidr      netip.Prefix
-	hostTable string
+	cidr     netip.Prefix
+	instance string
 }
 
+var instanceRE = regexp.MustCompile(`^[a-z][a-z0-9]{0,5}$`)
+
 // NewManager returns a manager numbering veth pairs from cidr (an IPv4 range
-// of /16 to /28), e.g. DefaultCIDR.
-func NewManager(cidr string) (*Manager, error) {
+// of /8 to /28, e.g. DefaultCIDR) and naming host objects after instance
+// (e.g. DefaultInstance: namespaces "aenv-<id>", veths "aenv-h<slot>").
+func NewManager(cidr, instance string) (*Manager, error) {
 	p, err := netip.ParsePrefix(cidr)
 	if err != nil || !p.Addr().Is4() || p.Bits() > 28 || p.Bits() < 8 {
 		return nil, fmt.Errorf("sandbox network range %q must be an IPv4 prefix between /8 and /28", cidr)
 	}
-	return &Manager{cidr: p.Masked(), hostTable: "aenv_host"}, nil
+	if !instanceRE.MatchString(instance) {
+		return nil, fmt.Errorf("network instance name %q must match %s", instance, instanceRE)
+	}
+	return &Manager{cidr: p.Masked(), instance: instance}, nil
+}
+
+func (m *Manager) nsPrefix() string       { return m.instance + "-" }
+func (m *Manager) hostVethPrefix() string { return m.instance + "-h" }
+func (m *Manager) hostTable() string      { return m.instance + "_host" }
+
+// NamespaceOwner returns the sandbox id of a namespace this manager names,
+// or "" when the namespace is not one of its own.
+func (m *Manager) NamespaceOwner(ns string) string {
+	if id, ok := strings.CutPrefix(ns, m.nsPrefix()); ok {
+		return id
+	}
+	return ""
+}
+
+// VethSlot returns the slot of a host veth this manager names, or -1.
+func (m *Manager) VethSlot(name string) int {
+	rest, ok := strings.CutPrefix(name, m.hostVethPrefix())
+	if !ok {
+		return -1
+	}
+	n, err := strconv.Atoi(rest)
+	if err != nil || n < 0 {
+		return -1
+	}
+	return n
 }
 
 // Slots is how many sandboxes the range can number.
@@ -94,11 +128,11 @@ func (m *Manager) Endpoint(id string, slot int, internet bool) (*Endpoint, error
 		return netip.AddrFrom4([4]byte{byte(v >> 24), byte(v >> 16), byte(v >> 8), byte(v)})
 	}
 	return &Endpoint{
-		Namespace: nsPrefix + id,
+		Namespace: m.nsPrefix() + id,
 		Slot:      slot,
 		HostIP:    ip(n + 1),
 		NSIP:      ip(n + 2),
-		HostVeth:  fmt.Sprintf("%s%d", hostVethPrefix, slot),
+		HostVeth:  fmt.Sprintf("%s%d", m.hostVethPrefix(), slot),
 		Internet:  internet,
 	}, nil
 }
@@ -111,7 +145,7 @@ func (m *Manager) EnsureHost(ctx context.Context) error {
 		return fmt.Errorf("enable ip forwarding: %w", err)
 	}
 	var buf bytes.Buffer
-	if err := hostRules.Execute(&buf, map[string]string{"Table": m.hostTable, "CIDR": m.cidr.String(), "Veth": hostVethPrefix + "*"}); err != nil {
+	if err := hostRules.Execute(&buf, map[string]string{"Table": m.hostTable(), "CIDR": m.cidr.String(), "Veth": m.hostVethPrefix() + "*"}); err != nil {
 		return err
 	}
 	return nft(ctx, "", buf.String())
@@ -305,9 +339,9 @@ func (m *Manager) Teardown(ep *Endpoint) error {
 	return errors.Join(errs...)
 }
 
-// Leftovers lists sandbox namespaces present on the host (for recovery and
-// leak checks).
-func Leftovers() ([]string, error) {
+// Namespaces lists this manager's sandbox namespaces present on the host
+// (for recovery and leak checks).
+func (m *Manager) Namespaces() ([]string, error) {
 	ents, err := os.ReadDir("/run/netns")
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
@@ -317,22 +351,22 @@ func Leftovers() ([]string, error) {
 	}
 	var out []string
 	for _, e := range ents {
-		if strings.HasPrefix(e.Name(), nsPrefix) {
+		if strings.HasPrefix(e.Name(), m.nsPrefix()) {
 			out = append(out, e.Name())
 		}
 	}
 	return out, nil
 }
 
-// HostVeths lists the host ends of sandbox veth pairs present on the host.
-func HostVeths() ([]string, error) {
+// HostVeths lists the host ends of this manager's veth pairs present on the host.
+func (m *Manager) HostVeths() ([]string, error) {
 	links, err := netlink.LinkList()
 	if err != nil {
 		return nil, err
 	}
 	var out []string
 	for _, l := range links {
-		if strings.HasPrefix(l.Attrs().Name, hostVethPrefix) {
+		if m.VethSlot(l.Attrs().Name) >= 0 {
 			out = append(out, l.Attrs().Name)
 		}
 	}

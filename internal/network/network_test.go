@@ -10,7 +10,7 @@ import (
 )
 
 func TestEndpointAddressing(t *testing.T) {
-	m, err := NewManager("10.213.0.0/16")
+	m, err := NewManager("10.213.0.0/16", "aenv")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -35,8 +35,11 @@ func TestEndpointAddressing(t *testing.T) {
 	if _, err := m.Endpoint("abc", 16384, true); err == nil {
 		t.Error("slot past the range accepted")
 	}
+	if _, err := NewManager("10.213.0.0/16", "Bad-Name"); err == nil {
+		t.Error("invalid instance name accepted")
+	}
 	for _, bad := range []string{"", "10.0.0.0/30", "fd00::/64", "nonsense"} {
-		if _, err := NewManager(bad); err == nil {
+		if _, err := NewManager(bad, "aenv"); err == nil {
 			t.Errorf("NewManager(%q) accepted", bad)
 		}
 	}
@@ -49,7 +52,7 @@ func TestSetupTeardown(t *testing.T) {
 	if _, err := exec.LookPath("nft"); err != nil {
 		t.Skip("nft not installed")
 	}
-	m, err := NewManager("10.214.0.0/24")
+	m, err := NewManager("10.214.0.0/24", "aetst")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -93,8 +96,8 @@ func TestSetupTeardown(t *testing.T) {
 	if err := m.Teardown(ep); err != nil {
 		t.Fatal(err)
 	}
-	nss, _ := Leftovers()
-	veths, _ := HostVeths()
+	nss, _ := m.Namespaces()
+	veths, _ := m.HostVeths()
 	if slices.Contains(nss, ep.Namespace) || slices.Contains(veths, ep.HostVeth) {
 		t.Fatalf("leftovers after teardown: %v %v", nss, veths)
 	}

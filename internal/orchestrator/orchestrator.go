@@ -87,6 +87,9 @@ type Config struct {
 	Accel  vmm.Accel
 	// NetworkCIDR numbers the sandboxes' veth pairs (network.DefaultCIDR).
 	NetworkCIDR string
+	// Instance prefixes host object names (network.DefaultInstance); nodes
+	// sharing a host need different instances and CIDRs.
+	Instance string
 	// BootTimeout bounds a cold boot until envd answers.
 	BootTimeout time.Duration
 	// DefaultTimeout is a sandbox's time to live when the request gives none.
@@ -116,6 +119,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.MaxMemoryMiB == 0 {
 		c.MaxMemoryMiB = 16 << 10
+	}
+	if c.Instance == "" {
+		c.Instance = network.DefaultInstance
 	}
 	if c.NetworkCIDR == "" {
 		c.NetworkCIDR = network.DefaultCIDR
@@ -162,7 +168,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if err := os.MkdirAll(filepath.Join(cfg.DataDir, "sandboxes"), 0o700); err != nil {
 		return nil, fmt.Errorf("create data dir: %w", err)
 	}
-	netm, err := network.NewManager(cfg.NetworkCIDR)
+	netm, err := network.NewManager(cfg.NetworkCIDR, cfg.Instance)
 	if err != nil {
 		return nil, err
 	}

@@ -14,7 +14,6 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
-	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
@@ -52,30 +51,30 @@ func (n *Node) recover(ctx context.Context) error {
 		n.destroy(ctx, s)
 	}
 
-	for pid, id := range qemuProcesses() {
+	for pid, id := range qemuProcesses(n.sandboxDir("") + "/") {
 		if !known[id] {
 			n.log.Warn("killing orphaned QEMU", "pid", pid, "sandbox", id)
 			killStray(pid, n.sandboxDir(id))
 		}
 	}
-	nss, err := network.Leftovers()
+	nss, err := n.net.Namespaces()
 	if err != nil {
 		return err
 	}
 	for _, ns := range nss {
-		if id := strings.TrimPrefix(ns, "aenv-"); !known[id] {
+		if id := n.net.NamespaceOwner(ns); !known[id] {
 			n.log.Warn("removing orphaned network namespace", "netns", ns)
 			if err := netns.DeleteNamed(ns); err != nil {
 				n.log.Error("remove netns", "netns", ns, "err", err)
 			}
 		}
 	}
-	veths, err := network.HostVeths()
+	veths, err := n.net.HostVeths()
 	if err != nil {
 		return err
 	}
 	for _, v := range veths {
-		if !slots[strings.TrimPrefix(v, "aenv-h")] {
+		if !slots[fmt.Sprint(n.net.VethSlot(v))] {
 			if l, err := netlink.LinkByName(v); err == nil {
 				n.log.Warn("removing orphaned veth", "veth", v)
 				_ = netlink.LinkDel(l)
@@ -95,9 +94,9 @@ func (n *Node) recover(ctx context.Context) error {
 	return nil
 }
 
-// qemuProcesses maps the pids of QEMU processes started by aenv (named
-// "aenv,<sandbox id>") to their sandbox ids.
-func qemuProcesses() map[int]string {
+// qemuProcesses maps the pids of QEMU processes started by this node (named
+// "aenv,<sandbox id>", with files under sandboxesDir) to their sandbox ids.
+func qemuProcesses(sandboxesDir string) map[int]string {
 	out := map[int]string{}
 	ents, _ := os.ReadDir("/proc")
 	for _, e := range ents {
@@ -110,7 +109,7 @@ func qemuProcesses() map[int]string {
 			continue
 		}
 		args := bytes.Split(b, []byte{0})
-		if len(args) == 0 || !strings.Contains(string(args[0]), "qemu-system") {
+		if len(args) == 0 || !strings.Contains(string(args[0]), "qemu-system") || !bytes.Contains(b, []byte(sandboxesDir)) {
 			continue
 		}
 		for i := 0; i+1 < len(args); i++ {

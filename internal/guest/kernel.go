@@ -1,0 +1,235 @@
+package guest
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+)
+
+// KernelMetaPackage is the Debian metapackage whose dependency names the
+// concrete guest kernel package.
+const KernelMetaPackage = "linux-image-cloud-amd64"
+
+// completeMarker is written last into an unpacked kernel directory.
+const completeMarker = ".aenv-complete"
+
+// currentFile in the kernel directory names the version FetchKernel last
+// resolved; LoadKernel prefers it.
+const currentFile = "current"
+
+// Kernel is an unpacked guest kernel.
+type Kernel struct {
+	Version    string // e.g. "6.1.0-57-cloud-amd64"
+	Vmlinuz    string // absolute path of the bzImage
+	ModulesDir string // absolute path of lib/modules/<Version>
+}
+
+// FetchKernel resolves the concrete kernel package behind
+// linux-image-cloud-amd64 with apt-cache, downloads it with apt-get download
+// and unpacks it with dpkg-deb into dir/<version>/. It is idempotent: a
+// kernel already unpacked completely is returned without downloading.
+func FetchKernel(ctx context.Context, dir string, log func(format string, args ...any)) (*Kernel, error) {
+	if log == nil {
+		log = func(string, ...any) {}
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, fmt.Errorf("create kernel dir: %w", err)
+	}
+	pkg, err := resolveKernelPackage(ctx)
+	if err != nil {
+		log("guest kernel: %v; running apt-get update", err)
+		if out, uerr := exec.CommandContext(ctx, "apt-get", "update").CombinedOutput(); uerr != nil {
+			return nil, fmt.Errorf("resolve %s: %w (apt-get update also failed: %v: %s)", KernelMetaPackage, err, uerr, lastLines(out, 5))
+		}
+		if pkg, err = resolveKernelPackage(ctx); err != nil {
+			return nil, fmt.Errorf("resolve %s: %w", KernelMetaPackage, err)
+		}
+	}
+	version := strings.TrimPrefix(pkg, "linux-image-")
+	dest := filepath.Join(dir, version)
+	if k, err := kernelAt(dest, version); err == nil {
+		log("guest kernel %s already present in %s", version, dest)
+		if err := writeFileAtomic(filepath.Join(dir, currentFile), []byte(version+"\n"), 0o644); err != nil {
+			return nil, err
+		}
+		return k, nil
+	}
+
+	tmp, err := os.MkdirTemp(dir, ".fetch-")
+	if err != nil {
+		return nil, fmt.Errorf("create temp dir: %w", err)
+	}
+	defer os.RemoveAll(tmp)
+	// apt's download sandbox user (_apt) must be able to write here.
+	if err := os.Chmod(tmp, 0o777); err != nil {
+		return nil, fmt.Errorf("chmod temp dir: %w", err)
+	}
+	log("guest kernel: downloading %s", pkg)
+	start := time.Now()
+	cmd := exec.CommandContext(ctx, "apt-get", "download", pkg)
+	cmd.Dir = tmp
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("apt-get download %s: %w: %s", pkg, err, lastLines(out, 5))
+	}
+	debs, _ := filepath.Glob(filepath.Join(tmp, pkg+"_*.deb"))
+	if len(debs) != 1 {
+		return nil, fmt.Errorf("apt-get download %s: expected one .deb in %s, found %d", pkg, tmp, len(debs))
+	}
+	unpack := filepath.Join(tmp, "unpack")
+	if out, err := exec.CommandContext(ctx, "dpkg-deb", "-x", debs[0], unpack).CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("dpkg-deb -x %s: %w: %s", filepath.Base(debs[0]), err, lastLines(out, 5))
+	}
+	if _, err := findKernelFiles(unpack, version); err != nil {
+		return nil, fmt.Errorf("unpacked %s: %w", filepath.Base(debs[0]), err)
+	}
+	marker := fmt.Sprintf("package=%s\ndeb=%s\nfetched=%s\n", pkg, filepath.Base(debs[0]), time.Now().UTC().Format(time.RFC3339))
+	if err := os.WriteFile(filepath.Join(unpack, completeMarker), []byte(marker), 0o644); err != nil {
+		return nil, fmt.Errorf("write marker: %w", err)
+	}
+	if err := os.Chmod(unpack, 0o755); err != nil {
+		return nil, fmt.Errorf("chmod: %w", err)
+	}
+	// An incomplete earlier attempt is replaced.
+	if err := os.RemoveAll(dest); err != nil {
+		return nil, fmt.Errorf("remove incomplete %s: %w", dest, err)
+	}
+	if err := os.Rename(unpack, dest); err != nil {
+		return nil, fmt.Errorf("install kernel into %s: %w", dest, err)
+	}
+	if err := writeFileAtomic(filepath.Join(dir, currentFile), []byte(version+"\n"), 0o644); err != nil {
+		return nil, err
+	}
+	log("guest kernel %s unpacked into %s in %s", version, dest, time.Since(start).Round(time.Millisecond))
+	return kernelAt(dest, version)
+}
+
+// LoadKernel finds a kernel previously fetched into dir by FetchKernel.
+func LoadKernel(dir string) (*Kernel, error) {
+	notFound := fmt.Errorf("guest kernel not found in %s: run `aenv setup`", dir)
+	if b, err := os.ReadFile(filepath.Join(dir, currentFile)); err == nil {
+		v := strings.TrimSpace(string(b))
+		if k, err := kernelAt(filepath.Join(dir, v), v); err == nil {
+			return k, nil
+		}
+	}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, notFound
+		}
+		return nil, fmt.Errorf("read kernel dir: %w", err)
+	}
+	var found []*Kernel
+	for _, e := range ents {
+		if !e.IsDir() || strings.HasPrefix(e.Name(), ".") {
+			continue
+		}
+		if k, err := kernelAt(filepath.Join(dir, e.Name()), e.Name()); err == nil {
+			found = append(found, k)
+		}
+	}
+	if len(found) == 0 {
+		return nil, notFound
+	}
+	sort.Slice(found, func(i, j int) bool { return found[i].Version < found[j].Version })
+	return found[len(found)-1], nil
+}
+
+func kernelAt(root, version string) (*Kernel, error) {
+	if _, err := os.Stat(filepath.Join(root, completeMarker)); err != nil {
+		return nil, fmt.Errorf("kernel %s incomplete: %w", root, err)
+	}
+	return findKernelFiles(root, version)
+}
+
+func findKernelFiles(root, version string) (*Kernel, error) {
+	abs, err := filepath.Abs(root)
+	if err != nil {
+		return nil, err
+	}
+	k := &Kernel{Version: version, Vmlinuz: filepath.Join(abs, "boot", "vmlinuz-"+version)}
+	if _, err := os.Stat(k.Vmlinuz); err != nil {
+		return nil, fmt.Errorf("no kernel image: %w", err)
+	}
+	for _, d := range []string{"lib/modules", "usr/lib/modules"} {
+		p := filepath.Join(abs, d, version)
+		if st, err := os.Stat(p); err == nil && st.IsDir() {
+			k.ModulesDir = p
+			return k, nil
+		}
+	}
+	return nil, fmt.Errorf("no modules directory for %s under %s", version, abs)
+}
+
+// resolveKernelPackage asks apt-cache which linux-image-*-cloud-amd64
+// package the metapackage depends on.
+func resolveKernelPackage(ctx context.Context) (string, error) {
+	out, err := exec.CommandContext(ctx, "apt-cache", "depends", KernelMetaPackage).CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("apt-cache depends %s: %w: %s", KernelMetaPackage, err, lastLines(out, 3))
+	}
+	if pkg := parseKernelDepends(string(out)); pkg != "" {
+		return pkg, nil
+	}
+	return "", fmt.Errorf("apt-cache depends %s names no linux-image-*-cloud-amd64 package", KernelMetaPackage)
+}
+
+// parseKernelDepends picks the concrete kernel package from apt-cache
+// depends output ("  Depends: linux-image-6.1.0-57-cloud-amd64").
+func parseKernelDepends(out string) string {
+	sc := bufio.NewScanner(strings.NewReader(out))
+	for sc.Scan() {
+		f := strings.Fields(strings.TrimLeft(sc.Text(), " |"))
+		if len(f) == 2 && f[0] == "Depends:" && strings.HasPrefix(f[1], "linux-image-") &&
+			strings.HasSuffix(f[1], "-cloud-amd64") && f[1] != KernelMetaPackage && !strings.HasSuffix(f[1], "-unsigned") {
+			return f[1]
+		}
+	}
+	return ""
+}
+
+func lastLines(b []byte, n int) string {
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return string(bytes.TrimSpace([]byte(strings.Join(lines, "\n"))))
+}
+
+// writeFileAtomic writes data to a temporary file beside path and renames it
+// into place.
+func writeFileAtomic(path string, data []byte, perm os.FileMode) error {
+	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-")
+	if err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	tmp := f.Name()
+	defer os.Remove(tmp)
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	if err := f.Chmod(perm); err != nil {
+		f.Close()
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return fmt.Errorf("sync %s: %w", path, err)
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return fmt.Errorf("rename into %s: %w", path, err)
+	}
+	return nil
+}
