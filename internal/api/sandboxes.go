@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/envd"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 )
 
@@ -23,7 +24,7 @@ const (
 	maxEnvEntries      = 256
 	maxEnvBytes        = 128 << 10
 	maxTimeoutSeconds  = 24 * 60 * 60
-	envdVersion        = "0.5.0"
+	envdVersion        = envd.DefaultVersion
 )
 
 type createSandboxRequest struct {

@@ -89,7 +89,8 @@ func runServer(ctx context.Context, o serverOptions) error {
 	}
 	node, err := orchestrator.Open(ctx, orchestrator.Config{
 		DataDir:     o.dataDir,
-		Kernel:      k.Vmlinuz,
+		Kernel:      k.BootImage(),
+		KernelArgs:  k.BootArgs(probe.Accel == vmm.AccelTCG),
 		Initrd:      paths.Initrd,
 		Accel:       probe.Accel,
 		NetworkCIDR: o.networkCIDR,

@@ -112,7 +112,7 @@ func runSetup(ctx context.Context, out io.Writer, o setupOptions) error {
 			_ = done(nil)
 			continue
 		}
-		if err := done(buildTemplate(ctx, o.dataDir, name, logf)); err != nil {
+		if err := done(buildTemplate(ctx, o.dataDir, name, k.Version, logf)); err != nil {
 			return err
 		}
 	}
@@ -120,13 +120,13 @@ func runSetup(ctx context.Context, out io.Writer, o setupOptions) error {
 	return nil
 }
 
-func buildTemplate(ctx context.Context, dataDir, name string, logf func(string, ...any)) error {
+func buildTemplate(ctx context.Context, dataDir, name, kernelVersion string, logf func(string, ...any)) error {
 	dir := orchestrator.TemplateDir(dataDir, name)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
 	layer := orchestrator.TemplateRootLayer(dataDir, name)
-	if err := guest.BuildRootfs(ctx, guest.RootfsSpec{Kind: name}, layer, logf); err != nil {
+	if err := guest.BuildRootfs(ctx, guest.RootfsSpec{Kind: name, KernelVersion: kernelVersion}, layer, logf); err != nil {
 		return err
 	}
 	t := orchestrator.Template{Name: name, DefaultUser: "user", VCPUs: 2, MemoryMiB: 512}

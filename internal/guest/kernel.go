@@ -30,6 +30,20 @@ type Kernel struct {
 	Version    string // e.g. "6.1.0-57-cloud-amd64"
 	Vmlinuz    string // absolute path of the bzImage
 	ModulesDir string // absolute path of lib/modules/<Version>
+	// Vmlinux is the uncompressed ELF kernel with a PVH entry point,
+	// extracted from Vmlinuz at fetch time, or "" if that was not possible.
+	// QEMU (-M microvm -kernel) boots it ~0.3-0.4 s faster under TCG, as the
+	// kernel need not decompress itself.
+	Vmlinux string
+}
+
+// BootImage returns the kernel file to give QEMU's -kernel: Vmlinux when
+// available, else Vmlinuz.
+func (k *Kernel) BootImage() string {
+	if k.Vmlinux != "" {
+		return k.Vmlinux
+	}
+	return k.Vmlinuz
 }
 
 // FetchKernel resolves the concrete kernel package behind
@@ -47,9 +61,16 @@ func FetchKernel(ctx context.Context, dir string, log func(format string, args .
 	if err != nil {
 		log("guest kernel: %v; running apt-get update", err)
 		if out, uerr := exec.CommandContext(ctx, "apt-get", "update").CombinedOutput(); uerr != nil {
-			return nil, fmt.Errorf("resolve %s: %w (apt-get update also failed: %v: %s)", KernelMetaPackage, err, uerr, lastLines(out, 5))
+			err = fmt.Errorf("%w (apt-get update also failed: %v: %s)", err, uerr, lastLines(out, 5))
+		} else {
+			pkg, err = resolveKernelPackage(ctx)
 		}
-		if pkg, err = resolveKernelPackage(ctx); err != nil {
+		if err != nil {
+			// Offline, or apt is broken: a kernel fetched earlier will do.
+			if k, lerr := LoadKernel(dir); lerr == nil {
+				log("guest kernel: cannot resolve %s (%v); using %s fetched earlier", KernelMetaPackage, err, k.Version)
+				return k, nil
+			}
 			return nil, fmt.Errorf("resolve %s: %w", KernelMetaPackage, err)
 		}
 	}
@@ -57,6 +78,11 @@ func FetchKernel(ctx context.Context, dir string, log func(format string, args .
 	dest := filepath.Join(dir, version)
 	if k, err := kernelAt(dest, version); err == nil {
 		log("guest kernel %s already present in %s", version, dest)
+		if k.Vmlinux == "" && ensureVmlinux(dest, version, log) {
+			if k, err = kernelAt(dest, version); err != nil {
+				return nil, err
+			}
+		}
 		if err := writeFileAtomic(filepath.Join(dir, currentFile), []byte(version+"\n"), 0o644); err != nil {
 			return nil, err
 		}
@@ -90,6 +116,7 @@ func FetchKernel(ctx context.Context, dir string, log func(format string, args .
 	if _, err := findKernelFiles(unpack, version); err != nil {
 		return nil, fmt.Errorf("unpacked %s: %w", filepath.Base(debs[0]), err)
 	}
+	ensureVmlinux(unpack, version, log)
 	marker := fmt.Sprintf("package=%s\ndeb=%s\nfetched=%s\n", pkg, filepath.Base(debs[0]), time.Now().UTC().Format(time.RFC3339))
 	if err := os.WriteFile(filepath.Join(unpack, completeMarker), []byte(marker), 0o644); err != nil {
 		return nil, fmt.Errorf("write marker: %w", err)
@@ -158,6 +185,9 @@ func findKernelFiles(root, version string) (*Kernel, error) {
 	k := &Kernel{Version: version, Vmlinuz: filepath.Join(abs, "boot", "vmlinuz-"+version)}
 	if _, err := os.Stat(k.Vmlinuz); err != nil {
 		return nil, fmt.Errorf("no kernel image: %w", err)
+	}
+	if v := filepath.Join(abs, "boot", "vmlinux-"+version); fileExists(v) {
+		k.Vmlinux = v
 	}
 	for _, d := range []string{"lib/modules", "usr/lib/modules"} {
 		p := filepath.Join(abs, d, version)
@@ -232,4 +262,29 @@ func writeFileAtomic(path string, data []byte, perm os.FileMode) error {
 		return fmt.Errorf("rename into %s: %w", path, err)
 	}
 	return nil
+}
+
+func fileExists(p string) bool {
+	st, err := os.Stat(p)
+	return err == nil && st.Mode().IsRegular()
+}
+
+// ensureVmlinux extracts boot/vmlinux-<version> from boot/vmlinuz-<version>
+// under root if it is not there yet, keeping it only if QEMU can boot it
+// directly (PVH entry point). Failure is not an error: vmlinuz still boots.
+func ensureVmlinux(root, version string, log func(string, ...any)) bool {
+	v := filepath.Join(root, "boot", "vmlinux-"+version)
+	if fileExists(v) {
+		return true
+	}
+	if err := ExtractVmlinux(filepath.Join(root, "boot", "vmlinuz-"+version), v); err != nil {
+		log("guest kernel: no uncompressed vmlinux (boot uses vmlinuz): %v", err)
+		return false
+	}
+	if !HasPVHEntry(v) {
+		log("guest kernel: vmlinux has no PVH entry point; boot uses vmlinuz")
+		_ = os.Remove(v)
+		return false
+	}
+	return true
 }

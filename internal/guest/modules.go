@@ -9,7 +9,6 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"sort"
 	"strings"
 
 	"github.com/klauspost/compress/zstd"
@@ -326,14 +325,4 @@ func ModInfo(ko []byte) (map[string]string, error) {
 		}
 	}
 	return info, nil
-}
-
-// sortedKeys is a small helper for deterministic iteration.
-func sortedKeys[V any](m map[string]V) []string {
-	ks := make([]string, 0, len(m))
-	for k := range m {
-		ks = append(ks, k)
-	}
-	sort.Strings(ks)
-	return ks
 }

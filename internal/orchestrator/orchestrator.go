@@ -83,8 +83,10 @@ type Config struct {
 	// Kernel and Initrd boot every guest.
 	Kernel string
 	Initrd string
-	QEMU   string
-	Accel  vmm.Accel
+	// KernelArgs are appended to every guest's kernel command line.
+	KernelArgs []string
+	QEMU       string
+	Accel      vmm.Accel
 	// NetworkCIDR numbers the sandboxes' veth pairs (network.DefaultCIDR).
 	NetworkCIDR string
 	// Instance prefixes host object names (network.DefaultInstance); nodes

@@ -95,7 +95,7 @@ func (n *Node) recover(ctx context.Context) error {
 }
 
 // qemuProcesses maps the pids of QEMU processes started by this node (named
-// "aenv,<sandbox id>", with files under sandboxesDir) to their sandbox ids.
+// "aenv:<sandbox id>", with files under sandboxesDir) to their sandbox ids.
 func qemuProcesses(sandboxesDir string) map[int]string {
 	out := map[int]string{}
 	ents, _ := os.ReadDir("/proc")
@@ -113,8 +113,8 @@ func qemuProcesses(sandboxesDir string) map[int]string {
 			continue
 		}
 		for i := 0; i+1 < len(args); i++ {
-			if string(args[i]) == "-name" && bytes.HasPrefix(args[i+1], []byte("aenv,")) {
-				out[pid] = string(args[i+1][len("aenv,"):])
+			if string(args[i]) == "-name" && bytes.HasPrefix(args[i+1], []byte("aenv:")) {
+				out[pid] = string(args[i+1][len("aenv:"):])
 			}
 		}
 	}
@@ -125,7 +125,7 @@ func qemuProcesses(sandboxesDir string) map[int]string {
 // pid still belongs to it, and waits for it to disappear.
 func killStray(pid int, dir string) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-	if err != nil || !strings.Contains(string(b), "aenv,"+filepath.Base(dir)) {
+	if err != nil || !strings.Contains(string(b), "aenv:"+filepath.Base(dir)) {
 		return
 	}
 	_ = unix.Kill(pid, unix.SIGKILL)

@@ -118,6 +118,10 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 	start := time.Now()
 	if err := n.boot(ctx, s, t); err != nil {
 		n.log.Warn("create failed, cleaning up", "sandbox", s.ID, "err", err)
+		if os.Getenv("AENV_DEBUG_KEEP_FAILED") != "" {
+			n.log.Warn("AENV_DEBUG_KEEP_FAILED set: leaving the failed sandbox in place", "dir", n.sandboxDir(s.ID))
+			return nil, err
+		}
 		n.destroy(context.WithoutCancel(ctx), s)
 		return nil, err
 	}
@@ -158,7 +162,7 @@ func (n *Node) boot(ctx context.Context, s *Sandbox, t *Template) error {
 		MemoryMiB: s.MemoryMiB,
 		Kernel:    n.cfg.Kernel,
 		Initrd:    n.cfg.Initrd,
-		Cmdline:   kernelCmdline(s),
+		Cmdline:   kernelCmdline(n.cfg.KernelArgs),
 		RootDisk:  overlay,
 		MemFile:   filepath.Join(dir, memFileName),
 		Tap:       tap,
@@ -183,14 +187,16 @@ func (n *Node) boot(ctx context.Context, s *Sandbox, t *Template) error {
 	return initEnvd(bctx, addr, s)
 }
 
-func kernelCmdline(s *Sandbox) string {
-	return strings.Join([]string{
+// kernelCmdline is the same for every sandbox: clones of one sandbox must
+// boot identically, and the guest's identity comes from envd's /init.
+func kernelCmdline(extra []string) string {
+	return strings.Join(append([]string{
 		"console=ttyS0", "quiet", "panic=-1", "reboot=t",
 		"aenv.ip=" + network.GuestIP.String() + "/30",
 		"aenv.gw=" + network.TapIP.String(),
 		"aenv.hostname=sandbox",
 		fmt.Sprintf("aenv.envd_port=%d", EnvdPort),
-	}, " ")
+	}, extra...), " ")
 }
 
 // waitEnvd polls envd's /health until it answers 204, the machine dies or ctx ends.

@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"sort"
 
+	"github.com/agentenv/agentenv/internal/envd"
 	"github.com/agentenv/agentenv/internal/storage"
 )
 
@@ -33,7 +34,7 @@ const (
 	templatesDir   = "templates"
 	defaultVCPUs   = 2
 	defaultMemMiB  = 512
-	defaultEnvdVer = "0.5.0"
+	defaultEnvdVer = envd.DefaultVersion
 )
 
 // TemplateDir is where a template's files live under a data dir.

@@ -107,7 +107,7 @@ func (c *Config) Args() []string {
 	}
 	mem := strconv.Itoa(c.MemoryMiB) + "M"
 	args := []string{
-		"-name", "aenv," + filepath.Base(c.RunDir),
+		"-name", "aenv:" + filepath.Base(c.RunDir),
 		"-M", "microvm,x-option-roms=off,isa-serial=on,rtc=on,memory-backend=mem",
 		"-accel", accel,
 		"-cpu", cpu,
@@ -238,7 +238,7 @@ func isQEMU(pid int, runDir string) bool {
 		return false
 	}
 	cmdline := string(b)
-	return strings.Contains(cmdline, "qemu-system") && strings.Contains(cmdline, "aenv,"+filepath.Base(runDir))
+	return strings.Contains(cmdline, "qemu-system") && strings.Contains(cmdline, "aenv:"+filepath.Base(runDir))
 }
 
 func (m *Machine) connect(ctx context.Context) error {

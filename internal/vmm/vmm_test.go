@@ -57,7 +57,7 @@ func TestArgs(t *testing.T) {
 		"-netdev tap,id=net0,fd=3",
 		"virtio-net-device,netdev=net0,mac=02:00:00:00:00:01",
 		"unix:/run/sbx1/qmp.sock,server=on,wait=off",
-		"-name aenv,sbx1",
+		"-name aenv:sbx1",
 	} {
 		if !strings.Contains(args, want) {
 			t.Errorf("args lack %q:\n%s", want, args)

@@ -88,7 +88,7 @@ func loadModule(path string) error {
 
 // mountRoot waits for the root disk and mounts it at /newroot.
 func mountRoot(cfg Config) error {
-	const wait = 30 * time.Second
+	const wait = 10 * time.Second
 	start := time.Now()
 	for {
 		if _, err := os.Stat(cfg.Root); err == nil {

@@ -80,13 +80,30 @@ func Main() {
 		fatal(err)
 	}
 	setHostname(cfg)
-	if err := setupNetwork(cfg); err != nil {
-		logf("network: %v", err)
-	}
 	raiseNoFile()
+	// envd binds the wildcard address, so it can start while eth0 is being
+	// configured; under TCG this overlaps two ~100 ms steps.
+	goSafe("network", func() {
+		if err := setupNetwork(cfg); err != nil {
+			logf("network: %v", err)
+		}
+	})
 	power := make(chan string, 1)
-	go watchPowerButton(power)
+	goSafe("power button", func() { watchPowerButton(power) })
 	supervise(cfg, sigs, power)
+}
+
+// goSafe runs fn in a goroutine; a panic there is logged instead of
+// killing PID 1 (which would panic the kernel).
+func goSafe(name string, fn func()) {
+	go func() {
+		defer func() {
+			if r := recover(); r != nil {
+				logf("%s: panic: %v\n%s", name, r, debug.Stack())
+			}
+		}()
+		fn()
+	}()
 }
 
 // supervise runs envd, restarts it when it exits, reaps zombies and handles
@@ -166,7 +183,7 @@ func describeWait(ws unix.WaitStatus) string {
 	case ws.Exited():
 		return "exited with status " + strconv.Itoa(ws.ExitStatus())
 	case ws.Signaled():
-		return "killed by " + ws.Signal().String()
+		return "killed by " + unix.SignalName(ws.Signal())
 	}
 	return fmt.Sprintf("ended (wait status %#x)", uint32(ws))
 }

@@ -34,7 +34,7 @@ func watchPowerButton(power chan<- string) {
 			continue
 		}
 		n++
-		go func() {
+		goSafe("power button reader", func() {
 			defer f.Close()
 			buf := make([]byte, inputEventSize*16)
 			for {
@@ -55,7 +55,7 @@ func watchPowerButton(power chan<- string) {
 					}
 				}
 			}
-		}()
+		})
 	}
 	if n == 0 {
 		logf("no ACPI power button found; power off with SIGTERM to init instead")

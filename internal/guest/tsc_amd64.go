@@ -1,0 +1,5 @@
+package guest
+
+func rdtsc() uint64
+
+const haveTSC = true
