@@ -21,8 +21,6 @@ import (
 	"sync"
 	"time"
 
-	"golang.org/x/net/http2"
-	"golang.org/x/net/http2/h2c"
 
 	"github.com/agentenv/agentenv/internal/envd/gen/filesystempb/filesystempbconnect"
 	"github.com/agentenv/agentenv/internal/envd/gen/processpb/processpbconnect"
@@ -101,7 +99,7 @@ func NewServer(cfg Config) (*Server, error) {
 		writeJSONError(w, http.StatusNotFound, "not found: "+r.URL.Path)
 	})
 
-	s.handler = h2c.NewHandler(withCORS(s.authMiddleware(mux)), &http2.Server{})
+	s.handler = withCORS(s.authMiddleware(mux))
 	return s, nil
 }
 

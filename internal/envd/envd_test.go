@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"compress/gzip"
 	"context"
-	"crypto/tls"
 	"encoding/base64"
 	"encoding/json"
 	"errors"
@@ -26,7 +25,6 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"golang.org/x/net/http2"
 
 	"github.com/agentenv/agentenv/internal/envd/gen/filesystempb"
 	"github.com/agentenv/agentenv/internal/envd/gen/filesystempb/filesystempbconnect"
@@ -951,13 +949,7 @@ func mustReq(method, u string) *http.Request {
 
 func TestH2C(t *testing.T) {
 	e := startServer(t, Config{})
-	e.httpc = &http.Client{Transport: &http2.Transport{
-		AllowHTTP: true,
-		DialTLSContext: func(ctx context.Context, network, addr string, _ *tls.Config) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, network, addr)
-		},
-	}}
+	e.httpc = h2cClient()
 	st, err := e.proc(false).Start(context.Background(), connect.NewRequest(startReq("bash", "-c", "echo over-h2c")))
 	if err != nil {
 		t.Fatal(err)
@@ -1290,15 +1282,13 @@ func TestHandlerServesH2CWhenMounted(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	ts := httptest.NewServer(s.Handler())
+	ts := httptest.NewUnstartedServer(s.Handler())
+	ts.Config.Protocols = new(http.Protocols)
+	ts.Config.Protocols.SetHTTP1(true)
+	ts.Config.Protocols.SetUnencryptedHTTP2(true)
+	ts.Start()
 	defer ts.Close()
-	c := &http.Client{Transport: &http2.Transport{
-		AllowHTTP: true,
-		DialTLSContext: func(ctx context.Context, network, addr string, _ *tls.Config) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, network, addr)
-		},
-	}}
+	c := h2cClient()
 	pc := processpbconnect.NewProcessClient(c, ts.URL, connect.WithProtoJSON())
 	st, err := pc.Start(context.Background(), connect.NewRequest(startReq("echo", "mounted")))
 	if err != nil {
@@ -1307,4 +1297,12 @@ func TestHandlerServesH2CWhenMounted(t *testing.T) {
 	if r := collect(t, st); r.stdout != "mounted\n" {
 		t.Fatalf("stdout %q", r.stdout)
 	}
+}
+
+// h2cClient speaks only cleartext HTTP/2 (prior knowledge), so a test using
+// it fails if the server falls back to HTTP/1.1.
+func h2cClient() *http.Client {
+	var p http.Protocols
+	p.SetUnencryptedHTTP2(true)
+	return &http.Client{Transport: &http.Transport{Protocols: &p}}
 }

@@ -75,6 +75,15 @@ type Sandbox struct {
 	EndAt         time.Time
 	// EnvdAddr is host:port where the node reaches the sandbox's envd.
 	EnvdAddr string
+	// Phases times the steps of the operation that produced this value
+	// (set by Create; not persisted).
+	Phases []Phase
+}
+
+// Phase is one timed step of an operation.
+type Phase struct {
+	Name     string
+	Duration time.Duration
 }
 
 // Config configures a node.

@@ -139,10 +139,17 @@ func (n *Node) boot(ctx context.Context, s *Sandbox, t *Template) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("create sandbox dir: %w", err)
 	}
+	mark := time.Now()
+	phase := func(name string) {
+		now := time.Now()
+		s.Phases = append(s.Phases, Phase{name, now.Sub(mark)})
+		mark = now
+	}
 	overlay := filepath.Join(dir, overlayName)
 	if err := storage.CreateOverlay(ctx, t.RootDisk, overlay, s.DiskMiB); err != nil {
 		return err
 	}
+	phase("disk overlay")
 	ep, err := n.endpoint(s)
 	if err != nil {
 		return err
@@ -155,6 +162,7 @@ func (n *Node) boot(ctx context.Context, s *Sandbox, t *Template) error {
 		return err
 	}
 	defer tap.Close() // QEMU holds its own copy
+	phase("network")
 	m, err := vmm.Start(ctx, vmm.Config{
 		QEMU:      n.cfg.QEMU,
 		Accel:     n.cfg.Accel,
@@ -178,13 +186,19 @@ func (n *Node) boot(ctx context.Context, s *Sandbox, t *Template) error {
 		return err
 	}
 	s.PID = m.PID()
+	phase("qemu start")
 	bctx, cancel := context.WithTimeout(ctx, n.cfg.BootTimeout)
 	defer cancel()
 	addr := ep.GuestAddr(EnvdPort)
 	if err := waitEnvd(bctx, m, addr); err != nil {
 		return fmt.Errorf("%w%s", err, consoleTail(dir))
 	}
-	return initEnvd(bctx, addr, s)
+	phase("guest boot to envd")
+	if err := initEnvd(bctx, addr, s); err != nil {
+		return err
+	}
+	phase("envd init")
+	return nil
 }
 
 // kernelCmdline is the same for every sandbox: clones of one sandbox must
