@@ -21,7 +21,6 @@ import (
 	"sync"
 	"time"
 
-
 	"github.com/agentenv/agentenv/internal/envd/gen/filesystempb/filesystempbconnect"
 	"github.com/agentenv/agentenv/internal/envd/gen/processpb/processpbconnect"
 )

@@ -285,7 +285,7 @@ func (n *Node) SetTimeout(ctx context.Context, id string, d time.Duration) (*San
 	if s.State != StateRunning {
 		return nil, fmt.Errorf("%w: sandbox %s is %s", ErrConflict, id, s.State)
 	}
-	end := time.Now().Add(d)
+	end := time.Now().Add(d).Truncate(time.Millisecond)
 	if err := n.setFields(ctx, id, "end_at = ?", end.UnixMilli()); err != nil {
 		return nil, err
 	}

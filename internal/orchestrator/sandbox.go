@@ -78,7 +78,7 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 	if req.AllowInternet != nil {
 		internet = *req.AllowInternet
 	}
-	now := time.Now().UTC()
+	now := time.Now().UTC().Truncate(time.Millisecond) // the precision stored
 	s := &Sandbox{
 		ID:            NewSandboxID(),
 		TemplateID:    t.Name,

@@ -36,39 +36,12 @@ import (
 // no prepared data dir.
 func testNode(t testing.TB) *Node {
 	t.Helper()
-	shared := os.Getenv("AENV_TEST_DATA_DIR")
-	if shared == "" {
-		t.Skip("AENV_TEST_DATA_DIR is not set: run scripts/test, which prepares the guest kernel and templates")
-	}
-	if os.Geteuid() != 0 {
-		t.Skip("VM tests need root (network namespaces, tap devices)")
-	}
-	k, err := guest.LoadKernel(filepath.Join(shared, "cache", "kernel"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	shared := testData(t)
 	dir := t.TempDir()
 	if err := os.Symlink(filepath.Join(shared, "templates"), filepath.Join(dir, "templates")); err != nil {
 		t.Fatal(err)
 	}
-	level := slog.LevelWarn
-	if testing.Verbose() {
-		level = slog.LevelInfo
-	}
-	n, err := Open(context.Background(), Config{
-		DataDir:     dir,
-		Kernel:      k.BootImage(),
-		KernelArgs:  k.BootArgs(vmm.ProbeAccel().Accel == vmm.AccelTCG),
-		Initrd:      filepath.Join(shared, "cache", "initramfs.img"),
-		Accel:       vmm.ProbeAccel().Accel,
-		NetworkCIDR: "10.214.0.0/16",
-		Instance:    "aetst",
-		BootTimeout: 30 * time.Second,
-		Logger:      slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	n := openTestNode(t, dir)
 	t.Cleanup(func() {
 		all, _ := n.List(context.Background())
 		for _, s := range all {
@@ -76,6 +49,48 @@ func testNode(t testing.TB) *Node {
 		}
 		n.Close()
 	})
+	return n
+}
+
+func testData(t testing.TB) string {
+	t.Helper()
+	shared := os.Getenv("AENV_TEST_DATA_DIR")
+	if shared == "" {
+		t.Skip("AENV_TEST_DATA_DIR is not set: run scripts/test, which prepares the guest kernel and templates")
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("VM tests need root (network namespaces, tap devices)")
+	}
+	return shared
+}
+
+// openTestNode opens a node on dir (which must hold the templates link).
+func openTestNode(t testing.TB, dir string) *Node {
+	t.Helper()
+	shared := testData(t)
+	k, err := guest.LoadKernel(filepath.Join(shared, "cache", "kernel"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	level := slog.LevelWarn
+	if testing.Verbose() {
+		level = slog.LevelInfo
+	}
+	accel := vmm.ProbeAccel().Accel
+	n, err := Open(context.Background(), Config{
+		DataDir:     dir,
+		Kernel:      k.BootImage(),
+		KernelArgs:  k.BootArgs(accel == vmm.AccelTCG),
+		Initrd:      filepath.Join(shared, "cache", "initramfs.img"),
+		Accel:       accel,
+		NetworkCIDR: "10.214.0.0/16",
+		Instance:    "aetst",
+		BootTimeout: 60 * time.Second,
+		Logger:      slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	return n
 }
 

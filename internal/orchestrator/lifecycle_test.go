@@ -1,0 +1,203 @@
+package orchestrator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestExpiryKillsSandbox(t *testing.T) {
+	n := testNode(t)
+	s := create(t, n, CreateRequest{TemplateID: "minimal", Timeout: 2 * time.Second})
+	if got := s.EndAt.Sub(s.StartedAt); got != 2*time.Second {
+		t.Fatalf("end - start = %s", got)
+	}
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		_, err := n.Get(context.Background(), s.ID)
+		if errors.Is(err, ErrNotFound) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("sandbox still exists 15s after its timeout")
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	assertGone(t, n, s)
+}
+
+func TestSetTimeout(t *testing.T) {
+	n := testNode(t)
+	ctx := context.Background()
+	s := create(t, n, CreateRequest{TemplateID: "minimal", Timeout: time.Minute})
+	got, err := n.SetTimeout(ctx, s.ID, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Until(got.EndAt); d < 59*time.Minute || d > time.Hour {
+		t.Fatalf("end at %s, %s from now", got.EndAt, d)
+	}
+	again, _ := n.Get(ctx, s.ID)
+	if !again.EndAt.Equal(got.EndAt) {
+		t.Fatalf("end time not persisted: %s vs %s", again.EndAt, got.EndAt)
+	}
+	for _, bad := range []time.Duration{0, -time.Second, 25 * time.Hour} {
+		if _, err := n.SetTimeout(ctx, s.ID, bad); !errors.Is(err, ErrInvalid) {
+			t.Errorf("SetTimeout(%s) = %v", bad, err)
+		}
+	}
+	if _, err := n.SetTimeout(ctx, "nosuchsandbox", time.Minute); !errors.Is(err, ErrNotFound) {
+		t.Errorf("SetTimeout on unknown id = %v", err)
+	}
+}
+
+// TestRestartReadoptsAndCleansUp closes a node (as a crash or upgrade would
+// leave it) and opens a new one on the same data dir: the running sandbox is
+// re-adopted and still works; a sandbox caught mid-create is cleaned up.
+func TestRestartReadoptsAndCleansUp(t *testing.T) {
+	shared := testData(t)
+	dir := t.TempDir()
+	if err := os.Symlink(filepath.Join(shared, "templates"), filepath.Join(dir, "templates")); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	n1 := openTestNode(t, dir)
+	keep := create(t, n1, CreateRequest{TemplateID: "minimal", Secure: true})
+	half := create(t, n1, CreateRequest{TemplateID: "minimal"})
+	// Pretend the process died in the middle of creating `half`.
+	if err := n1.setFields(ctx, half.ID, "state = ?", StateCreating); err != nil {
+		t.Fatal(err)
+	}
+	n1.Close()
+
+	n2 := openTestNode(t, dir)
+	defer func() {
+		all, _ := n2.List(ctx)
+		for _, s := range all {
+			n2.Kill(ctx, s.ID)
+		}
+		n2.Close()
+	}()
+	got, err := n2.Get(ctx, keep.ID)
+	if err != nil || got.State != StateRunning || got.PID != keep.PID {
+		t.Fatalf("after restart: %+v, %v", got, err)
+	}
+	r, err := newEnvdClient(got).run(ctx, "", "/bin/sh", "-c", "echo still here")
+	if err != nil || r.stdout != "still here\n" {
+		t.Fatalf("re-adopted sandbox does not answer: %+v %v", r, err)
+	}
+	assertGone(t, n2, half)
+	// The re-adopted machine is fully managed: killing it cleans up.
+	if err := n2.Kill(ctx, keep.ID); err != nil {
+		t.Fatal(err)
+	}
+	assertGone(t, n2, keep)
+}
+
+// TestQEMUDeathIsNoticed kills a sandbox's QEMU from outside: the node
+// reports the sandbox gone and frees its resources.
+func TestQEMUDeathIsNoticed(t *testing.T) {
+	n := testNode(t)
+	s := create(t, n, CreateRequest{TemplateID: "minimal"})
+	if err := exec.Command("kill", "-9", fmt.Sprint(s.PID)).Run(); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := n.Get(context.Background(), s.ID); errors.Is(err, ErrNotFound) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("dead sandbox still listed")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	assertGone(t, n, s)
+}
+
+// TestInternetAccessSwitch stands up an "internet" host in a network
+// namespace of its own, reachable from the host only by routing, and checks
+// that a default sandbox reaches it while one created with internet access
+// off does not.
+func TestInternetAccessSwitch(t *testing.T) {
+	n := testNode(t)
+	const ns, hostIf = "aetstinet", "aetstinet0"
+	sh := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("%v: %v %s", args, err, out)
+		}
+	}
+	exec.Command("ip", "netns", "del", ns).Run()
+	exec.Command("ip", "link", "del", hostIf).Run()
+	sh("ip", "netns", "add", ns)
+	t.Cleanup(func() {
+		exec.Command("ip", "netns", "del", ns).Run()
+		exec.Command("ip", "link", "del", hostIf).Run()
+	})
+	sh("ip", "link", "add", hostIf, "type", "veth", "peer", "name", "eth0", "netns", ns)
+	sh("ip", "addr", "add", "10.216.0.1/30", "dev", hostIf)
+	sh("ip", "link", "set", hostIf, "up")
+	sh("ip", "-n", ns, "addr", "add", "10.216.0.2/30", "dev", "eth0")
+	sh("ip", "-n", ns, "link", "set", "eth0", "up")
+	sh("ip", "-n", ns, "link", "set", "lo", "up")
+	sh("ip", "-n", ns, "route", "add", "default", "via", "10.216.0.1")
+	srv := exec.Command("ip", "netns", "exec", ns, "python3", "-c", `
+import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("10.216.0.2", 18080)); s.listen(16)
+while True:
+    c, a = s.accept(); c.sendall(b"internet says hi from " + a[0].encode() + b"\n"); c.close()
+`)
+	if err := srv.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Process.Kill(); srv.Wait() })
+
+	probe := `
+import socket, time
+for i in range(20):
+    try:
+        s = socket.create_connection(("10.216.0.2", 18080), timeout=2)
+        print(s.recv(100).decode().strip()); break
+    except Exception as e:
+        err = e; time.sleep(0.2)
+else:
+    print("unreachable:", err)
+`
+	allowed := create(t, n, CreateRequest{TemplateID: "base"})
+	off := false
+	blocked := create(t, n, CreateRequest{TemplateID: "base", AllowInternet: &off})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	r, err := newEnvdClient(allowed).run(ctx, "", "python3", "-c", probe)
+	if err != nil || !strings.HasPrefix(r.stdout, "internet says hi") {
+		t.Fatalf("default sandbox cannot reach the internet host: %+v %v", r, err)
+	}
+	ep, _ := n.endpoint(allowed)
+	if !strings.Contains(r.stdout, "10.216.0.1") {
+		t.Errorf("egress not masqueraded behind the host (want source 10.216.0.1, ns %s): %s", ep.NSIP, r.stdout)
+	}
+	r, err = newEnvdClient(blocked).run(ctx, "", "python3", "-c", strings.Replace(probe, "range(20)", "range(2)", 1))
+	if err != nil || !strings.HasPrefix(r.stdout, "unreachable") {
+		t.Fatalf("sandbox with internet off reached the internet host: %+v %v", r, err)
+	}
+	// Neither sandbox reaches the other's envd.
+	bep, _ := n.endpoint(blocked)
+	r, err = newEnvdClient(allowed).run(ctx, "", "python3", "-c", fmt.Sprintf(`
+import socket
+try:
+    socket.create_connection((%q, 49983), timeout=3); print("reached")
+except Exception as e:
+    print("blocked")
+`, bep.NSIP.String()))
+	if err != nil || r.stdout != "blocked\n" {
+		t.Fatalf("sandbox reached another sandbox: %+v %v", r, err)
+	}
+}
