@@ -33,6 +33,15 @@ type Node interface {
 	SetTimeout(ctx context.Context, id string, d time.Duration) (*orchestrator.Sandbox, error)
 }
 
+// ConsoleLogReader is implemented by nodes that can hand out a sandbox's
+// guest console log (kernel, init and envd output). ConsoleLog returns at
+// most the last maxBytes bytes of it, and an error wrapping
+// orchestrator.ErrNotFound for unknown sandboxes. Nodes without it answer
+// GET /sandboxes/{id}/logs with 501.
+type ConsoleLogReader interface {
+	ConsoleLog(ctx context.Context, id string, maxBytes int64) ([]byte, error)
+}
+
 // Config configures the API server.
 type Config struct {
 	APIKey string
@@ -69,16 +78,27 @@ func New(node Node, cfg Config) (*Server, error) {
 func (s *Server) routes() {
 	auth := s.requireKey
 	s.mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
-	s.mux.Handle("POST /sandboxes", auth(s.createSandbox))
+	s.mux.HandleFunc("GET /openapi.yml", serveOpenAPI)
+	// POST /sandboxes is E2B's older create (secure only when asked);
+	// POST /v2/sandboxes, used by current SDKs, creates secure sandboxes
+	// unless "secure": false is sent.
+	s.mux.Handle("POST /sandboxes", auth(s.createSandbox(false)))
+	s.mux.Handle("POST /v2/sandboxes", auth(s.createSandbox(true)))
 	s.mux.Handle("GET /sandboxes", auth(s.listSandboxes))
 	s.mux.Handle("GET /v2/sandboxes", auth(s.listSandboxesV2))
 	s.mux.Handle("GET /sandboxes/{id}", auth(s.getSandbox))
 	s.mux.Handle("DELETE /sandboxes/{id}", auth(s.killSandbox))
 	s.mux.Handle("POST /sandboxes/{id}/timeout", auth(s.setTimeout))
 	s.mux.Handle("POST /sandboxes/{id}/refreshes", auth(s.refresh))
-	for _, p := range []string{"pause", "resume", "connect", "fork", "snapshots"} {
+	s.mux.Handle("POST /sandboxes/{id}/connect", auth(s.connectSandbox))
+	s.mux.Handle("POST /v2/sandboxes/{id}/connect", auth(s.connectSandbox))
+	s.mux.Handle("GET /sandboxes/{id}/metrics", auth(s.sandboxMetrics))
+	s.mux.Handle("GET /sandboxes/{id}/logs", auth(s.sandboxLogs))
+	s.mux.Handle("GET /snapshots", auth(s.listSnapshots))
+	for _, p := range []string{"pause", "resume", "fork", "snapshots"} {
 		s.mux.Handle("POST /sandboxes/{id}/"+p, auth(s.notYet(p)))
 	}
+	s.mux.Handle("PUT /sandboxes/{id}/network", auth(s.notYet("changing a running sandbox's network")))
 	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
 	})
@@ -91,7 +111,37 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		s.cfg.SandboxProxy.ServeHTTP(w, r)
 		return
 	}
+	if s.cfg.SandboxProxy != nil && r.URL.Path == "/files" {
+		s.signedFile(w, r)
+		return
+	}
 	s.mux.ServeHTTP(w, r)
+}
+
+// signedFile routes a pre-signed /files URL that names no sandbox (the SDK
+// builds those from E2B_SANDBOX_URL alone) to the secure sandbox whose
+// access token signed it.
+func (s *Server) signedFile(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Query().Get("signature") == "" {
+		writeError(w, http.StatusNotFound, "GET/POST /files is envd's: address a sandbox with the "+
+			proxy.HeaderSandboxID+"/"+proxy.HeaderSandboxPort+" headers or a {port}-{sandboxID}.{domain} host, or use a signed URL")
+		return
+	}
+	all, err := s.node.List(r.Context())
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	for _, sb := range all {
+		if sb.State == orchestrator.StateRunning && proxy.SignedFileRequest(r, sb.AccessToken) {
+			r2 := r.Clone(r.Context())
+			r2.Header.Set(proxy.HeaderSandboxID, sb.ID)
+			r2.Header.Set(proxy.HeaderSandboxPort, fmt.Sprint(orchestrator.EnvdPort))
+			s.cfg.SandboxProxy.ServeHTTP(w, r2)
+			return
+		}
+	}
+	writeError(w, http.StatusUnauthorized, "the signature of this /files URL matches no running sandbox (expired, tampered with, or the sandbox is gone)")
 }
 
 func (s *Server) requireKey(h func(http.ResponseWriter, *http.Request)) http.Handler {
@@ -117,8 +167,21 @@ func (s *Server) requireKey(h func(http.ResponseWriter, *http.Request)) http.Han
 
 func (s *Server) notYet(op string) func(http.ResponseWriter, *http.Request) {
 	return func(w http.ResponseWriter, r *http.Request) {
-		writeError(w, http.StatusNotImplemented, op+" is not implemented on this node yet")
+		if _, ok := s.sandboxID(w, r); !ok {
+			return
+		}
+		writeError(w, http.StatusNotImplemented, notYetMessage(op))
 	}
+}
+
+func notYetMessage(op string) string {
+	switch op {
+	case "pause", "resume":
+		return op + " is not implemented on this node yet: sandboxes cannot be paused or resumed until snapshots land; running sandboxes are killed when their timeout expires"
+	case "fork", "snapshots":
+		return op + " is not implemented on this node yet: it needs memory snapshots, which this node does not take yet"
+	}
+	return op + " is not implemented on this node yet"
 }
 
 // Error is the JSON body of every error response.
@@ -202,5 +265,9 @@ func (res Resolver) Route(ctx context.Context, id string) (proxy.Route, error) {
 		return proxy.Route{}, err
 	}
 	host, _, _ := strings.Cut(sb.EnvdAddr, ":")
-	return proxy.Route{Addr: host, Running: sb.State == orchestrator.StateRunning}, nil
+	return proxy.Route{
+		Addr:        host,
+		Running:     sb.State == orchestrator.StateRunning,
+		AccessToken: sb.AccessToken,
+	}, nil
 }

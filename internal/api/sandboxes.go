@@ -1,7 +1,10 @@
 package api
 
 import (
+	"context"
 	"encoding/base64"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -15,7 +18,11 @@ import (
 	"github.com/agentenv/agentenv/internal/orchestrator"
 )
 
-var sandboxIDPattern = regexp.MustCompile(`^[a-z0-9]{1,64}$`)
+var (
+	sandboxIDPattern  = regexp.MustCompile(`^[a-z0-9]{1,64}$`)
+	templateIDPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._:/-]*$`)
+	envNamePattern    = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
+)
 
 // Limits on user-supplied maps.
 const (
@@ -24,19 +31,54 @@ const (
 	maxEnvEntries      = 256
 	maxEnvBytes        = 128 << 10
 	maxTimeoutSeconds  = 24 * 60 * 60
-	envdVersion        = envd.DefaultVersion
+	maxRefreshSeconds  = 60 * 60
+	// defaultRefreshSeconds applies to a refresh without a duration.
+	defaultRefreshSeconds = 60
+	envdVersion           = envd.DefaultVersion
 )
 
+// createSandboxRequest is E2B's NewSandbox. Fields we do not act on are
+// still typed, so a value of the wrong type is rejected rather than ignored.
 type createSandboxRequest struct {
 	TemplateID          string            `json:"templateID"`
 	Timeout             *int64            `json:"timeout"`
 	AutoPause           *bool             `json:"autoPause"`
+	AutoPauseMemory     *bool             `json:"autoPauseMemory"`
+	AutoResume          *autoResumeJSON   `json:"autoResume"`
 	Secure              *bool             `json:"secure"`
 	AllowInternetAccess *bool             `json:"allow_internet_access"`
+	Network             *networkJSON      `json:"network"`
 	Metadata            map[string]string `json:"metadata"`
 	EnvVars             map[string]string `json:"envVars"`
+	MCP                 map[string]any    `json:"mcp"`
+	IAM                 *iamJSON          `json:"iam"`
+	VolumeMounts        []volumeMountJSON `json:"volumeMounts"`
 	CPUCount            *int              `json:"cpuCount"`
 	MemoryMB            *int              `json:"memoryMB"`
+}
+
+type autoResumeJSON struct {
+	Enabled bool `json:"enabled"`
+}
+
+// networkJSON is E2B's SandboxNetworkConfig.
+type networkJSON struct {
+	AllowOut           []string        `json:"allowOut"`
+	DenyOut            []string        `json:"denyOut"`
+	AllowPublicTraffic *bool           `json:"allowPublicTraffic"`
+	MaskRequestHost    *string         `json:"maskRequestHost"`
+	HTTPSPorts         []int           `json:"httpsPorts"`
+	Rules              map[string]any  `json:"rules"`
+	EgressProxy        *map[string]any `json:"egressProxy"`
+}
+
+type iamJSON struct {
+	Tokens map[string]map[string]any `json:"tokens"`
+}
+
+type volumeMountJSON struct {
+	Name string `json:"name"`
+	Path string `json:"path"`
 }
 
 // sandboxJSON is the Sandbox object of E2B's REST API.
@@ -67,6 +109,14 @@ type sandboxDetailJSON struct {
 	Domain          *string           `json:"domain,omitempty"`
 	State           string            `json:"state"`
 	Metadata        map[string]string `json:"metadata"`
+	// AllowInternetAccess and Lifecycle are in newer E2B responses.
+	AllowInternetAccess *bool          `json:"allowInternetAccess,omitempty"`
+	Lifecycle           *lifecycleJSON `json:"lifecycle,omitempty"`
+}
+
+type lifecycleJSON struct {
+	OnTimeout  string `json:"onTimeout"`
+	AutoResume bool   `json:"autoResume"`
 }
 
 func (s *Server) domainPtr() *string {
@@ -118,6 +168,11 @@ func (s *Server) detailBody(sb *orchestrator.Sandbox) sandboxDetailJSON {
 	if out.Metadata == nil {
 		out.Metadata = map[string]string{}
 	}
+	internet := sb.AllowInternet
+	out.AllowInternetAccess = &internet
+	// Until pause-on-expiry exists, every sandbox is killed at its end time,
+	// whatever autoPause it asked for.
+	out.Lifecycle = &lifecycleJSON{OnTimeout: "kill"}
 	if sb.AccessToken != "" {
 		t := sb.AccessToken
 		out.EnvdAccessToken = &t
@@ -142,59 +197,128 @@ func checkMap(name string, m map[string]string, maxEntries, maxBytes int) error 
 	return nil
 }
 
-func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
-	var req createSandboxRequest
-	if err := decodeBody(r, &req); err != nil {
-		writeError(w, http.StatusBadRequest, err.Error())
-		return
-	}
+// toCreateRequest validates a decoded NewSandbox and turns it into the
+// orchestrator's request. secureDefault applies when "secure" is absent.
+func (req *createSandboxRequest) toCreateRequest(secureDefault bool) (orchestrator.CreateRequest, error) {
+	var cr orchestrator.CreateRequest
 	if req.TemplateID == "" {
-		writeError(w, http.StatusBadRequest, "templateID is required")
-		return
+		return cr, errors.New("templateID is required")
+	}
+	if len(req.TemplateID) > 128 || !templateIDPattern.MatchString(req.TemplateID) {
+		return cr, fmt.Errorf("invalid templateID %q", truncate(req.TemplateID, 64))
 	}
 	if err := checkMap("metadata", req.Metadata, maxMetadataEntries, maxMetadataBytes); err != nil {
-		writeError(w, http.StatusBadRequest, err.Error())
-		return
+		return cr, err
 	}
 	if err := checkMap("envVars", req.EnvVars, maxEnvEntries, maxEnvBytes); err != nil {
-		writeError(w, http.StatusBadRequest, err.Error())
-		return
+		return cr, err
 	}
-	cr := orchestrator.CreateRequest{
+	for k := range req.EnvVars {
+		if !envNamePattern.MatchString(k) {
+			return cr, fmt.Errorf("envVars key %q is not a valid environment variable name", truncate(k, 64))
+		}
+	}
+	if len(req.MCP) > 0 {
+		return cr, errors.New("mcp is not supported on this node")
+	}
+	if len(req.VolumeMounts) > 0 {
+		return cr, errors.New("volumeMounts are not supported on this node")
+	}
+	if req.IAM != nil && len(req.IAM.Tokens) > 0 {
+		return cr, errors.New("iam tokens are not supported on this node")
+	}
+	if req.AutoResume != nil && req.AutoResume.Enabled {
+		return cr, errors.New("autoResume is not supported on this node yet (sandboxes cannot be paused yet)")
+	}
+	cr = orchestrator.CreateRequest{
 		TemplateID:    req.TemplateID,
 		AutoPause:     req.AutoPause == nil || *req.AutoPause,
-		Secure:        req.Secure != nil && *req.Secure,
+		Secure:        secureDefault,
 		AllowInternet: req.AllowInternetAccess,
 		Metadata:      req.Metadata,
 		EnvVars:       req.EnvVars,
 	}
+	if req.Secure != nil {
+		cr.Secure = *req.Secure
+	}
+	if n := req.Network; n != nil {
+		internet, err := n.internetAccess()
+		if err != nil {
+			return cr, err
+		}
+		if internet != nil {
+			if req.AllowInternetAccess != nil && *req.AllowInternetAccess != *internet {
+				return cr, errors.New("allow_internet_access contradicts network.allowOut/denyOut")
+			}
+			cr.AllowInternet = internet
+		}
+		if n.AllowPublicTraffic != nil && !*n.AllowPublicTraffic {
+			return cr, errors.New("network.allowPublicTraffic=false is not supported on this node yet")
+		}
+		if n.MaskRequestHost != nil || len(n.HTTPSPorts) > 0 || len(n.Rules) > 0 || (n.EgressProxy != nil && *n.EgressProxy != nil) {
+			return cr, errors.New("network.maskRequestHost, httpsPorts, rules and egressProxy are not supported on this node")
+		}
+	}
 	if req.Timeout != nil {
 		if *req.Timeout < 0 || *req.Timeout > maxTimeoutSeconds {
-			writeError(w, http.StatusBadRequest, fmt.Sprintf("timeout must be between 0 and %d seconds", maxTimeoutSeconds))
-			return
+			return cr, fmt.Errorf("timeout must be between 0 and %d seconds", maxTimeoutSeconds)
 		}
 		cr.Timeout = time.Duration(*req.Timeout) * time.Second
 	}
 	if req.CPUCount != nil {
-		if *req.CPUCount < 1 {
-			writeError(w, http.StatusBadRequest, "cpuCount must be at least 1")
-			return
+		if *req.CPUCount < 1 || *req.CPUCount > 64 {
+			return cr, errors.New("cpuCount must be between 1 and 64")
 		}
 		cr.VCPUs = *req.CPUCount
 	}
 	if req.MemoryMB != nil {
-		if *req.MemoryMB < 1 {
-			writeError(w, http.StatusBadRequest, "memoryMB must be positive")
-			return
+		if *req.MemoryMB < 1 || *req.MemoryMB > 1<<20 {
+			return cr, errors.New("memoryMB must be between 1 and 1048576")
 		}
 		cr.MemoryMiB = *req.MemoryMB
 	}
-	sb, err := s.node.Create(r.Context(), cr)
-	if err != nil {
-		s.writeNodeError(w, err)
-		return
+	return cr, nil
+}
+
+// internetAccess maps the egress lists this node can honour (nothing, or
+// denying everything) onto allow_internet_access.
+func (n *networkJSON) internetAccess() (*bool, error) {
+	if len(n.AllowOut) == 0 && len(n.DenyOut) == 0 {
+		return nil, nil
 	}
-	writeJSON(w, http.StatusCreated, s.sandboxBody(sb))
+	if len(n.AllowOut) == 0 && len(n.DenyOut) == 1 && n.DenyOut[0] == "0.0.0.0/0" {
+		f := false
+		return &f, nil
+	}
+	return nil, errors.New("network.allowOut/denyOut lists are not supported on this node (only denyOut [\"0.0.0.0/0\"], which equals allow_internet_access=false)")
+}
+
+func truncate(s string, n int) string {
+	if len(s) > n {
+		return s[:n] + "..."
+	}
+	return s
+}
+
+func (s *Server) createSandbox(secureDefault bool) func(http.ResponseWriter, *http.Request) {
+	return func(w http.ResponseWriter, r *http.Request) {
+		var req createSandboxRequest
+		if err := decodeBody(r, &req); err != nil {
+			writeError(w, http.StatusBadRequest, err.Error())
+			return
+		}
+		cr, err := req.toCreateRequest(secureDefault)
+		if err != nil {
+			writeError(w, http.StatusBadRequest, err.Error())
+			return
+		}
+		sb, err := s.node.Create(r.Context(), cr)
+		if err != nil {
+			s.writeNodeError(w, err)
+			return
+		}
+		writeJSON(w, http.StatusCreated, s.sandboxBody(sb))
+	}
 }
 
 func (s *Server) sandboxID(w http.ResponseWriter, r *http.Request) (string, bool) {
@@ -235,38 +359,77 @@ func (s *Server) killSandbox(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
+// setTimeout sets the end time to now + timeout (shorter or longer).
 func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request) {
-	s.extend(w, r, "timeout")
+	s.extend(w, r, "timeout", maxTimeoutSeconds, true, true)
 }
 
+// refresh keeps the sandbox alive for at least duration more seconds; it
+// never shortens its life. E2B caps refreshes at one hour.
 func (s *Server) refresh(w http.ResponseWriter, r *http.Request) {
-	s.extend(w, r, "duration")
+	s.extend(w, r, "duration", maxRefreshSeconds, false, false)
 }
 
-func (s *Server) extend(w http.ResponseWriter, r *http.Request, field string) {
+// decodeSeconds reads {field: <integer seconds>} from body. An absent field
+// (or empty body) is reported with present=false.
+func decodeSeconds(r *http.Request, field string, maxSecs int64) (secs int64, present bool, err error) {
+	var body map[string]json.RawMessage
+	if err := decodeBody(r, &body); err != nil {
+		return 0, false, err
+	}
+	raw, ok := body[field]
+	if !ok || string(raw) == "null" {
+		return 0, false, nil
+	}
+	var n json.Number
+	if err := json.Unmarshal(raw, &n); err != nil {
+		return 0, false, fmt.Errorf("%s must be a number of seconds", field)
+	}
+	v, err := n.Int64()
+	if err != nil || v < 0 || v > maxSecs {
+		return 0, false, fmt.Errorf("%s must be an integer number of seconds between 0 and %d", field, maxSecs)
+	}
+	return v, true, nil
+}
+
+func (s *Server) extend(w http.ResponseWriter, r *http.Request, field string, maxSecs int64, required, allowShorter bool) {
 	id, ok := s.sandboxID(w, r)
 	if !ok {
 		return
 	}
-	var body map[string]any
-	if err := decodeBody(r, &body); err != nil {
+	secs, present, err := decodeSeconds(r, field, maxSecs)
+	if err == nil && required && !present {
+		err = fmt.Errorf("%s is required", field)
+	}
+	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	v, present := body[field]
-	secs, isNum := v.(float64)
-	if !present || !isNum || secs != float64(int64(secs)) || secs < 0 || secs > maxTimeoutSeconds {
-		writeError(w, http.StatusBadRequest, fmt.Sprintf("%s must be an integer number of seconds between 0 and %d", field, maxTimeoutSeconds))
-		return
+	if !present {
+		secs = defaultRefreshSeconds
 	}
-	if secs == 0 {
-		secs = 1
-	}
-	if _, err := s.node.SetTimeout(r.Context(), id, time.Duration(secs)*time.Second); err != nil {
+	if err := s.keepAlive(r.Context(), id, time.Duration(max(secs, 1))*time.Second, allowShorter); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
 	w.WriteHeader(http.StatusNoContent)
+}
+
+// keepAlive sets the sandbox's end to now + d; unless allowShorter, an end
+// that is already later is kept.
+func (s *Server) keepAlive(ctx context.Context, id string, d time.Duration, allowShorter bool) error {
+	sb, err := s.node.Get(ctx, id)
+	if err != nil {
+		return err
+	}
+	if sb.State != orchestrator.StateRunning {
+		return fmt.Errorf("%w: sandbox %s is %s", orchestrator.ErrConflict, id, sb.State)
+	}
+	if !allowShorter && !sb.EndAt.Before(time.Now().Add(d)) {
+		return nil
+	}
+	_, err = s.node.SetTimeout(ctx, id, d)
+	return err
 }
 
 func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {

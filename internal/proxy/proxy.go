@@ -23,6 +23,11 @@ import (
 const (
 	HeaderSandboxID   = "E2b-Sandbox-Id"
 	HeaderSandboxPort = "E2b-Sandbox-Port"
+	// HeaderTrafficToken carries a sandbox's trafficAccessToken to
+	// non-envd ports when its public traffic is off.
+	HeaderTrafficToken = "E2b-Traffic-Access-Token"
+	// HeaderAccessToken carries the envdAccessToken of secure sandboxes.
+	HeaderAccessToken = "X-Access-Token"
 )
 
 // Target is the sandbox port a request is addressed to.
@@ -83,8 +88,12 @@ type Route struct {
 	Addr string
 	// Running is false for sandboxes that exist but cannot take traffic.
 	Running bool
-	// TrafficToken, when set, is required (header
-	// e2b-traffic-access-token) on ports other than envd's.
+	// AccessToken, when set (secure sandboxes), is required in
+	// X-Access-Token on envd's port, except for GET /health and validly
+	// signed /files URLs (envd checks it as well).
+	AccessToken string
+	// TrafficToken, when set (sandboxes without public traffic), is
+	// required in e2b-traffic-access-token on every other port.
 	TrafficToken string
 }
 
@@ -113,8 +122,19 @@ func New(r Resolver, domain string, envdPort int, log *slog.Logger) *Proxy {
 		log = slog.Default()
 	}
 	p := &Proxy{resolver: r, domain: domain, envdPort: envdPort, log: log}
+	dialer := &net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}
 	transport := &http.Transport{
-		DialContext:           (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		// Every guest of a slot gets the same address, so connections are
+		// pooled per sandbox (the dial address names it, see upstreamHost):
+		// a kept-alive connection to a killed sandbox is never reused for
+		// the next sandbox in its slot.
+		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			real, err := dialAddr(addr)
+			if err != nil {
+				return nil, err
+			}
+			return dialer.DialContext(ctx, network, real)
+		},
 		MaxIdleConnsPerHost:   64,
 		IdleConnTimeout:       90 * time.Second,
 		ResponseHeaderTimeout: 0, // long-polls and streams may wait
@@ -122,12 +142,13 @@ func New(r Resolver, domain string, envdPort int, log *slog.Logger) *Proxy {
 	}
 	p.rp = &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
-			addr := pr.In.Context().Value(ctxKey{}).(string)
+			up := pr.In.Context().Value(ctxKey{}).(upstream)
 			pr.Out.URL.Scheme = "http"
-			pr.Out.URL.Host = addr
-			pr.Out.Host = addr
+			pr.Out.URL.Host = upstreamHost(up.sandboxID, up.addr)
+			pr.Out.Host = up.addr
 			pr.Out.Header.Del(HeaderSandboxID)
 			pr.Out.Header.Del(HeaderSandboxPort)
+			pr.Out.Header.Del(HeaderTrafficToken)
 			pr.SetXForwarded()
 		},
 		Transport:     transport,
@@ -147,6 +168,10 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, "request does not name a sandbox")
 		return
 	}
+	if !validSandboxID(t.SandboxID) {
+		writeError(w, http.StatusBadRequest, "invalid sandbox id in "+HeaderSandboxID)
+		return
+	}
 	if t.Port == 0 {
 		writeError(w, http.StatusBadRequest, "invalid "+HeaderSandboxPort+" header")
 		return
@@ -164,12 +189,53 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadGateway, fmt.Sprintf("sandbox %q is not running", t.SandboxID))
 		return
 	}
-	if t.Port != p.envdPort && route.TrafficToken != "" && r.Header.Get("E2b-Traffic-Access-Token") != route.TrafficToken {
-		writeError(w, http.StatusForbidden, "missing or invalid e2b-traffic-access-token")
+	if t.Port == p.envdPort {
+		if route.AccessToken != "" && !envdAuthorized(r, route.AccessToken) {
+			writeUnauthenticated(w, r)
+			return
+		}
+	} else if route.TrafficToken != "" && !tokenEqual(r.Header.Get(HeaderTrafficToken), route.TrafficToken) {
+		writeError(w, http.StatusForbidden, "missing or invalid "+HeaderTrafficToken+" header")
 		return
 	}
-	addr := net.JoinHostPort(route.Addr, strconv.Itoa(t.Port))
-	p.rp.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), ctxKey{}, addr)))
+	up := upstream{sandboxID: t.SandboxID, addr: net.JoinHostPort(route.Addr, strconv.Itoa(t.Port))}
+	p.rp.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), ctxKey{}, up)))
+}
+
+func validSandboxID(id string) bool {
+	if id == "" || len(id) > 64 {
+		return false
+	}
+	for _, c := range id {
+		if (c < 'a' || c > 'z') && (c < '0' || c > '9') {
+			return false
+		}
+	}
+	return true
+}
+
+type upstream struct {
+	sandboxID string
+	addr      string // guest host:port
+}
+
+// upstreamHost is the URL host the transport pools connections by:
+// "<sandboxID>.<guest ip>:<port>". dialAddr recovers the guest address.
+func upstreamHost(sandboxID, addr string) string {
+	host, port, _ := net.SplitHostPort(addr)
+	return net.JoinHostPort(sandboxID+"."+host, port)
+}
+
+func dialAddr(hostport string) (string, error) {
+	host, port, err := net.SplitHostPort(hostport)
+	if err != nil {
+		return "", err
+	}
+	_, ip, ok := strings.Cut(host, ".")
+	if !ok || net.ParseIP(ip) == nil {
+		return "", fmt.Errorf("bad upstream address %q", hostport)
+	}
+	return net.JoinHostPort(ip, port), nil
 }
 
 func writeError(w http.ResponseWriter, status int, msg string) {

@@ -1,0 +1,277 @@
+package api
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/orchestrator"
+)
+
+// connectSandbox implements POST /sandboxes/{id}/connect and its /v2 form:
+// a running sandbox answers 200 with its Sandbox object (its timeout is
+// extended, never shortened, when one is given); resuming paused sandboxes
+// answers 501 until snapshots exist.
+func (s *Server) connectSandbox(w http.ResponseWriter, r *http.Request) {
+	id, ok := s.sandboxID(w, r)
+	if !ok {
+		return
+	}
+	secs, present, err := decodeSeconds(r, "timeout", maxTimeoutSeconds)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	sb, err := s.node.Get(r.Context(), id)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	switch sb.State {
+	case orchestrator.StateRunning:
+	case orchestrator.StatePaused:
+		writeError(w, http.StatusNotImplemented, notYetMessage("resume"))
+		return
+	default:
+		writeError(w, http.StatusConflict, fmt.Sprintf("sandbox %s is %s", id, sb.State))
+		return
+	}
+	if present {
+		if err := s.keepAlive(r.Context(), id, time.Duration(max(secs, 1))*time.Second, false); err != nil {
+			s.writeNodeError(w, err)
+			return
+		}
+	}
+	writeJSON(w, http.StatusOK, s.sandboxBody(sb))
+}
+
+// listSnapshots implements GET /snapshots: this node takes no snapshots yet,
+// so the list is empty.
+func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request) {
+	if _, err := queryInt(r, "limit", 1, 1000); err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	writeJSON(w, http.StatusOK, []any{})
+}
+
+// metricJSON is E2B's SandboxMetric.
+type metricJSON struct {
+	Timestamp     time.Time `json:"timestamp"`
+	TimestampUnix int64     `json:"timestampUnix"`
+	CPUCount      int       `json:"cpuCount"`
+	CPUUsedPct    float64   `json:"cpuUsedPct"`
+	MemUsed       uint64    `json:"memUsed"`
+	MemTotal      uint64    `json:"memTotal"`
+	MemCache      uint64    `json:"memCache"`
+	DiskUsed      uint64    `json:"diskUsed"`
+	DiskTotal     uint64    `json:"diskTotal"`
+}
+
+// envdMetrics is the body of envd's GET /metrics.
+type envdMetrics struct {
+	Timestamp  int64   `json:"ts"`
+	CPUCount   int     `json:"cpu_count"`
+	CPUUsedPct float64 `json:"cpu_used_pct"`
+	MemTotal   uint64  `json:"mem_total"`
+	MemUsed    uint64  `json:"mem_used"`
+	MemCache   uint64  `json:"mem_cache"`
+	DiskUsed   uint64  `json:"disk_used"`
+	DiskTotal  uint64  `json:"disk_total"`
+}
+
+// queryInt parses an optional integer query parameter within [lo, hi];
+// absent gives -1.
+func queryInt(r *http.Request, name string, lo, hi int64) (int64, error) {
+	v := r.URL.Query().Get(name)
+	if v == "" {
+		return -1, nil
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n < lo || n > hi {
+		return 0, fmt.Errorf("%s must be an integer between %d and %d", name, lo, hi)
+	}
+	return n, nil
+}
+
+// sandboxMetrics implements GET /sandboxes/{id}/metrics?start=&end= (unix
+// seconds). The node keeps no history: the answer is one sample read from
+// the guest's envd now, or nothing when it falls outside [start, end].
+func (s *Server) sandboxMetrics(w http.ResponseWriter, r *http.Request) {
+	id, ok := s.sandboxID(w, r)
+	if !ok {
+		return
+	}
+	start, err := queryInt(r, "start", 0, 1<<40)
+	if err == nil {
+		var end int64
+		end, err = queryInt(r, "end", 0, 1<<40)
+		if err == nil && end >= 0 && start > end {
+			err = errors.New("start must not be after end")
+		}
+		if err == nil && end >= 0 && end < time.Now().Unix() {
+			writeJSON(w, http.StatusOK, []metricJSON{})
+			return
+		}
+	}
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	sb, err := s.node.Get(r.Context(), id)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	if sb.State != orchestrator.StateRunning {
+		writeJSON(w, http.StatusOK, []metricJSON{})
+		return
+	}
+	m, err := fetchEnvdMetrics(r.Context(), sb)
+	if err != nil {
+		writeError(w, http.StatusBadGateway, "read metrics from the sandbox: "+err.Error())
+		return
+	}
+	ts := time.Unix(m.Timestamp, 0).UTC()
+	if m.Timestamp == 0 {
+		ts = time.Now().UTC().Truncate(time.Second)
+	}
+	writeJSON(w, http.StatusOK, []metricJSON{{
+		Timestamp:     ts,
+		TimestampUnix: ts.Unix(),
+		CPUCount:      m.CPUCount,
+		CPUUsedPct:    m.CPUUsedPct,
+		MemUsed:       m.MemUsed,
+		MemTotal:      m.MemTotal,
+		MemCache:      m.MemCache,
+		DiskUsed:      m.DiskUsed,
+		DiskTotal:     m.DiskTotal,
+	}})
+}
+
+var envdClient = &http.Client{Timeout: 10 * time.Second}
+
+func fetchEnvdMetrics(ctx context.Context, sb *orchestrator.Sandbox) (*envdMetrics, error) {
+	if sb.EnvdAddr == "" {
+		return nil, errors.New("sandbox has no address")
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+sb.EnvdAddr+"/metrics", nil)
+	if err != nil {
+		return nil, err
+	}
+	if sb.AccessToken != "" {
+		req.Header.Set("X-Access-Token", sb.AccessToken)
+	}
+	resp, err := envdClient.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("envd answered %d: %s", resp.StatusCode, truncate(string(bytes.TrimSpace(body)), 200))
+	}
+	var m envdMetrics
+	if err := json.Unmarshal(body, &m); err != nil {
+		return nil, fmt.Errorf("envd metrics: %w", err)
+	}
+	return &m, nil
+}
+
+// logsJSON is E2B's SandboxLogs.
+type logsJSON struct {
+	Logs       []logLineJSON  `json:"logs"`
+	LogEntries []logEntryJSON `json:"logEntries"`
+}
+
+type logLineJSON struct {
+	Timestamp time.Time `json:"timestamp"`
+	Line      string    `json:"line"`
+}
+
+type logEntryJSON struct {
+	Timestamp time.Time         `json:"timestamp"`
+	Level     string            `json:"level"`
+	Message   string            `json:"message"`
+	Fields    map[string]string `json:"fields"`
+}
+
+const (
+	maxLogBytes      = 4 << 20
+	defaultLogLimit  = 1000
+	maxLogLimitLines = 10000
+)
+
+// sandboxLogs implements GET /sandboxes/{id}/logs?start=<unix ms>&limit=:
+// the guest console (kernel, init and envd output), oldest line first. The
+// console has no per-line clock, so every line carries the sandbox's start
+// time, and start only filters out everything when it is later than that.
+func (s *Server) sandboxLogs(w http.ResponseWriter, r *http.Request) {
+	id, ok := s.sandboxID(w, r)
+	if !ok {
+		return
+	}
+	start, err := queryInt(r, "start", 0, 1<<53)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	limit, err := queryInt(r, "limit", 0, maxLogLimitLines)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	if limit < 0 {
+		limit = defaultLogLimit
+	}
+	sb, err := s.node.Get(r.Context(), id)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	lr, ok := s.node.(ConsoleLogReader)
+	if !ok {
+		writeError(w, http.StatusNotImplemented, "this node does not expose sandbox logs")
+		return
+	}
+	raw, err := lr.ConsoleLog(r.Context(), id, maxLogBytes)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	out := logsJSON{Logs: []logLineJSON{}, LogEntries: []logEntryJSON{}}
+	ts := sb.StartedAt.UTC()
+	if start >= 0 && ts.UnixMilli() < start {
+		writeJSON(w, http.StatusOK, out)
+		return
+	}
+	sc := bufio.NewScanner(bytes.NewReader(raw))
+	sc.Buffer(make([]byte, 64<<10), maxLogBytes)
+	for sc.Scan() && int64(len(out.Logs)) < limit {
+		line := string(bytes.TrimRight(sc.Bytes(), "\r"))
+		if line == "" {
+			continue
+		}
+		line = toValidUTF8(line)
+		out.Logs = append(out.Logs, logLineJSON{Timestamp: ts, Line: line})
+		out.LogEntries = append(out.LogEntries, logEntryJSON{
+			Timestamp: ts, Level: "info", Message: line,
+			Fields: map[string]string{"source": "console"},
+		})
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+func toValidUTF8(s string) string {
+	return string(bytes.ToValidUTF8([]byte(s), []byte("\uFFFD")))
+}

@@ -1,0 +1,245 @@
+// Package e2e holds end-to-end tests of `aenv server` with real QEMU guests:
+// the official E2B JS SDK (sdk/*.test.cjs, run with `node --test`) and the
+// sandbox proxy (HTTP streaming over HTTP/1.1 and h2c, Connect streams,
+// WebSocket, access tokens, 502s), plus REST bad-input checks.
+//
+// They need root, QEMU and a prepared test data dir in AENV_TEST_DATA_DIR
+// (scripts/test makes one); without it every test skips with the reason.
+// One server is started for the package and every sandbox is killed before
+// it stops. Set AENV_BIN to use a prebuilt aenv binary instead of building
+// one.
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+const (
+	apiKey      = "e2b_5eed0000000000000000000000000000000000e2e"
+	instance    = "sdkt"
+	networkCIDR = "10.217.0.0/16"
+	envdPort    = 49983
+)
+
+// server is a running `aenv server`.
+type server struct {
+	url     string // http://127.0.0.1:port
+	dataDir string
+	cmd     *exec.Cmd
+	logPath string
+}
+
+var (
+	srvOnce sync.Once
+	srv     *server
+	srvSkip string
+	srvErr  error
+	tmpRoot string
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if srv != nil {
+		srv.stop()
+	}
+	if tmpRoot != "" {
+		os.RemoveAll(tmpRoot)
+	}
+	os.Exit(code)
+}
+
+// needServer returns the package's server, starting it on first use, or
+// skips the test when the machine cannot run one.
+func needServer(t *testing.T) *server {
+	t.Helper()
+	srvOnce.Do(func() { srv, srvSkip, srvErr = startServer() })
+	if srvSkip != "" {
+		t.Skip(srvSkip)
+	}
+	if srvErr != nil {
+		t.Fatal(srvErr)
+	}
+	return srv
+}
+
+func startServer() (*server, string, error) {
+	testData := os.Getenv("AENV_TEST_DATA_DIR")
+	if testData == "" {
+		return nil, "AENV_TEST_DATA_DIR is not set (scripts/test prepares one with `aenv setup`)", nil
+	}
+	if os.Geteuid() != 0 {
+		return nil, "aenv server needs root (network namespaces, tap devices)", nil
+	}
+	for _, p := range []string{"templates/base", "cache/initramfs.img"} {
+		if _, err := os.Stat(filepath.Join(testData, p)); err != nil {
+			return nil, "", fmt.Errorf("AENV_TEST_DATA_DIR %s is not prepared (%v): run `aenv setup --data-dir %s --templates base,minimal`", testData, err, testData)
+		}
+	}
+	var err error
+	tmpRoot, err = os.MkdirTemp("", "aenv-e2e-")
+	if err != nil {
+		return nil, "", err
+	}
+	bin := os.Getenv("AENV_BIN")
+	if bin == "" {
+		bin = filepath.Join(tmpRoot, "aenv")
+		build := exec.Command("go", "build", "-o", bin, "github.com/agentenv/agentenv/cmd/aenv")
+		if out, err := build.CombinedOutput(); err != nil {
+			return nil, "", fmt.Errorf("build aenv: %v\n%s", err, out)
+		}
+	}
+	dataDir := filepath.Join(tmpRoot, "data")
+	if err := os.MkdirAll(dataDir, 0o700); err != nil {
+		return nil, "", err
+	}
+	for _, l := range []string{"templates", "cache"} {
+		if err := os.Symlink(filepath.Join(testData, l), filepath.Join(dataDir, l)); err != nil {
+			return nil, "", err
+		}
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, "", err
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	s := &server{url: "http://" + addr, dataDir: dataDir, logPath: filepath.Join(tmpRoot, "server.log")}
+	logf, err := os.Create(s.logPath)
+	if err != nil {
+		return nil, "", err
+	}
+	s.cmd = exec.Command(bin, "server", "--data-dir", dataDir, "--listen", addr,
+		"--instance", instance, "--network-cidr", networkCIDR, "--log-level", "debug")
+	s.cmd.Env = append(os.Environ(), "AENV_API_KEY="+apiKey)
+	s.cmd.Stdout, s.cmd.Stderr = logf, logf
+	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+	if err := s.cmd.Start(); err != nil {
+		return nil, "", err
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		resp, err := http.Get(s.url + "/health")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return s, "", nil
+			}
+		}
+		if time.Now().After(deadline) {
+			s.stop()
+			return nil, "", fmt.Errorf("aenv server did not come up: %v\n%s", err, s.log())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func (s *server) log() string {
+	b, _ := os.ReadFile(s.logPath)
+	if len(b) > 8000 {
+		b = b[len(b)-8000:]
+	}
+	return string(b)
+}
+
+// stop kills every sandbox (they would outlive the server) and stops it.
+func (s *server) stop() {
+	var list []map[string]any
+	if err := s.rest(context.Background(), "GET", "/v2/sandboxes", nil, &list); err == nil {
+		for _, sb := range list {
+			_ = s.rest(context.Background(), "DELETE", "/sandboxes/"+sb["sandboxID"].(string), nil, nil)
+		}
+	}
+	_ = s.cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { _ = s.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(15 * time.Second):
+		_ = s.cmd.Process.Kill()
+		<-done
+	}
+}
+
+// apiError is a non-2xx REST answer.
+type apiError struct {
+	Status int
+	Body   string
+}
+
+func (e *apiError) Error() string { return fmt.Sprintf("HTTP %d: %s", e.Status, e.Body) }
+
+// rest calls the REST API with the key; out (if non-nil) receives the JSON.
+func (s *server) rest(ctx context.Context, method, path string, in, out any) error {
+	var body io.Reader
+	if in != nil {
+		if raw, ok := in.(string); ok {
+			body = strings.NewReader(raw)
+		} else {
+			b, _ := json.Marshal(in)
+			body = bytes.NewReader(b)
+		}
+	}
+	req, err := http.NewRequestWithContext(ctx, method, s.url+path, body)
+	if err != nil {
+		return err
+	}
+	req.Header.Set("X-API-Key", apiKey)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode/100 != 2 {
+		return &apiError{Status: resp.StatusCode, Body: string(b)}
+	}
+	if out != nil {
+		return json.Unmarshal(b, out)
+	}
+	return nil
+}
+
+type sandbox struct {
+	SandboxID       string `json:"sandboxID"`
+	EnvdAccessToken string `json:"envdAccessToken"`
+}
+
+// createSandbox creates a base sandbox that is killed when t ends.
+func (s *server) createSandbox(t *testing.T, body map[string]any) *sandbox {
+	t.Helper()
+	if body == nil {
+		body = map[string]any{}
+	}
+	if body["templateID"] == nil {
+		body["templateID"] = "base"
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var sb sandbox
+	if err := s.rest(ctx, "POST", "/v2/sandboxes", body, &sb); err != nil {
+		t.Fatalf("create sandbox: %v\n%s", err, s.log())
+	}
+	t.Cleanup(func() {
+		var ae *apiError
+		if err := s.rest(context.Background(), "DELETE", "/sandboxes/"+sb.SandboxID, nil, nil); err != nil && !(errors.As(err, &ae) && ae.Status == 404) {
+			t.Errorf("kill %s: %v", sb.SandboxID, err)
+		}
+	})
+	return &sb
+}

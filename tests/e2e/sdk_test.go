@@ -1,0 +1,130 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// sdkVersion is the E2B JS SDK the compatibility tests pin (sdk/package.json).
+const sdkVersion = "2.51.0"
+
+// installSDK makes sure e2b@sdkVersion is installed under the test data dir
+// (AENV_TEST_DATA_DIR/npm/e2b-<version>, reused between runs) and returns
+// that directory. The install happens in a temporary directory that is
+// renamed into place, so a broken install is never reused.
+func installSDK(t *testing.T) string {
+	t.Helper()
+	npm, err := exec.LookPath("npm")
+	if err != nil {
+		t.Skip("npm is not installed: the E2B SDK compatibility tests need node and npm")
+	}
+	dir := filepath.Join(os.Getenv("AENV_TEST_DATA_DIR"), "npm", "e2b-"+sdkVersion)
+	if installedVersion(dir) == sdkVersion {
+		return dir
+	}
+	if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// Serialize concurrent installs (several test binaries, several runs).
+	lock, err := os.OpenFile(dir+".lock", os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Close()
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+		t.Fatal(err)
+	}
+	if installedVersion(dir) == sdkVersion {
+		return dir
+	}
+	tmp, err := os.MkdirTemp(filepath.Dir(dir), ".install-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(tmp)
+	pkg, err := os.ReadFile(filepath.Join("sdk", "package.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(tmp, "package.json"), pkg, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	start := time.Now()
+	cmd := exec.CommandContext(ctx, npm, "install", "--no-audit", "--no-fund", "--loglevel=error")
+	cmd.Dir = tmp
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("npm install e2b@%s: %v\n%s", sdkVersion, err, out)
+	}
+	if v := installedVersion(tmp); v != sdkVersion {
+		t.Fatalf("npm installed e2b %q, want %s", v, sdkVersion)
+	}
+	os.RemoveAll(dir)
+	if err := os.Rename(tmp, dir); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("installed e2b@%s into %s in %s", sdkVersion, dir, time.Since(start).Round(time.Millisecond))
+	return dir
+}
+
+func installedVersion(dir string) string {
+	b, err := os.ReadFile(filepath.Join(dir, "node_modules", "e2b", "package.json"))
+	if err != nil {
+		return ""
+	}
+	var p struct{ Version string }
+	_ = json.Unmarshal(b, &p)
+	return p.Version
+}
+
+// TestOfficialJSSDK runs sdk/*.test.cjs with node's test runner against the
+// server, the official SDK pointed at it through E2B_API_URL and
+// E2B_SANDBOX_URL. Every test file is one go subtest.
+func TestOfficialJSSDK(t *testing.T) {
+	if os.Getenv("AENV_TEST_DATA_DIR") == "" {
+		t.Skip("AENV_TEST_DATA_DIR is not set (scripts/test prepares one with `aenv setup`)")
+	}
+	node, err := exec.LookPath("node")
+	if err != nil {
+		t.Skip("node is not installed: the E2B SDK compatibility tests need node and npm")
+	}
+	sdkDir := installSDK(t)
+	s := needServer(t)
+	files, err := filepath.Glob(filepath.Join("sdk", "*.test.cjs"))
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no SDK test files: %v", err)
+	}
+	for _, f := range files {
+		name := strings.TrimSuffix(filepath.Base(f), ".test.cjs")
+		t.Run(name, func(t *testing.T) {
+			abs, _ := filepath.Abs(f)
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+			defer cancel()
+			start := time.Now()
+			cmd := exec.CommandContext(ctx, node, "--test", "--test-reporter=spec", abs)
+			cmd.Env = append(os.Environ(),
+				"E2B_API_URL="+s.url,
+				"E2B_SANDBOX_URL="+s.url,
+				"E2B_API_KEY="+apiKey,
+				"E2B_SDK_DIR="+sdkDir,
+				"NO_COLOR=1",
+				fmt.Sprintf("UV_THREADPOOL_SIZE=%d", max(4, runtime.NumCPU())),
+			)
+			out, err := cmd.CombinedOutput()
+			t.Logf("node --test %s (%s):\n%s", filepath.Base(f), time.Since(start).Round(time.Millisecond), out)
+			if err != nil {
+				t.Fatalf("SDK tests in %s failed: %v\nserver log tail:\n%s", f, err, s.log())
+			}
+		})
+	}
+}
