@@ -92,3 +92,43 @@ func reportPercentiles(b *testing.B, ds []time.Duration) {
 	b.ReportMetric(float64(percentile(ds, 90).Microseconds())/1000, "p90-ms")
 	b.ReportMetric(0, "ns/op")
 }
+
+// BenchmarkPauseResume pauses and resumes one running `base` sandbox b.N
+// times and reports p50/p90 of each. The resume figure ends when envd has
+// accepted /init (so the sandbox answers requests). Baseline in the same run:
+// the bare QMP stop/cont round trip on the running machine.
+func BenchmarkPauseResume(b *testing.B) {
+	n := testNode(b)
+	ctx := context.Background()
+	s, err := n.Create(ctx, CreateRequest{TemplateID: "base", Secure: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	var stopCont, pause, resume []time.Duration
+	for i := 0; i < b.N; i++ {
+		m := n.machine(s.ID)
+		t0 := time.Now()
+		if err := m.Pause(ctx); err != nil {
+			b.Fatal(err)
+		}
+		if err := m.Resume(ctx); err != nil {
+			b.Fatal(err)
+		}
+		stopCont = append(stopCont, time.Since(t0))
+		t0 = time.Now()
+		if _, err := n.Pause(ctx, s.ID); err != nil {
+			b.Fatal(err)
+		}
+		pause = append(pause, time.Since(t0))
+		t0 = time.Now()
+		if _, err := n.Resume(ctx, s.ID, time.Hour); err != nil {
+			b.Fatal(err)
+		}
+		resume = append(resume, time.Since(t0))
+	}
+	for name, ds := range map[string][]time.Duration{"baseline-stop-cont": stopCont, "pause": pause, "resume": resume} {
+		fmt.Fprintf(os.Stderr, "%-20s n=%d p50 %8s p90 %8s\n", name, len(ds),
+			percentile(ds, 50).Round(10*time.Microsecond), percentile(ds, 90).Round(10*time.Microsecond))
+	}
+	reportPercentiles(b, resume)
+}

@@ -293,8 +293,8 @@ func (n *Node) SetTimeout(ctx context.Context, id string, d time.Duration) (*San
 	return n.withAddr(s), nil
 }
 
-// expiryLoop kills sandboxes whose time to live has run out. (Pausing on
-// expiry arrives with snapshots.)
+// expiryLoop ends sandboxes whose time to live has run out: paused when they
+// were created with autoPause (the default), killed otherwise.
 func (n *Node) expiryLoop() {
 	defer n.wg.Done()
 	t := time.NewTicker(time.Second)
@@ -312,9 +312,15 @@ func (n *Node) expiryLoop() {
 			continue
 		}
 		for _, s := range expired {
-			n.log.Info("sandbox expired", "sandbox", s.ID, "end", s.EndAt)
-			if err := n.Kill(ctx, s.ID); err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrConflict) {
-				n.log.Error("kill expired sandbox", "sandbox", s.ID, "err", err)
+			n.log.Info("sandbox expired", "sandbox", s.ID, "end", s.EndAt, "autoPause", s.AutoPause)
+			var err error
+			if s.AutoPause {
+				_, err = n.Pause(ctx, s.ID)
+			} else {
+				err = n.Kill(ctx, s.ID)
+			}
+			if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrConflict) {
+				n.log.Error("end expired sandbox", "sandbox", s.ID, "err", err)
 			}
 		}
 	}

@@ -163,21 +163,7 @@ func (n *Node) boot(ctx context.Context, s *Sandbox, t *Template) error {
 	}
 	defer tap.Close() // QEMU holds its own copy
 	phase("network")
-	m, err := vmm.Start(ctx, vmm.Config{
-		QEMU:      n.cfg.QEMU,
-		Accel:     n.cfg.Accel,
-		VCPUs:     s.VCPUs,
-		MemoryMiB: s.MemoryMiB,
-		Kernel:    n.cfg.Kernel,
-		Initrd:    n.cfg.Initrd,
-		Cmdline:   kernelCmdline(n.cfg.KernelArgs),
-		RootDisk:  overlay,
-		MemFile:   filepath.Join(dir, memFileName),
-		Tap:       tap,
-		MAC:       network.GuestMAC,
-		RunDir:    dir,
-		TBSizeMiB: n.cfg.TCGTranslationCacheMiB,
-	})
+	m, err := vmm.Start(ctx, n.vmConfig(s, tap, false))
 	if err != nil {
 		return err
 	}

@@ -44,6 +44,13 @@ type Config struct {
 	RunDir string
 	// TBSizeMiB bounds TCG's translation cache (0: QEMU's default).
 	TBSizeMiB int
+	// Incoming starts QEMU waiting for a saved device state (LoadState)
+	// instead of booting the kernel; the guest stays paused until Resume.
+	Incoming bool
+	// PrivateMemory maps MemFile copy-on-write (MAP_PRIVATE): the guest's
+	// writes stay in this process and the file is never modified, so many
+	// machines can restore from one frozen memory image.
+	PrivateMemory bool
 }
 
 // Paths inside RunDir.
@@ -106,6 +113,10 @@ func (c *Config) Args() []string {
 		cpu = "host"
 	}
 	mem := strconv.Itoa(c.MemoryMiB) + "M"
+	share := "on"
+	if c.PrivateMemory {
+		share = "off"
+	}
 	args := []string{
 		"-name", "aenv:" + filepath.Base(c.RunDir),
 		"-M", "microvm,x-option-roms=off,isa-serial=on,rtc=on,memory-backend=mem",
@@ -113,7 +124,7 @@ func (c *Config) Args() []string {
 		"-cpu", cpu,
 		"-smp", strconv.Itoa(c.VCPUs),
 		"-m", mem,
-		"-object", "memory-backend-file,id=mem,size=" + mem + ",mem-path=" + c.MemFile + ",share=on",
+		"-object", "memory-backend-file,id=mem,size=" + mem + ",mem-path=" + c.MemFile + ",share=" + share,
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
 		"-kernel", c.Kernel,
 		"-initrd", c.Initrd,
@@ -127,6 +138,9 @@ func (c *Config) Args() []string {
 		"-device", "virtio-balloon-device,free-page-reporting=on",
 		"-qmp", "unix:" + filepath.Join(c.RunDir, QMPSocketName) + ",server=on,wait=off",
 		"-pidfile", filepath.Join(c.RunDir, PIDFileName),
+	}
+	if c.Incoming {
+		args = append(args, "-S", "-incoming", "defer")
 	}
 	if c.Tap != nil {
 		nic := "virtio-net-device,netdev=net0"

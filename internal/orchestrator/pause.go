@@ -1,0 +1,237 @@
+package orchestrator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/network"
+	"github.com/agentenv/agentenv/internal/vmm"
+)
+
+// stateFileName holds a paused sandbox's device state; its RAM is in
+// memFileName and its disk in overlayName, all in the sandbox directory.
+const stateFileName = "devices.vmstate"
+
+// Pause stops a running sandbox and keeps it on disk: the guest's vCPUs are
+// stopped, its device state is saved beside its RAM file (guest memory is a
+// shared file mapping, so only devices need writing), and QEMU exits, freeing
+// its memory and CPU. Resume brings it back where it stopped.
+func (n *Node) Pause(ctx context.Context, id string) (*Sandbox, error) {
+	unlock := n.lockOp(id)
+	defer unlock()
+	s, err := n.loadSandbox(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	if s.State == StatePaused {
+		return nil, fmt.Errorf("%w: sandbox %s is already paused", ErrConflict, id)
+	}
+	if err := n.transition(ctx, id, StatePausing, StateRunning); err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	if err := n.pause(ctx, s); err != nil {
+		// The machine is still there and may still run: put it back.
+		n.log.Error("pause failed; resuming the sandbox", "sandbox", id, "err", err)
+		if m := n.machine(id); m != nil {
+			_ = m.Resume(context.WithoutCancel(ctx))
+		}
+		_ = n.transition(context.WithoutCancel(ctx), id, StateRunning, StatePausing)
+		return nil, fmt.Errorf("pause %s: %w", id, err)
+	}
+	if err := n.setFields(ctx, id, "state = ?, pid = 0", StatePaused); err != nil {
+		return nil, err
+	}
+	s.State, s.PID = StatePaused, 0
+	n.log.Info("sandbox paused", "sandbox", id, "took", time.Since(start).Round(time.Microsecond))
+	return n.withAddr(s), nil
+}
+
+func (n *Node) machine(id string) *vmm.Machine {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.machines[id]
+}
+
+func (n *Node) pause(ctx context.Context, s *Sandbox) error {
+	m := n.machine(s.ID)
+	if m == nil {
+		return errors.New("no running machine")
+	}
+	dir := n.sandboxDir(s.ID)
+	mark := time.Now()
+	phase := func(name string) {
+		now := time.Now()
+		s.Phases = append(s.Phases, Phase{name, now.Sub(mark)})
+		mark = now
+	}
+	if err := m.Pause(ctx); err != nil {
+		return err
+	}
+	phase("stop vcpus")
+	tmp := filepath.Join(dir, stateFileName+".tmp")
+	_ = os.Remove(tmp)
+	if err := m.SaveState(ctx, tmp); err != nil {
+		return err
+	}
+	phase("save device state")
+	// The machine leaves the map before it exits so the exit watcher does not
+	// take the exit for a crash.
+	n.mu.Lock()
+	delete(n.machines, s.ID)
+	n.mu.Unlock()
+	// A completed migration has flushed and released the disk, so QEMU has
+	// nothing left to write: kill it rather than wait for an orderly quit.
+	if err := m.Kill(); err != nil {
+		return err
+	}
+	phase("qemu exit")
+	// QEMU has flushed the disk and RAM file mappings; make them and the
+	// state durable, then publish the state file.
+	for _, f := range []string{memFileName, overlayName, stateFileName + ".tmp"} {
+		if err := syncFile(filepath.Join(dir, f)); err != nil {
+			return err
+		}
+	}
+	if err := os.Rename(tmp, filepath.Join(dir, stateFileName)); err != nil {
+		return err
+	}
+	phase("sync to disk")
+	return nil
+}
+
+func syncFile(path string) error {
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("sync %s: %w", path, err)
+	}
+	return nil
+}
+
+// Resume restarts a paused sandbox exactly where it stopped and gives it a
+// new time to live (0: the node's default). envd gets a fresh /init so the
+// guest's wall clock is corrected.
+func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*Sandbox, error) {
+	if timeout == 0 {
+		timeout = n.cfg.DefaultTimeout
+	}
+	if timeout < 0 || timeout > n.cfg.MaxTimeout {
+		return nil, fmt.Errorf("%w: timeout must be between 1s and %s", ErrInvalid, n.cfg.MaxTimeout)
+	}
+	unlock := n.lockOp(id)
+	defer unlock()
+	s, err := n.loadSandbox(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	if s.State == StateRunning {
+		return nil, fmt.Errorf("%w: sandbox %s is already running", ErrConflict, id)
+	}
+	if err := n.transition(ctx, id, StateResuming, StatePaused); err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	if err := n.resume(ctx, s); err != nil {
+		// Nothing of the paused state was changed: the sandbox stays paused.
+		if m := n.machine(id); m != nil {
+			n.mu.Lock()
+			delete(n.machines, id)
+			n.mu.Unlock()
+			_ = m.Kill()
+		}
+		_ = n.transition(context.WithoutCancel(ctx), id, StatePaused, StateResuming)
+		return nil, fmt.Errorf("resume %s: %w", id, err)
+	}
+	now := time.Now().UTC().Truncate(time.Millisecond)
+	s.StartedAt, s.EndAt, s.State = now, now.Add(timeout), StateRunning
+	if err := n.setFields(ctx, id, "state = ?, pid = ?, started_at = ?, end_at = ?",
+		StateRunning, s.PID, s.StartedAt.UnixMilli(), s.EndAt.UnixMilli()); err != nil {
+		return nil, err
+	}
+	n.log.Info("sandbox resumed", "sandbox", id, "took", time.Since(start).Round(time.Microsecond))
+	return n.withAddr(s), nil
+}
+
+func (n *Node) resume(ctx context.Context, s *Sandbox) error {
+	dir := n.sandboxDir(s.ID)
+	state := filepath.Join(dir, stateFileName)
+	for _, f := range []string{state, filepath.Join(dir, memFileName), filepath.Join(dir, overlayName)} {
+		if _, err := os.Stat(f); err != nil {
+			return fmt.Errorf("paused sandbox is missing %s: %w", filepath.Base(f), err)
+		}
+	}
+	mark := time.Now()
+	phase := func(name string) {
+		now := time.Now()
+		s.Phases = append(s.Phases, Phase{name, now.Sub(mark)})
+		mark = now
+	}
+	ep, err := n.endpoint(s)
+	if err != nil {
+		return err
+	}
+	tap, err := n.net.OpenTap(ep)
+	if err != nil {
+		// The namespace is gone (host reboot): build the network again.
+		if err := n.net.Setup(ctx, ep); err != nil {
+			return err
+		}
+		if tap, err = n.net.OpenTap(ep); err != nil {
+			return err
+		}
+	}
+	defer tap.Close()
+	phase("network")
+	m, err := vmm.Start(ctx, n.vmConfig(s, tap, true))
+	if err != nil {
+		return err
+	}
+	n.adopt(s.ID, m)
+	s.PID = m.PID()
+	phase("qemu start")
+	if err := m.LoadState(ctx, state); err != nil {
+		return err
+	}
+	phase("load device state")
+	if err := m.Resume(ctx); err != nil {
+		return err
+	}
+	phase("resume vcpus")
+	if err := initEnvd(ctx, ep.GuestAddr(EnvdPort), s); err != nil {
+		return err
+	}
+	phase("envd init")
+	return nil
+}
+
+// vmConfig is the machine of a sandbox; incoming restores saved state.
+func (n *Node) vmConfig(s *Sandbox, tap interface{ Fd() uintptr }, incoming bool) vmm.Config {
+	dir := n.sandboxDir(s.ID)
+	cfg := vmm.Config{
+		QEMU:      n.cfg.QEMU,
+		Accel:     n.cfg.Accel,
+		VCPUs:     s.VCPUs,
+		MemoryMiB: s.MemoryMiB,
+		Kernel:    n.cfg.Kernel,
+		Initrd:    n.cfg.Initrd,
+		Cmdline:   kernelCmdline(n.cfg.KernelArgs),
+		RootDisk:  filepath.Join(dir, overlayName),
+		MemFile:   filepath.Join(dir, memFileName),
+		MAC:       network.GuestMAC,
+		RunDir:    dir,
+		TBSizeMiB: n.cfg.TCGTranslationCacheMiB,
+		Incoming:  incoming,
+	}
+	if f, ok := tap.(*os.File); ok {
+		cfg.Tap = f
+	}
+	return cfg
+}

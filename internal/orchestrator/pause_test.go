@@ -1,0 +1,138 @@
+package orchestrator
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestPauseResume(t *testing.T) {
+	shared := testData(t)
+	dir := t.TempDir()
+	if err := os.Symlink(filepath.Join(shared, "templates"), filepath.Join(dir, "templates")); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	n := openTestNode(t, dir)
+	s := create(t, n, CreateRequest{TemplateID: "base", Secure: true, EnvVars: map[string]string{"K": "v"}})
+	c := newEnvdClient(s)
+	// A background process that counts, and a file.
+	r, err := c.run(ctx, "", "bash", "-c", "nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 & echo $!; echo data > /home/user/f")
+	if err != nil || r.exit != 0 {
+		t.Fatalf("start background process: %+v %v", r, err)
+	}
+	bgPID := strings.TrimSpace(r.stdout)
+	time.Sleep(500 * time.Millisecond)
+
+	p, err := n.Pause(ctx, s.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("pause phases: %v", p.Phases)
+	got, _ := n.Get(ctx, s.ID)
+	if got.State != StatePaused || got.PID != 0 {
+		t.Fatalf("after pause: %+v", got)
+	}
+	if err := unixKill0(s.PID); err == nil {
+		if b, _ := os.ReadFile("/proc/" + strconv.Itoa(s.PID) + "/cmdline"); strings.Contains(string(b), s.ID) {
+			t.Fatal("QEMU still running after pause")
+		}
+	}
+	if _, err := n.Pause(ctx, s.ID); !errors.Is(err, ErrConflict) {
+		t.Fatalf("second pause = %v, want conflict", err)
+	}
+	if _, err := n.SetTimeout(ctx, s.ID, time.Minute); !errors.Is(err, ErrConflict) {
+		t.Fatalf("set timeout on paused = %v, want conflict", err)
+	}
+
+	// The paused sandbox survives a restart of the node.
+	n.Close()
+	n = openTestNode(t, dir)
+	defer func() {
+		all, _ := n.List(context.Background())
+		for _, s := range all {
+			n.Kill(context.Background(), s.ID)
+		}
+		n.Close()
+	}()
+	if got, err := n.Get(ctx, s.ID); err != nil || got.State != StatePaused {
+		t.Fatalf("paused sandbox after restart: %+v %v", got, err)
+	}
+
+	time.Sleep(1500 * time.Millisecond) // the guest's clock must not show this gap
+	res, err := n.Resume(ctx, s.ID, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("resume phases: %v", res.Phases)
+	if res.State != StateRunning || time.Until(res.EndAt) < 55*time.Second {
+		t.Fatalf("after resume: %+v", res)
+	}
+	if _, err := n.Resume(ctx, s.ID, 0); !errors.Is(err, ErrConflict) {
+		t.Fatalf("resume running = %v, want conflict", err)
+	}
+	c = newEnvdClient(res)
+	r1, err := c.run(ctx, "", "bash", "-c", "kill -0 "+bgPID+" && cat /tmp/counter /home/user/f && echo $K")
+	if err != nil || r1.exit != 0 {
+		t.Fatalf("after resume: %+v %v", r1, err)
+	}
+	time.Sleep(time.Second)
+	r2, err := c.run(ctx, "", "bash", "-c", "cat /tmp/counter; date +%s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines1, lines2 := strings.Fields(r1.stdout), strings.Fields(r2.stdout)
+	if len(lines1) != 3 || lines1[1] != "data" || lines1[2] != "v" || len(lines2) != 2 {
+		t.Fatalf("unexpected output %q / %q", r1.stdout, r2.stdout)
+	}
+	c1, _ := strconv.Atoi(lines1[0])
+	c2, _ := strconv.Atoi(lines2[0])
+	if c1 < 2 || c2 <= c1 {
+		t.Fatalf("background process did not keep counting: %d then %d", c1, c2)
+	}
+	guestNow, _ := strconv.ParseInt(lines2[1], 10, 64)
+	if skew := time.Now().Unix() - guestNow; skew > 2 || skew < -2 {
+		t.Fatalf("guest clock off by %ds after resume", skew)
+	}
+
+	if err := n.Kill(ctx, s.ID); err != nil {
+		t.Fatal(err)
+	}
+	assertGone(t, n, s)
+	if _, err := n.Resume(ctx, s.ID, 0); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("resume killed = %v, want not found", err)
+	}
+}
+
+func TestExpiryPausesWithAutoPause(t *testing.T) {
+	n := testNode(t)
+	s := create(t, n, CreateRequest{TemplateID: "minimal", Timeout: 2 * time.Second, AutoPause: true})
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		got, err := n.Get(context.Background(), s.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.State == StatePaused {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("sandbox %s 20s after its timeout", got.State)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	res, err := n.Resume(context.Background(), s.ID, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := newEnvdClient(res).run(context.Background(), "", "/bin/sh", "-c", "echo back")
+	if err != nil || r.stdout != "back\n" {
+		t.Fatalf("resumed sandbox: %+v %v", r, err)
+	}
+}

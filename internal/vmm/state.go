@@ -1,0 +1,103 @@
+package vmm
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"time"
+)
+
+// Guest memory lives in the memory-backend-file, so saving a machine's state
+// only has to write its device state: the x-ignore-shared migration
+// capability makes QEMU skip RAM that is a shared file mapping. A stopped
+// machine's RAM file plus this device state is a complete snapshot.
+
+// migrationCaps are set on both ends of every save/load.
+var migrationCaps = map[string]any{
+	"capabilities": []map[string]any{{"capability": "x-ignore-shared", "state": true}},
+}
+
+// SaveState writes the device state of a paused machine to path. The caller
+// pauses the machine first and decides afterwards whether it resumes or quits.
+func (m *Machine) SaveState(ctx context.Context, path string) error {
+	if strings.ContainsAny(path, "'\\\n") {
+		return fmt.Errorf("unsupported characters in state path %q", path)
+	}
+	if _, err := m.qmp.Execute(ctx, "migrate-set-capabilities", migrationCaps); err != nil {
+		return err
+	}
+	if _, err := m.qmp.Execute(ctx, "migrate", map[string]any{"uri": "exec:cat > '" + path + "'"}); err != nil {
+		return err
+	}
+	return m.waitMigration(ctx, "save state")
+}
+
+// LoadState restores the device state saved by SaveState into a machine
+// started with Config.Incoming. The guest stays paused until Resume.
+func (m *Machine) LoadState(ctx context.Context, path string) error {
+	if strings.ContainsAny(path, "'\\\n") {
+		return fmt.Errorf("unsupported characters in state path %q", path)
+	}
+	if _, err := m.qmp.Execute(ctx, "migrate-set-capabilities", migrationCaps); err != nil {
+		return err
+	}
+	if _, err := m.qmp.Execute(ctx, "migrate-incoming", map[string]any{"uri": "exec:cat '" + path + "'"}); err != nil {
+		return err
+	}
+	return m.waitMigration(ctx, "load state")
+}
+
+// waitMigration polls query-migrate until the migration completes or fails.
+// Polling (every 500 µs) keeps the wait tight without depending on event
+// delivery order.
+func (m *Machine) waitMigration(ctx context.Context, what string) error {
+	delay := 200 * time.Microsecond
+	for {
+		raw, err := m.qmp.Execute(ctx, "query-migrate", nil)
+		if err != nil {
+			return fmt.Errorf("%s: %w", what, err)
+		}
+		var st struct {
+			Status    string `json:"status"`
+			ErrorDesc string `json:"error-desc"`
+		}
+		if err := json.Unmarshal(raw, &st); err != nil {
+			return fmt.Errorf("%s: parse query-migrate: %w", what, err)
+		}
+		switch st.Status {
+		case "completed":
+			return nil
+		case "failed", "cancelled":
+			return fmt.Errorf("%s: migration %s: %s", what, st.Status, st.ErrorDesc)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%s: %w", what, ctx.Err())
+		case <-m.exited:
+			return fmt.Errorf("%s: qemu exited: %v", what, m.ExitErr())
+		case <-time.After(delay):
+		}
+		if delay < 2*time.Millisecond {
+			delay *= 2
+		}
+	}
+}
+
+// Quit asks QEMU to exit (after SaveState, say) and waits for it.
+func (m *Machine) Quit(ctx context.Context) error {
+	_, err := m.qmp.Execute(ctx, "quit", nil)
+	select {
+	case <-m.exited:
+		return nil
+	case <-ctx.Done():
+	case <-time.After(5 * time.Second):
+	}
+	if err != nil {
+		err = fmt.Errorf("quit: %w", err)
+	}
+	if kerr := m.Kill(); kerr != nil {
+		return kerr
+	}
+	return err
+}
