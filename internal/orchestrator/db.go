@@ -33,7 +33,10 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 	created_at     INTEGER NOT NULL,
 	started_at     INTEGER NOT NULL,
 	end_at         INTEGER NOT NULL,
-	updated_at     INTEGER NOT NULL
+	updated_at     INTEGER NOT NULL,
+	mem_file       TEXT NOT NULL DEFAULT '',
+	mem_private    INTEGER NOT NULL DEFAULT 0,
+	snapshot_id    TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 `
@@ -53,7 +56,8 @@ func openDB(path string) (*sql.DB, error) {
 }
 
 const sandboxColumns = `id, template_id, state, vcpus, memory_mib, disk_mib, slot, pid, allow_internet, secure,
-	auto_pause, access_token, traffic_token, default_user, metadata, env_vars, created_at, started_at, end_at`
+	auto_pause, access_token, traffic_token, default_user, metadata, env_vars, created_at, started_at, end_at,
+	mem_file, mem_private, snapshot_id`
 
 func scanSandbox(row interface{ Scan(...any) error }) (*Sandbox, error) {
 	var s Sandbox
@@ -61,7 +65,7 @@ func scanSandbox(row interface{ Scan(...any) error }) (*Sandbox, error) {
 	var created, started, end int64
 	if err := row.Scan(&s.ID, &s.TemplateID, &s.State, &s.VCPUs, &s.MemoryMiB, &s.DiskMiB, &s.Slot, &s.PID,
 		&s.AllowInternet, &s.Secure, &s.AutoPause, &s.AccessToken, &s.TrafficToken, &s.DefaultUser,
-		&meta, &env, &created, &started, &end); err != nil {
+		&meta, &env, &created, &started, &end, &s.MemFile, &s.MemPrivate, &s.SnapshotID); err != nil {
 		return nil, err
 	}
 	if err := json.Unmarshal([]byte(meta), &s.Metadata); err != nil {
@@ -80,10 +84,11 @@ func (n *Node) insertSandbox(ctx context.Context, s *Sandbox) error {
 	meta, _ := json.Marshal(nonNil(s.Metadata))
 	env, _ := json.Marshal(nonNil(s.EnvVars))
 	_, err := n.db.ExecContext(ctx, `INSERT INTO sandboxes (`+sandboxColumns+`, updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
 		s.ID, s.TemplateID, s.State, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure,
 		s.AutoPause, s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env),
-		s.CreatedAt.UnixMilli(), s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), time.Now().UnixMilli())
+		s.CreatedAt.UnixMilli(), s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID,
+		time.Now().UnixMilli())
 	if err != nil {
 		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
 	}

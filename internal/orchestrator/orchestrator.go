@@ -47,6 +47,7 @@ var (
 	ErrInvalid  = errors.New("invalid request")
 	ErrCapacity = errors.New("no capacity")
 	ErrSetup    = errors.New("node not set up")
+	ErrCorrupt  = errors.New("stored state is corrupt")
 )
 
 // EnvdPort is the port envd listens on inside every guest.
@@ -73,6 +74,14 @@ type Sandbox struct {
 	CreatedAt     time.Time
 	StartedAt     time.Time
 	EndAt         time.Time
+	// MemFile, when set, is a frozen memory image (of a fork snapshot) the
+	// sandbox's RAM is mapped from, copy-on-write when MemPrivate; empty
+	// means the sandbox's own RAM file.
+	MemFile    string
+	MemPrivate bool
+	// SnapshotID is the fork snapshot whose disk layer backs this sandbox's
+	// overlay (and whose memory image MemFile may be).
+	SnapshotID string
 	// EnvdAddr is host:port where the node reaches the sandbox's envd.
 	EnvdAddr string
 	// Phases times the steps of the operation that produced this value

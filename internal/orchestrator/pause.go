@@ -2,13 +2,18 @@ package orchestrator
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/network"
+	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
@@ -43,10 +48,12 @@ func (n *Node) Pause(ctx context.Context, id string) (*Sandbox, error) {
 		_ = n.transition(context.WithoutCancel(ctx), id, StateRunning, StatePausing)
 		return nil, fmt.Errorf("pause %s: %w", id, err)
 	}
-	if err := n.setFields(ctx, id, "state = ?, pid = 0", StatePaused); err != nil {
+	// A copy-on-write sandbox's RAM went into the state file: it resumes
+	// with private RAM of its own, loaded from that file.
+	if err := n.setFields(ctx, id, "state = ?, pid = 0, mem_file = ''", StatePaused); err != nil {
 		return nil, err
 	}
-	s.State, s.PID = StatePaused, 0
+	s.State, s.PID, s.MemFile = StatePaused, 0, ""
 	n.log.Info("sandbox paused", "sandbox", id, "took", time.Since(start).Round(time.Microsecond))
 	return n.withAddr(s), nil
 }
@@ -92,16 +99,72 @@ func (n *Node) pause(ctx context.Context, s *Sandbox) error {
 	phase("qemu exit")
 	// QEMU has flushed the disk and RAM file mappings; make them and the
 	// state durable, then publish the state file.
-	for _, f := range []string{memFileName, overlayName, stateFileName + ".tmp"} {
+	files := []string{overlayName, stateFileName + ".tmp"}
+	if !s.MemPrivate {
+		files = append(files, memFileName)
+	}
+	for _, f := range files {
 		if err := syncFile(filepath.Join(dir, f)); err != nil {
 			return err
 		}
+	}
+	sum, err := fileSHA256(tmp)
+	if err != nil {
+		return err
+	}
+	// The record is written first, then the state file takes its final
+	// name: a state file under its final name always has a valid record.
+	rec := pauseRecord{StateSHA256: sum, RAMInState: s.MemPrivate, PausedAt: time.Now().UTC()}
+	if err := writeJSONAtomic(filepath.Join(dir, pauseRecordName), rec); err != nil {
+		return err
 	}
 	if err := os.Rename(tmp, filepath.Join(dir, stateFileName)); err != nil {
 		return err
 	}
 	phase("sync to disk")
 	return nil
+}
+
+const pauseRecordName = "paused.json"
+
+// pauseRecord describes a paused sandbox's saved state.
+type pauseRecord struct {
+	StateSHA256 string    `json:"stateSHA256"`
+	RAMInState  bool      `json:"ramInState"`
+	PausedAt    time.Time `json:"pausedAt"`
+}
+
+func fileSHA256(path string) (string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		return "", fmt.Errorf("checksum %s: %w", path, err)
+	}
+	return hex.EncodeToString(h.Sum(nil)), nil
+}
+
+func writeJSONAtomic(path string, v any) error {
+	b, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return err
+	}
+	return storage.WriteFileAtomic(path, append(b, '\n'), 0o600)
+}
+
+func readPauseRecord(dir string) (*pauseRecord, error) {
+	b, err := os.ReadFile(filepath.Join(dir, pauseRecordName))
+	if err != nil {
+		return nil, fmt.Errorf("paused sandbox record: %w", err)
+	}
+	var rec pauseRecord
+	if err := json.Unmarshal(b, &rec); err != nil {
+		return nil, fmt.Errorf("paused sandbox record is corrupt: %w", err)
+	}
+	return &rec, nil
 }
 
 func syncFile(path string) error {
@@ -163,10 +226,25 @@ func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*S
 func (n *Node) resume(ctx context.Context, s *Sandbox) error {
 	dir := n.sandboxDir(s.ID)
 	state := filepath.Join(dir, stateFileName)
-	for _, f := range []string{state, filepath.Join(dir, memFileName), filepath.Join(dir, overlayName)} {
+	rec, err := readPauseRecord(dir)
+	if err != nil {
+		return err
+	}
+	need := []string{state, filepath.Join(dir, overlayName)}
+	if !rec.RAMInState {
+		need = append(need, filepath.Join(dir, memFileName))
+	}
+	for _, f := range need {
 		if _, err := os.Stat(f); err != nil {
-			return fmt.Errorf("paused sandbox is missing %s: %w", filepath.Base(f), err)
+			return fmt.Errorf("%w: paused sandbox is missing %s: %v", ErrCorrupt, filepath.Base(f), err)
 		}
+	}
+	sum, err := fileSHA256(state)
+	if err != nil {
+		return err
+	}
+	if sum != rec.StateSHA256 {
+		return fmt.Errorf("%w: saved device state checksum mismatch (%s, recorded %s); the sandbox stays paused", ErrCorrupt, sum, rec.StateSHA256)
 	}
 	mark := time.Now()
 	phase := func(name string) {
@@ -216,19 +294,23 @@ func (n *Node) resume(ctx context.Context, s *Sandbox) error {
 func (n *Node) vmConfig(s *Sandbox, tap interface{ Fd() uintptr }, incoming bool) vmm.Config {
 	dir := n.sandboxDir(s.ID)
 	cfg := vmm.Config{
-		QEMU:      n.cfg.QEMU,
-		Accel:     n.cfg.Accel,
-		VCPUs:     s.VCPUs,
-		MemoryMiB: s.MemoryMiB,
-		Kernel:    n.cfg.Kernel,
-		Initrd:    n.cfg.Initrd,
-		Cmdline:   kernelCmdline(n.cfg.KernelArgs),
-		RootDisk:  filepath.Join(dir, overlayName),
-		MemFile:   filepath.Join(dir, memFileName),
-		MAC:       network.GuestMAC,
-		RunDir:    dir,
-		TBSizeMiB: n.cfg.TCGTranslationCacheMiB,
-		Incoming:  incoming,
+		QEMU:          n.cfg.QEMU,
+		Accel:         n.cfg.Accel,
+		VCPUs:         s.VCPUs,
+		MemoryMiB:     s.MemoryMiB,
+		Kernel:        n.cfg.Kernel,
+		Initrd:        n.cfg.Initrd,
+		Cmdline:       kernelCmdline(n.cfg.KernelArgs),
+		RootDisk:      filepath.Join(dir, overlayName),
+		MemFile:       filepath.Join(dir, memFileName),
+		MAC:           network.GuestMAC,
+		PrivateMemory: s.MemPrivate,
+		RunDir:        dir,
+		TBSizeMiB:     n.cfg.TCGTranslationCacheMiB,
+		Incoming:      incoming,
+	}
+	if s.MemFile != "" {
+		cfg.MemFile = s.MemFile
 	}
 	if f, ok := tap.(*os.File); ok {
 		cfg.Tap = f

@@ -23,7 +23,7 @@ func TestPauseResume(t *testing.T) {
 	s := create(t, n, CreateRequest{TemplateID: "base", Secure: true, EnvVars: map[string]string{"K": "v"}})
 	c := newEnvdClient(s)
 	// A background process that counts, and a file.
-	r, err := c.run(ctx, "", "bash", "-c", "nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 & echo $!; echo data > /home/user/f")
+	r, err := c.run(ctx, "", "bash", "-c", "nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c.tmp; mv /tmp/c.tmp /tmp/counter; sleep 0.1; done' >/dev/null 2>&1 & echo $!; echo data > /home/user/f")
 	if err != nil || r.exit != 0 {
 		t.Fatalf("start background process: %+v %v", r, err)
 	}

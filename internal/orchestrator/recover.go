@@ -81,6 +81,7 @@ func (n *Node) recover(ctx context.Context) error {
 			}
 		}
 	}
+	n.gcSnapshots(ctx)
 	ents, err := os.ReadDir(filepath.Join(n.cfg.DataDir, "sandboxes"))
 	if err != nil {
 		return err

@@ -225,6 +225,15 @@ func waitEnvd(ctx context.Context, m *vmm.Machine, addr string) error {
 // initEnvd hands envd the sandbox's environment, access token, default user
 // and the current time, as E2B's orchestrator does after every boot or resume.
 func initEnvd(ctx context.Context, addr string, s *Sandbox) error {
+	return initEnvdAs(ctx, addr, s, s.AccessToken)
+}
+
+// envdHTTP is the client the node talks to guests' envd with.
+var envdHTTP = &http.Client{}
+
+// initEnvdAs is initEnvd authenticated with authToken, the token the guest's
+// envd currently holds (a fork child's envd still holds its parent's).
+func initEnvdAs(ctx context.Context, addr string, s *Sandbox, authToken string) error {
 	body := map[string]any{
 		"envVars":   nonNil(s.EnvVars),
 		"timestamp": time.Now().UTC().Format(time.RFC3339Nano),
@@ -243,10 +252,10 @@ func initEnvd(ctx context.Context, addr string, s *Sandbox) error {
 	b, _ := json.Marshal(body)
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr+"/init", bytes.NewReader(b))
 	req.Header.Set("Content-Type", "application/json")
-	if s.AccessToken != "" {
-		req.Header.Set("X-Access-Token", s.AccessToken)
+	if authToken != "" {
+		req.Header.Set("X-Access-Token", authToken)
 	}
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := envdHTTP.Do(req)
 	if err != nil {
 		return fmt.Errorf("envd /init: %w", err)
 	}
@@ -311,6 +320,9 @@ func (n *Node) Kill(ctx context.Context, id string) error {
 	n.mu.Lock()
 	delete(n.opLocks, id)
 	n.mu.Unlock()
+	if s.SnapshotID != "" {
+		n.gcSnapshots(ctx)
+	}
 	return nil
 }
 

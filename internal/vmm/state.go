@@ -33,19 +33,36 @@ func (m *Machine) SaveState(ctx context.Context, path string) error {
 	return m.waitMigration(ctx, "save state")
 }
 
-// LoadState restores the device state saved by SaveState into a machine
-// started with Config.Incoming. The guest stays paused until Resume.
+// LoadState restores the state saved by SaveState into a machine started
+// with Config.Incoming. When the saved machine's RAM was a private mapping,
+// its RAM is in the state file too, and this machine must also use private
+// memory to receive it; otherwise RAM comes from the memory file. The guest
+// stays paused until Resume.
 func (m *Machine) LoadState(ctx context.Context, path string) error {
 	if strings.ContainsAny(path, "'\\\n") {
 		return fmt.Errorf("unsupported characters in state path %q", path)
 	}
+	// The capability must match the saving side's, which always sets it.
 	if _, err := m.qmp.Execute(ctx, "migrate-set-capabilities", migrationCaps); err != nil {
 		return err
 	}
 	if _, err := m.qmp.Execute(ctx, "migrate-incoming", map[string]any{"uri": "exec:cat '" + path + "'"}); err != nil {
+		return m.withLog(err)
+	}
+	return m.withLog(m.waitMigration(ctx, "load state"))
+}
+
+// withLog adds QEMU's last words to err when QEMU has exited.
+func (m *Machine) withLog(err error) error {
+	if err == nil {
+		return nil
+	}
+	select {
+	case <-m.exited:
+	case <-time.After(500 * time.Millisecond):
 		return err
 	}
-	return m.waitMigration(ctx, "load state")
+	return fmt.Errorf("%w%s", err, m.logTail())
 }
 
 // waitMigration polls query-migrate until the migration completes or fails.

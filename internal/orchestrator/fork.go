@@ -1,0 +1,352 @@
+package orchestrator
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/agentenv/agentenv/internal/envd/gen/processpb"
+	"github.com/agentenv/agentenv/internal/envd/gen/processpb/processpbconnect"
+	"github.com/agentenv/agentenv/internal/storage"
+	"github.com/agentenv/agentenv/internal/vmm"
+)
+
+// MaxForkChildren bounds one fork.
+const MaxForkChildren = 16
+
+// Files of a fork snapshot, in <data>/snapshots/<id>/.
+const (
+	snapshotsDir     = "snapshots"
+	snapMemName      = "memory"
+	snapDiskName     = "disk.qcow2"
+	snapStateName    = "devices.vmstate"
+	snapManifestName = "manifest.json"
+)
+
+// ForkResult is one child of a fork: the sandbox, or why it failed.
+type ForkResult struct {
+	Sandbox *Sandbox
+	Err     error
+}
+
+// snapshotManifest records a frozen sandbox image; it is written last.
+type snapshotManifest struct {
+	ID          string    `json:"id"`
+	SandboxID   string    `json:"sandboxID"`
+	TemplateID  string    `json:"templateID"`
+	ParentLayer string    `json:"parentLayer"`
+	MemoryMiB   int       `json:"memoryMiB"`
+	StateSHA256 string    `json:"stateSHA256"`
+	CreatedAt   time.Time `json:"createdAt"`
+}
+
+// Fork clones a running sandbox into count children on this node. The parent
+// is paused while its RAM file, disk and device state are frozen into a
+// snapshot; then the parent and every child are restored from that snapshot,
+// each mapping the frozen RAM copy-on-write (so unchanged pages are shared
+// through the page cache) over a disk overlay of its own. Children inherit
+// processes, files, cpu/memory, env vars and metadata, and get their own id,
+// access token, network namespace and fresh entropy.
+func (n *Node) Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]ForkResult, error) {
+	if count < 1 || count > MaxForkChildren {
+		return nil, fmt.Errorf("%w: count must be between 1 and %d", ErrInvalid, MaxForkChildren)
+	}
+	if timeout == 0 {
+		timeout = n.cfg.DefaultTimeout
+	}
+	if timeout < 0 || timeout > n.cfg.MaxTimeout {
+		return nil, fmt.Errorf("%w: timeout must be between 1s and %s", ErrInvalid, n.cfg.MaxTimeout)
+	}
+	unlock := n.lockOp(id)
+	defer unlock()
+	parent, err := n.loadSandbox(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	if parent.State != StateRunning {
+		return nil, fmt.Errorf("%w: sandbox %s is %s; only running sandboxes can be forked", ErrConflict, id, parent.State)
+	}
+	if parent.MemPrivate {
+		// Its RAM is a private mapping, not a file we could freeze and share.
+		return nil, fmt.Errorf("%w: sandbox %s is itself a fork child; forking a fork child is not supported yet", ErrConflict, id)
+	}
+	if err := n.transition(ctx, id, StateForking, StateRunning); err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	snap, err := n.freeze(ctx, parent)
+	if err != nil {
+		n.log.Error("fork: freezing the parent failed", "sandbox", id, "err", err)
+		if m := n.machine(id); m != nil {
+			_ = m.Resume(context.WithoutCancel(ctx))
+			_ = n.transition(context.WithoutCancel(ctx), id, StateRunning, StateForking)
+		} else {
+			// The parent's QEMU is gone; it cannot be brought back.
+			n.destroy(context.WithoutCancel(ctx), parent)
+		}
+		return nil, fmt.Errorf("fork %s: %w", id, err)
+	}
+	frozen := time.Since(start)
+
+	// Restore the parent and the children from the snapshot in parallel.
+	results := make([]ForkResult, count)
+	var wg sync.WaitGroup
+	var parentErr error
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		parentErr = n.restoreFromSnapshot(ctx, parent, snap, parent.AccessToken, false)
+	}()
+	for i := range results {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			results[i] = n.forkChild(ctx, parent, snap, timeout)
+		}(i)
+	}
+	wg.Wait()
+	if parentErr != nil {
+		n.log.Error("fork: restoring the parent failed", "sandbox", id, "err", parentErr)
+		n.destroy(context.WithoutCancel(ctx), parent)
+	} else if err := n.transition(ctx, id, StateRunning, StateForking); err != nil {
+		return results, err
+	}
+	n.log.Info("sandbox forked", "sandbox", id, "children", count, "freeze", frozen.Round(time.Microsecond),
+		"total", time.Since(start).Round(time.Millisecond))
+	return results, nil
+}
+
+// freeze stops the parent, saves its device state and turns its RAM file
+// and disk overlay into a read-only snapshot. The parent's QEMU exits.
+func (n *Node) freeze(ctx context.Context, parent *Sandbox) (string, error) {
+	m := n.machine(parent.ID)
+	if m == nil {
+		return "", errors.New("no running machine")
+	}
+	snapID := "fork-" + randomHex(8)
+	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, snapID)
+	if err := os.MkdirAll(sdir, 0o700); err != nil {
+		return "", err
+	}
+	if err := m.Pause(ctx); err != nil {
+		os.RemoveAll(sdir)
+		return "", err
+	}
+	if err := m.SaveState(ctx, filepath.Join(sdir, snapStateName)); err != nil {
+		os.RemoveAll(sdir)
+		return "", err
+	}
+	n.mu.Lock()
+	delete(n.machines, parent.ID)
+	n.mu.Unlock()
+	if err := m.Kill(); err != nil {
+		return "", err
+	}
+	pdir := n.sandboxDir(parent.ID)
+	moves := [][2]string{
+		{filepath.Join(pdir, memFileName), filepath.Join(sdir, snapMemName)},
+		{filepath.Join(pdir, overlayName), filepath.Join(sdir, snapDiskName)},
+	}
+	for _, mv := range moves {
+		if err := os.Rename(mv[0], mv[1]); err != nil {
+			return "", fmt.Errorf("freeze %s: %w", filepath.Base(mv[0]), err)
+		}
+		if err := os.Chmod(mv[1], 0o400); err != nil {
+			return "", err
+		}
+	}
+	sum, err := fileSHA256(filepath.Join(sdir, snapStateName))
+	if err != nil {
+		return "", err
+	}
+	info, err := storage.Info(ctx, filepath.Join(sdir, snapDiskName))
+	if err != nil {
+		return "", err
+	}
+	// The parent now depends on the snapshot: record that before anything
+	// else can fail, so recovery never deletes a snapshot in use.
+	if err := n.setFields(ctx, parent.ID, "mem_file = ?, mem_private = 1, snapshot_id = ?, pid = 0",
+		filepath.Join(sdir, snapMemName), snapID); err != nil {
+		return "", err
+	}
+	parent.MemFile, parent.MemPrivate, parent.SnapshotID = filepath.Join(sdir, snapMemName), true, snapID
+	if err := writeJSONAtomic(filepath.Join(sdir, snapManifestName), snapshotManifest{
+		ID: snapID, SandboxID: parent.ID, TemplateID: parent.TemplateID, ParentLayer: info.BackingFilename,
+		MemoryMiB: parent.MemoryMiB, StateSHA256: sum, CreatedAt: time.Now().UTC(),
+	}); err != nil {
+		return "", err
+	}
+	return snapID, nil
+}
+
+// restoreFromSnapshot starts s from a fork snapshot: a fresh overlay on the
+// snapshot's disk, RAM mapped copy-on-write from its memory image, device
+// state loaded, vCPUs resumed, envd re-initialised (authenticated with
+// authToken, the token the snapshot's envd knows).
+func (n *Node) restoreFromSnapshot(ctx context.Context, s *Sandbox, snapID, authToken string, reseed bool) error {
+	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, snapID)
+	dir := n.sandboxDir(s.ID)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	if err := storage.CreateOverlay(ctx, filepath.Join(sdir, snapDiskName), filepath.Join(dir, overlayName), 0); err != nil {
+		return err
+	}
+	ep, err := n.endpoint(s)
+	if err != nil {
+		return err
+	}
+	tap, err := n.net.OpenTap(ep)
+	if err != nil {
+		if err := n.net.Setup(ctx, ep); err != nil {
+			return err
+		}
+		if tap, err = n.net.OpenTap(ep); err != nil {
+			return err
+		}
+	}
+	defer tap.Close()
+	m, err := vmm.Start(ctx, n.vmConfig(s, tap, true))
+	if err != nil {
+		return err
+	}
+	n.adopt(s.ID, m)
+	s.PID = m.PID()
+	if err := n.setFields(ctx, s.ID, "pid = ?", m.PID()); err != nil {
+		return err
+	}
+	if err := m.LoadState(ctx, filepath.Join(sdir, snapStateName)); err != nil {
+		return err
+	}
+	if err := m.Resume(ctx); err != nil {
+		return err
+	}
+	addr := ep.GuestAddr(EnvdPort)
+	if err := initEnvdAs(ctx, addr, s, authToken); err != nil {
+		return err
+	}
+	if reseed {
+		return reseedEntropy(ctx, addr, s.AccessToken)
+	}
+	return nil
+}
+
+func (n *Node) forkChild(ctx context.Context, parent *Sandbox, snapID string, timeout time.Duration) ForkResult {
+	now := time.Now().UTC().Truncate(time.Millisecond)
+	c := *parent
+	c.ID = NewSandboxID()
+	c.State = StateCreating
+	c.PID = 0
+	c.TrafficToken = newToken()
+	if parent.Secure {
+		c.AccessToken = newToken()
+	}
+	c.CreatedAt, c.StartedAt, c.EndAt = now, now, now.Add(timeout)
+	c.Phases = nil
+	unlock := n.lockOp(c.ID)
+	defer unlock()
+	n.mu.Lock()
+	slot, err := n.freeSlot(ctx)
+	if err == nil {
+		c.Slot = slot
+		err = n.insertSandbox(ctx, &c)
+	}
+	n.mu.Unlock()
+	if err != nil {
+		return ForkResult{Err: err}
+	}
+	if err := n.restoreFromSnapshot(ctx, &c, snapID, parent.AccessToken, true); err != nil {
+		n.destroy(context.WithoutCancel(ctx), &c)
+		return ForkResult{Err: err}
+	}
+	if err := n.transition(ctx, c.ID, StateRunning, StateCreating); err != nil {
+		n.destroy(context.WithoutCancel(ctx), &c)
+		return ForkResult{Err: err}
+	}
+	c.State = StateRunning
+	return ForkResult{Sandbox: n.withAddr(&c)}
+}
+
+// reseedEntropy mixes fresh host randomness into a restored guest's kernel
+// RNG, so clones of one snapshot do not produce the same random numbers.
+func reseedEntropy(ctx context.Context, addr, token string) error {
+	client := processpbconnect.NewProcessClient(envdHTTP, "http://"+addr, connect.WithProtoJSON())
+	req := connect.NewRequest(&processpb.StartRequest{Process: &processpb.ProcessConfig{
+		Cmd:  "/bin/sh",
+		Args: []string{"-c", `printf '%s' "$AENV_SEED" > /dev/urandom`},
+		Envs: map[string]string{"AENV_SEED": randomHex(64)},
+	}})
+	req.Header().Set("Authorization", "Basic cm9vdDo=") // root:
+	if token != "" {
+		req.Header().Set("X-Access-Token", token)
+	}
+	stream, err := client.Start(ctx, req)
+	if err != nil {
+		return fmt.Errorf("reseed guest entropy: %w", err)
+	}
+	defer stream.Close()
+	for stream.Receive() {
+		if end := stream.Msg().GetEvent().GetEnd(); end != nil && end.GetExitCode() != 0 {
+			return fmt.Errorf("reseed guest entropy: exit code %d", end.GetExitCode())
+		}
+	}
+	if err := stream.Err(); err != nil {
+		return fmt.Errorf("reseed guest entropy: %w", err)
+	}
+	return nil
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	return hex.EncodeToString(b)
+}
+
+// gcSnapshots deletes fork snapshots no sandbox depends on any more, directly
+// (its overlay or RAM image) or through another snapshot's disk layer.
+func (n *Node) gcSnapshots(ctx context.Context) {
+	root := filepath.Join(n.cfg.DataDir, snapshotsDir)
+	ents, err := os.ReadDir(root)
+	if err != nil {
+		return
+	}
+	all, err := n.loadSandboxes(ctx, "")
+	if err != nil {
+		return
+	}
+	parentOf := map[string]string{}
+	for _, e := range ents {
+		var m snapshotManifest
+		if b, err := os.ReadFile(filepath.Join(root, e.Name(), snapManifestName)); err == nil {
+			if json.Unmarshal(b, &m) == nil && filepath.Dir(filepath.Dir(m.ParentLayer)) == root {
+				parentOf[e.Name()] = filepath.Base(filepath.Dir(m.ParentLayer))
+			}
+		}
+	}
+	used := map[string]bool{}
+	for _, s := range all {
+		for id := s.SnapshotID; id != "" && !used[id]; id = parentOf[id] {
+			used[id] = true
+		}
+	}
+	for _, e := range ents {
+		if !used[e.Name()] {
+			if err := os.RemoveAll(filepath.Join(root, e.Name())); err != nil {
+				n.log.Error("remove unused snapshot", "snapshot", e.Name(), "err", err)
+			} else {
+				n.log.Info("removed unused fork snapshot", "snapshot", e.Name())
+			}
+		}
+	}
+}
