@@ -7,6 +7,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"sort"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -131,4 +133,102 @@ func BenchmarkPauseResume(b *testing.B) {
 			percentile(ds, 50).Round(10*time.Microsecond), percentile(ds, 90).Round(10*time.Microsecond))
 	}
 	reportPercentiles(b, resume)
+}
+
+// BenchmarkFork forks a running `base` sandbox (which has a process running)
+// into 1 and into 16 children, b.N times each, timing until every child's
+// envd has accepted /init, and prints the RSS of the parent alone against
+// the parent plus 16 idle children (file-backed pages are the page cache
+// shared with the frozen RAM image).
+func BenchmarkFork(b *testing.B) {
+	n := testNode(b)
+	ctx := context.Background()
+	parent, err := n.Create(ctx, CreateRequest{TemplateID: "base", Secure: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	// Something running and some memory touched, as a prepared RL sandbox would have.
+	if _, err := newEnvdClient(parent).run(ctx, "", "bash", "-c", "nohup python3 -c 'import time; x=bytearray(64<<20); time.sleep(1e6)' >/dev/null 2>&1 &"); err != nil {
+		b.Fatal(err)
+	}
+	time.Sleep(2 * time.Second)
+	parentRSS := rss(parent.PID)
+	for _, count := range []int{1, 16} {
+		b.Run(fmt.Sprintf("children-%d", count), func(b *testing.B) {
+			var ds []time.Duration
+			for i := 0; i < b.N; i++ {
+				start := time.Now()
+				res, err := n.Fork(ctx, parent.ID, count, time.Hour)
+				if err != nil {
+					b.Fatal(err)
+				}
+				ds = append(ds, time.Since(start))
+				b.StopTimer()
+				if count == 16 && i == b.N-1 {
+					time.Sleep(2 * time.Second) // let the children settle
+					p, _ := n.Get(ctx, parent.ID)
+					total := rss(p.PID)
+					for _, r := range res {
+						if r.Err == nil {
+							total = total.add(rss(r.Sandbox.PID))
+						}
+					}
+					fmt.Fprintf(os.Stderr, "parent before fork: %s\nparent+16 children: %s\nhost memory of parent+16 children (sum of PSS) = %.2fx the parent's RSS\n",
+						parentRSS, total, float64(total.pssKB)/float64(parentRSS.total()))
+				}
+				for j, r := range res {
+					if r.Err != nil {
+						b.Fatalf("child %d: %v", j, r.Err)
+					}
+					n.Kill(ctx, r.Sandbox.ID)
+				}
+				b.StartTimer()
+			}
+			fmt.Fprintf(os.Stderr, "fork %2d children: n=%d p50 %s p90 %s\n", count, len(ds),
+				percentile(ds, 50).Round(time.Millisecond), percentile(ds, 90).Round(time.Millisecond))
+			reportPercentiles(b, ds)
+		})
+	}
+}
+
+// rssInfo is a process's memory: RSS split into anonymous and file pages,
+// and PSS, which divides each shared page among the processes mapping it
+// (so PSS sums to the host memory a group of processes really uses).
+type rssInfo struct{ anonKB, fileKB, pssKB int64 }
+
+func (r rssInfo) total() int64 { return r.anonKB + r.fileKB }
+func (r rssInfo) add(o rssInfo) rssInfo {
+	return rssInfo{r.anonKB + o.anonKB, r.fileKB + o.fileKB, r.pssKB + o.pssKB}
+}
+func (r rssInfo) String() string {
+	return fmt.Sprintf("RSS %d MiB (anon %d MiB, file %d MiB), PSS %d MiB", r.total()>>10, r.anonKB>>10, r.fileKB>>10, r.pssKB>>10)
+}
+
+func rss(pid int) rssInfo {
+	var r rssInfo
+	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps_rollup", pid)); err == nil {
+		for _, line := range strings.Split(string(b), "\n") {
+			if f := strings.Fields(line); len(f) >= 2 && f[0] == "Pss:" {
+				r.pssKB, _ = strconv.ParseInt(f[1], 10, 64)
+			}
+		}
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return r
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 2 {
+			continue
+		}
+		v, _ := strconv.ParseInt(f[1], 10, 64)
+		switch f[0] {
+		case "RssAnon:":
+			r.anonKB = v
+		case "RssFile:":
+			r.fileKB = v
+		}
+	}
+	return r
 }

@@ -171,26 +171,33 @@ func (n *Node) deleteSandbox(ctx context.Context, id string) error {
 	return nil
 }
 
-// freeSlot returns the lowest network slot no sandbox uses.
+// freeSlot returns a network slot no sandbox uses, going round the range
+// from the last one handed out, so a just-freed guest address is not reused
+// at once (clients may still hold connections to it).
 func (n *Node) freeSlot(ctx context.Context) (int, error) {
-	rows, err := n.db.QueryContext(ctx, `SELECT slot FROM sandboxes ORDER BY slot`)
+	rows, err := n.db.QueryContext(ctx, `SELECT slot FROM sandboxes`)
 	if err != nil {
 		return 0, fmt.Errorf("find free network slot: %w", err)
 	}
 	defer rows.Close()
-	want := 0
+	used := map[int]bool{}
 	for rows.Next() {
 		var s int
 		if err := rows.Scan(&s); err != nil {
 			return 0, err
 		}
-		if s > want {
-			break
+		used[s] = true
+	}
+	if err := rows.Err(); err != nil {
+		return 0, err
+	}
+	total := n.net.Slots()
+	for i := 1; i <= total; i++ {
+		s := (n.lastSlot + i) % total
+		if !used[s] {
+			n.lastSlot = s
+			return s, nil
 		}
-		want = s + 1
 	}
-	if want >= n.net.Slots() {
-		return 0, fmt.Errorf("%w: all %d network slots are in use", ErrCapacity, n.net.Slots())
-	}
-	return want, rows.Err()
+	return 0, fmt.Errorf("%w: all %d network slots are in use", ErrCapacity, total)
 }

@@ -172,13 +172,18 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	// The parent now depends on the snapshot: record that before anything
-	// else can fail, so recovery never deletes a snapshot in use.
-	if err := n.setFields(ctx, parent.ID, "mem_file = ?, mem_private = 1, snapshot_id = ?, pid = 0",
-		filepath.Join(sdir, snapMemName), snapID); err != nil {
+	// The parent now depends on the snapshot's disk: record that before
+	// anything else can fail, so recovery never deletes a snapshot in use.
+	if err := n.setFields(ctx, parent.ID, "snapshot_id = ?, pid = 0", snapID); err != nil {
 		return "", err
 	}
-	parent.MemFile, parent.MemPrivate, parent.SnapshotID = filepath.Join(sdir, snapMemName), true, snapID
+	parent.SnapshotID = snapID
+	// The children map the frozen RAM copy-on-write; the parent gets a
+	// shared copy of its own (a reflink where the filesystem allows), so it
+	// stays cheap to pause and can be forked again.
+	if _, err := storage.CloneFile(filepath.Join(sdir, snapMemName), filepath.Join(pdir, memFileName)); err != nil {
+		return "", fmt.Errorf("copy frozen RAM for the parent: %w", err)
+	}
 	if err := writeJSONAtomic(filepath.Join(sdir, snapManifestName), snapshotManifest{
 		ID: snapID, SandboxID: parent.ID, TemplateID: parent.TemplateID, ParentLayer: info.BackingFilename,
 		MemoryMiB: parent.MemoryMiB, StateSHA256: sum, CreatedAt: time.Now().UTC(),
@@ -252,6 +257,7 @@ func (n *Node) forkChild(ctx context.Context, parent *Sandbox, snapID string, ti
 	}
 	c.CreatedAt, c.StartedAt, c.EndAt = now, now, now.Add(timeout)
 	c.Phases = nil
+	c.MemFile, c.MemPrivate = filepath.Join(n.cfg.DataDir, snapshotsDir, snapID, snapMemName), true
 	unlock := n.lockOp(c.ID)
 	defer unlock()
 	n.mu.Lock()

@@ -162,6 +162,7 @@ type Node struct {
 	log *slog.Logger
 
 	mu       sync.Mutex
+	lastSlot int // guarded by mu
 	machines map[string]*vmm.Machine
 	opLocks  map[string]*sync.Mutex
 
@@ -207,6 +208,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		machines: map[string]*vmm.Machine{},
 		opLocks:  map[string]*sync.Mutex{},
 		stop:     make(chan struct{}),
+		lastSlot: -1,
 	}
 	if err := n.recover(ctx); err != nil {
 		db.Close()

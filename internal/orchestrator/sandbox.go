@@ -228,8 +228,10 @@ func initEnvd(ctx context.Context, addr string, s *Sandbox) error {
 	return initEnvdAs(ctx, addr, s, s.AccessToken)
 }
 
-// envdHTTP is the client the node talks to guests' envd with.
-var envdHTTP = &http.Client{}
+// envdHTTP is the client the node talks to guests' envd with. It keeps no
+// idle connections: guest addresses are reused by later sandboxes, and a
+// pooled connection to a gone guest would be reset by its successor.
+var envdHTTP = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
 
 // initEnvdAs is initEnvd authenticated with authToken, the token the guest's
 // envd currently holds (a fork child's envd still holds its parent's).

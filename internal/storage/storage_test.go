@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"syscall"
 	"testing"
 )
 
@@ -69,5 +70,48 @@ func TestOverlayChain(t *testing.T) {
 	}
 	if err := CreateOverlay(ctx, filepath.Join(dir, "nope.qcow2"), filepath.Join(dir, "x.qcow2"), 0); err == nil {
 		t.Fatal("overlay on a missing base succeeded")
+	}
+}
+
+func TestCloneFileKeepsDataAndHoles(t *testing.T) {
+	dir := t.TempDir()
+	src := filepath.Join(dir, "src")
+	f, err := os.Create(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const size = 64 << 20
+	f.Truncate(size)
+	chunks := map[int64]string{0: "start", 10 << 20: "middle", size - 4096: "end"}
+	for off, s := range chunks {
+		f.WriteAt([]byte(s), off)
+	}
+	f.Close()
+	out := filepath.Join(dir, "out")
+	reflinked, err := CloneFile(src, out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != size {
+		t.Fatalf("size %d", len(got))
+	}
+	for off, s := range chunks {
+		if string(got[off:off+int64(len(s))]) != s {
+			t.Fatalf("data at %d lost", off)
+		}
+	}
+	var st syscall.Stat_t
+	syscall.Stat(out, &st)
+	if !reflinked && st.Blocks*512 > 1<<20 {
+		t.Fatalf("clone is not sparse: %d bytes allocated", st.Blocks*512)
+	}
+	// The copy is independent of the source.
+	os.WriteFile(out, []byte("changed"), 0o600)
+	if b, _ := os.ReadFile(src); string(b[:5]) != "start" {
+		t.Fatal("writing the clone changed the source")
 	}
 }
