@@ -88,14 +88,15 @@ func runServer(ctx context.Context, o serverOptions) error {
 		log.Info("accelerator", "accel", probe.Accel, "reason", probe.Reason)
 	}
 	node, err := orchestrator.Open(ctx, orchestrator.Config{
-		DataDir:     o.dataDir,
-		Kernel:      k.BootImage(),
-		KernelArgs:  k.BootArgs(probe.Accel == vmm.AccelTCG),
-		Initrd:      paths.Initrd,
-		Accel:       probe.Accel,
-		NetworkCIDR: o.networkCIDR,
-		Instance:    o.instance,
-		Logger:      log,
+		DataDir:           o.dataDir,
+		Kernel:            k.BootImage(),
+		KernelArgs:        k.BootArgs(probe.Accel == vmm.AccelTCG),
+		Initrd:            paths.Initrd,
+		Accel:             probe.Accel,
+		NetworkCIDR:       o.networkCIDR,
+		Instance:          o.instance,
+		TemplateSnapshots: true,
+		Logger:            log,
 	})
 	if err != nil {
 		return err

@@ -4,6 +4,8 @@ import (
 	"bufio"
 	"crypto/sha256"
 	"encoding/base64"
+	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -15,6 +17,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unsafe"
 
 	"connectrpc.com/connect"
 	"golang.org/x/sys/unix"
@@ -77,6 +80,10 @@ type initRequest struct {
 	Timestamp      *time.Time        `json:"timestamp"`
 	DefaultUser    *string           `json:"defaultUser"`
 	DefaultWorkdir *string           `json:"defaultWorkdir"`
+	// EntropySeed (AgentENV's addition, hex) is mixed into the kernel's
+	// random pool: sandboxes restored from one snapshot start with the same
+	// RNG state, and the host reseeds each one through this field.
+	EntropySeed string `json:"entropySeed"`
 	// volumeMounts and hyperloopIP exist in E2B's schema; they are accepted
 	// and ignored.
 }
@@ -130,6 +137,11 @@ func (s *Server) handleInit(w http.ResponseWriter, r *http.Request) {
 	}
 	if req.Timestamp != nil && !req.Timestamp.IsZero() {
 		s.syncClock(*req.Timestamp)
+	}
+	if req.EntropySeed != "" {
+		if err := mixEntropy(req.EntropySeed); err != nil {
+			s.log.Warn("init: entropy seed not applied", "err", err)
+		}
 	}
 	w.Header().Set("Cache-Control", "no-store")
 	w.WriteHeader(http.StatusNoContent)
@@ -320,6 +332,44 @@ func (s *Server) checkSignature(r *http.Request, token string) error {
 	want := fileSignature(q.Get("path"), op, q.Get("username"), token, exp)
 	if !tokenEqual(q.Get("signature"), want) {
 		return fmt.Errorf("invalid signature for %s", op)
+	}
+	return nil
+}
+
+// Ioctls of the kernel's random device (linux/random.h).
+const (
+	rndAddEntropy = 0x40085203 // _IOW('R', 0x03, int[2])
+	rndReseedCRNG = 0x5207     // _IO('R', 0x07)
+	maxSeedBytes  = 4096
+	minSeedBytes  = 16
+)
+
+// mixEntropy adds a hex seed to the kernel's entropy pool and forces the
+// CRNG to reseed from it at once, so guests restored from one snapshot stop
+// producing the same random numbers. (A plain write to /dev/urandom would
+// only take effect at the CRNG's next periodic reseed.)
+func mixEntropy(seedHex string) error {
+	seed, err := hex.DecodeString(seedHex)
+	if err != nil || len(seed) < minSeedBytes || len(seed) > maxSeedBytes {
+		return fmt.Errorf("entropySeed must be %d..%d bytes of hex", minSeedBytes, maxSeedBytes)
+	}
+	f, err := os.OpenFile("/dev/urandom", os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	// struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+	info := make([]byte, 8+len(seed))
+	binary.LittleEndian.PutUint32(info[0:], uint32(len(seed)*8))
+	binary.LittleEndian.PutUint32(info[4:], uint32(len(seed)))
+	copy(info[8:], seed)
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), rndAddEntropy, uintptr(unsafe.Pointer(&info[0]))); errno != 0 {
+		// Not permitted (not root): mixing without crediting still helps later reseeds.
+		_, err := f.Write(seed)
+		return errors.Join(fmt.Errorf("RNDADDENTROPY: %w", errno), err)
+	}
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), rndReseedCRNG, 0); errno != 0 {
+		return fmt.Errorf("RNDRESEEDCRNG: %w", errno)
 	}
 	return nil
 }

@@ -12,10 +12,6 @@ import (
 	"sync"
 	"time"
 
-	"connectrpc.com/connect"
-
-	"github.com/agentenv/agentenv/internal/envd/gen/processpb"
-	"github.com/agentenv/agentenv/internal/envd/gen/processpb/processpbconnect"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
@@ -83,7 +79,7 @@ func (n *Node) Fork(ctx context.Context, id string, count int, timeout time.Dura
 		return nil, err
 	}
 	start := time.Now()
-	snap, err := n.freeze(ctx, parent)
+	snap, err := n.freeze(ctx, parent, true)
 	if err != nil {
 		n.log.Error("fork: freezing the parent failed", "sandbox", id, "err", err)
 		if m := n.machine(id); m != nil {
@@ -126,8 +122,9 @@ func (n *Node) Fork(ctx context.Context, id string, count int, timeout time.Dura
 }
 
 // freeze stops the parent, saves its device state and turns its RAM file
-// and disk overlay into a read-only snapshot. The parent's QEMU exits.
-func (n *Node) freeze(ctx context.Context, parent *Sandbox) (string, error) {
+// and disk overlay into a read-only snapshot. The parent's QEMU exits. With
+// keepRAM the parent gets a copy of the frozen RAM to run on again.
+func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (string, error) {
 	m := n.machine(parent.ID)
 	if m == nil {
 		return "", errors.New("no running machine")
@@ -181,8 +178,10 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox) (string, error) {
 	// The children map the frozen RAM copy-on-write; the parent gets a
 	// shared copy of its own (a reflink where the filesystem allows), so it
 	// stays cheap to pause and can be forked again.
-	if _, err := storage.CloneFile(filepath.Join(sdir, snapMemName), filepath.Join(pdir, memFileName)); err != nil {
-		return "", fmt.Errorf("copy frozen RAM for the parent: %w", err)
+	if keepRAM {
+		if _, err := storage.CloneFile(filepath.Join(sdir, snapMemName), filepath.Join(pdir, memFileName)); err != nil {
+			return "", fmt.Errorf("copy frozen RAM for the parent: %w", err)
+		}
 	}
 	if err := writeJSONAtomic(filepath.Join(sdir, snapManifestName), snapshotManifest{
 		ID: snapID, SandboxID: parent.ID, TemplateID: parent.TemplateID, ParentLayer: info.BackingFilename,
@@ -235,14 +234,7 @@ func (n *Node) restoreFromSnapshot(ctx context.Context, s *Sandbox, snapID, auth
 	if err := m.Resume(ctx); err != nil {
 		return err
 	}
-	addr := ep.GuestAddr(EnvdPort)
-	if err := initEnvdAs(ctx, addr, s, authToken); err != nil {
-		return err
-	}
-	if reseed {
-		return reseedEntropy(ctx, addr, s.AccessToken)
-	}
-	return nil
+	return initEnvdAs(ctx, ep.GuestAddr(EnvdPort), s, authToken, reseed)
 }
 
 func (n *Node) forkChild(ctx context.Context, parent *Sandbox, snapID string, timeout time.Duration) ForkResult {
@@ -282,35 +274,6 @@ func (n *Node) forkChild(ctx context.Context, parent *Sandbox, snapID string, ti
 	return ForkResult{Sandbox: n.withAddr(&c)}
 }
 
-// reseedEntropy mixes fresh host randomness into a restored guest's kernel
-// RNG, so clones of one snapshot do not produce the same random numbers.
-func reseedEntropy(ctx context.Context, addr, token string) error {
-	client := processpbconnect.NewProcessClient(envdHTTP, "http://"+addr, connect.WithProtoJSON())
-	req := connect.NewRequest(&processpb.StartRequest{Process: &processpb.ProcessConfig{
-		Cmd:  "/bin/sh",
-		Args: []string{"-c", `printf '%s' "$AENV_SEED" > /dev/urandom`},
-		Envs: map[string]string{"AENV_SEED": randomHex(64)},
-	}})
-	req.Header().Set("Authorization", "Basic cm9vdDo=") // root:
-	if token != "" {
-		req.Header().Set("X-Access-Token", token)
-	}
-	stream, err := client.Start(ctx, req)
-	if err != nil {
-		return fmt.Errorf("reseed guest entropy: %w", err)
-	}
-	defer stream.Close()
-	for stream.Receive() {
-		if end := stream.Msg().GetEvent().GetEnd(); end != nil && end.GetExitCode() != 0 {
-			return fmt.Errorf("reseed guest entropy: exit code %d", end.GetExitCode())
-		}
-	}
-	if err := stream.Err(); err != nil {
-		return fmt.Errorf("reseed guest entropy: %w", err)
-	}
-	return nil
-}
-
 func randomHex(n int) string {
 	b := make([]byte, n)
 	if _, err := rand.Read(b); err != nil {
@@ -341,6 +304,16 @@ func (n *Node) gcSnapshots(ctx context.Context) {
 		}
 	}
 	used := map[string]bool{}
+	if refs, err := os.ReadDir(filepath.Join(n.cfg.DataDir, templateSnapshotsDir)); err == nil {
+		for _, r := range refs {
+			var ts templateSnapshot
+			if b, err := os.ReadFile(filepath.Join(n.cfg.DataDir, templateSnapshotsDir, r.Name())); err == nil && json.Unmarshal(b, &ts) == nil {
+				for id := ts.SnapshotID; id != "" && !used[id]; id = parentOf[id] {
+					used[id] = true
+				}
+			}
+		}
+	}
 	for _, s := range all {
 		for id := s.SnapshotID; id != "" && !used[id]; id = parentOf[id] {
 			used[id] = true

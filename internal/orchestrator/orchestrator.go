@@ -119,6 +119,10 @@ type Config struct {
 	// Limits for one sandbox.
 	MaxVCPUs     int
 	MaxMemoryMiB int
+	// TemplateSnapshots makes the node build a snapshot of every template
+	// in the background after it starts, so creates restore instead of
+	// cold-booting.
+	TemplateSnapshots bool
 	// TCGTranslationCacheMiB bounds QEMU's TCG translation cache per sandbox.
 	TCGTranslationCacheMiB int
 	Logger                 *slog.Logger
@@ -160,6 +164,9 @@ type Node struct {
 	db  *sql.DB
 	net *network.Manager
 	log *slog.Logger
+
+	// initrdSum identifies the initramfs (and so the envd) guests boot with.
+	initrdSum string
 
 	mu       sync.Mutex
 	lastSlot int // guarded by mu
@@ -210,12 +217,20 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		stop:     make(chan struct{}),
 		lastSlot: -1,
 	}
+	if n.initrdSum, err = fileSHA256(cfg.Initrd); err != nil {
+		db.Close()
+		return nil, err
+	}
 	if err := n.recover(ctx); err != nil {
 		db.Close()
 		return nil, fmt.Errorf("recover node state: %w", err)
 	}
 	n.wg.Add(1)
 	go n.expiryLoop()
+	if cfg.TemplateSnapshots {
+		n.wg.Add(1)
+		go n.prepareTemplateSnapshots()
+	}
 	return n, nil
 }
 

@@ -31,6 +31,8 @@ type CreateRequest struct {
 	AllowInternet *bool
 	Metadata      map[string]string
 	EnvVars       map[string]string
+	// noSnapshot forces a cold boot even when a template snapshot exists.
+	noSnapshot bool
 }
 
 // Files of a sandbox's directory.
@@ -116,7 +118,19 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 		return nil, err
 	}
 	start := time.Now()
-	if err := n.boot(ctx, s, t); err != nil {
+	how := "cold boot"
+	ts, tsErr := n.currentTemplateSnapshot(t)
+	if !req.noSnapshot && tsErr == nil && ts.VCPUs == s.VCPUs && ts.MemoryMiB == s.MemoryMiB && s.DiskMiB == t.DiskMiB {
+		how = "template snapshot"
+		s.SnapshotID = ts.SnapshotID
+		err = n.setFields(ctx, s.ID, "snapshot_id = ?", ts.SnapshotID)
+		if err == nil {
+			err = n.restoreTemplate(ctx, s, ts)
+		}
+	} else {
+		err = n.boot(ctx, s, t)
+	}
+	if err != nil {
 		n.log.Warn("create failed, cleaning up", "sandbox", s.ID, "err", err)
 		if os.Getenv("AENV_DEBUG_KEEP_FAILED") != "" {
 			n.log.Warn("AENV_DEBUG_KEEP_FAILED set: leaving the failed sandbox in place", "dir", n.sandboxDir(s.ID))
@@ -130,7 +144,7 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 		return nil, err
 	}
 	s.State = StateRunning
-	n.log.Info("sandbox created", "sandbox", s.ID, "template", t.Name, "boot", time.Since(start).Round(time.Millisecond))
+	n.log.Info("sandbox created", "sandbox", s.ID, "template", t.Name, "from", how, "took", time.Since(start).Round(time.Millisecond))
 	return n.withAddr(s), nil
 }
 
@@ -225,7 +239,7 @@ func waitEnvd(ctx context.Context, m *vmm.Machine, addr string) error {
 // initEnvd hands envd the sandbox's environment, access token, default user
 // and the current time, as E2B's orchestrator does after every boot or resume.
 func initEnvd(ctx context.Context, addr string, s *Sandbox) error {
-	return initEnvdAs(ctx, addr, s, s.AccessToken)
+	return initEnvdAs(ctx, addr, s, s.AccessToken, false)
 }
 
 // envdHTTP is the client the node talks to guests' envd with. It keeps no
@@ -234,11 +248,16 @@ func initEnvd(ctx context.Context, addr string, s *Sandbox) error {
 var envdHTTP = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
 
 // initEnvdAs is initEnvd authenticated with authToken, the token the guest's
-// envd currently holds (a fork child's envd still holds its parent's).
-func initEnvdAs(ctx context.Context, addr string, s *Sandbox, authToken string) error {
+// envd currently holds (a fork child's envd still holds its parent's). With
+// reseed it also sends fresh host entropy, for guests restored from a
+// snapshot other guests were restored from too.
+func initEnvdAs(ctx context.Context, addr string, s *Sandbox, authToken string, reseed bool) error {
 	body := map[string]any{
 		"envVars":   nonNil(s.EnvVars),
 		"timestamp": time.Now().UTC().Format(time.RFC3339Nano),
+	}
+	if reseed {
+		body["entropySeed"] = randomHex(64)
 	}
 	if s.AccessToken != "" {
 		body["accessToken"] = s.AccessToken

@@ -94,6 +94,10 @@ func openTestNode(t testing.TB, dir string) *Node {
 	return n
 }
 
+// testHTTP keeps no idle connections: guest addresses are reused by later
+// sandboxes (and by the next test's node).
+var testHTTP = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+
 type envdClient struct {
 	addr, token string
 	proc        processpbconnect.ProcessClient
@@ -105,8 +109,8 @@ func newEnvdClient(s *Sandbox) *envdClient {
 	return &envdClient{
 		addr:  s.EnvdAddr,
 		token: s.AccessToken,
-		proc:  processpbconnect.NewProcessClient(http.DefaultClient, url, connect.WithProtoJSON()),
-		fs:    filesystempbconnect.NewFilesystemClient(http.DefaultClient, url, connect.WithProtoJSON()),
+		proc:  processpbconnect.NewProcessClient(testHTTP, url, connect.WithProtoJSON()),
+		fs:    filesystempbconnect.NewFilesystemClient(testHTTP, url, connect.WithProtoJSON()),
 	}
 }
 
@@ -419,7 +423,7 @@ func (c *envdClient) upload(ctx context.Context, path string, content []byte) er
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+c.addr+"/files?path="+path, &body)
 	req.Header.Set("Content-Type", mw.FormDataContentType())
 	c.headers(req.Header, "")
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := testHTTP.Do(req)
 	if err != nil {
 		return err
 	}
@@ -434,7 +438,7 @@ func (c *envdClient) upload(ctx context.Context, path string, content []byte) er
 func (c *envdClient) download(ctx context.Context, path string) ([]byte, error) {
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+c.addr+"/files?path="+path, nil)
 	c.headers(req.Header, "")
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := testHTTP.Do(req)
 	if err != nil {
 		return nil, err
 	}

@@ -1,0 +1,148 @@
+package orchestrator
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/storage"
+)
+
+// A template snapshot is a sandbox of the template booted once, stopped the
+// moment envd answered, and frozen like a fork snapshot (RAM image, disk
+// layer, device state). Creating a sandbox whose size matches restores it
+// instead of cold-booting: the new sandbox gets a copy of the RAM image (a
+// reflink on XFS/btrfs), an overlay on the disk layer, and its identity,
+// env vars and clock through envd's /init.
+
+// templateSnapshotsDir holds, per template, which snapshot is its current
+// one on this node: <data>/template-snapshots/<template>.json.
+const templateSnapshotsDir = "template-snapshots"
+
+func (n *Node) templateSnapshotRef(name string) string {
+	return filepath.Join(n.cfg.DataDir, templateSnapshotsDir, name+".json")
+}
+
+type templateSnapshot struct {
+	SnapshotID string `json:"snapshotID"`
+	VCPUs      int    `json:"vcpus"`
+	MemoryMiB  int    `json:"memoryMiB"`
+	// Initrd and Kernel identify the boot files; a snapshot of other ones
+	// is stale (its envd is not the current one).
+	Initrd string `json:"initrdSHA256"`
+	Kernel string `json:"kernel"`
+}
+
+func (n *Node) currentTemplateSnapshot(t *Template) (*templateSnapshot, error) {
+	b, err := os.ReadFile(n.templateSnapshotRef(t.Name))
+	if err != nil {
+		return nil, err
+	}
+	var ts templateSnapshot
+	if err := json.Unmarshal(b, &ts); err != nil {
+		return nil, fmt.Errorf("%w: template %s snapshot record: %v", ErrCorrupt, t.Name, err)
+	}
+	if ts.Initrd != n.initrdSum || ts.Kernel != n.cfg.Kernel {
+		return nil, fmt.Errorf("template %s snapshot is stale (built with other boot files)", t.Name)
+	}
+	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, ts.SnapshotID)
+	for _, f := range []string{snapMemName, snapDiskName, snapStateName, snapManifestName} {
+		if _, err := os.Stat(filepath.Join(sdir, f)); err != nil {
+			return nil, fmt.Errorf("%w: template %s snapshot: %v", ErrCorrupt, t.Name, err)
+		}
+	}
+	return &ts, nil
+}
+
+// PrepareTemplateSnapshot boots a template once and freezes it, so that
+// later creates restore instead of cold-booting. It replaces a stale
+// snapshot; an up-to-date one is kept.
+func (n *Node) PrepareTemplateSnapshot(ctx context.Context, name string) error {
+	t, err := n.Template(name)
+	if err != nil {
+		return err
+	}
+	if _, err := n.currentTemplateSnapshot(t); err == nil {
+		return nil
+	}
+	start := time.Now()
+	s, err := n.Create(ctx, CreateRequest{TemplateID: name, Timeout: 10 * time.Minute, noSnapshot: true})
+	if err != nil {
+		return fmt.Errorf("boot template %s for its snapshot: %w", name, err)
+	}
+	unlock := n.lockOp(s.ID)
+	err = n.transition(ctx, s.ID, StateSnapshotting, StateRunning)
+	var snapID string
+	if err == nil {
+		snapID, err = n.freeze(ctx, s, false)
+	}
+	unlock()
+	// The boot sandbox has served its purpose either way.
+	n.destroy(context.WithoutCancel(ctx), s)
+	if err != nil {
+		return fmt.Errorf("freeze template %s: %w", name, err)
+	}
+	ref := templateSnapshot{SnapshotID: snapID, VCPUs: s.VCPUs, MemoryMiB: s.MemoryMiB, Initrd: n.initrdSum, Kernel: n.cfg.Kernel}
+	if err := os.MkdirAll(filepath.Dir(n.templateSnapshotRef(name)), 0o700); err != nil {
+		return err
+	}
+	if err := writeJSONAtomic(n.templateSnapshotRef(name), ref); err != nil {
+		return err
+	}
+	n.gcSnapshots(ctx)
+	n.log.Info("template snapshot ready", "template", name, "snapshot", snapID, "took", time.Since(start).Round(time.Millisecond))
+	return nil
+}
+
+// restoreTemplate creates s from its template's snapshot.
+func (n *Node) restoreTemplate(ctx context.Context, s *Sandbox, ts *templateSnapshot) error {
+	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, ts.SnapshotID)
+	dir := n.sandboxDir(s.ID)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	mark := time.Now()
+	phase := func(name string) {
+		now := time.Now()
+		s.Phases = append(s.Phases, Phase{name, now.Sub(mark)})
+		mark = now
+	}
+	if _, err := storage.CloneFile(filepath.Join(sdir, snapMemName), filepath.Join(dir, memFileName)); err != nil {
+		return fmt.Errorf("copy template RAM image: %w", err)
+	}
+	phase("copy RAM image")
+	if err := n.restoreFromSnapshot(ctx, s, ts.SnapshotID, "", true); err != nil {
+		return err
+	}
+	phase("restore")
+	return nil
+}
+
+// prepareTemplateSnapshots builds missing or stale template snapshots in
+// the background after the node starts.
+func (n *Node) prepareTemplateSnapshots() {
+	defer n.wg.Done()
+	ts, err := n.Templates()
+	if err != nil {
+		n.log.Error("list templates", "err", err)
+		return
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		select {
+		case <-n.stop:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	for _, t := range ts {
+		if err := n.PrepareTemplateSnapshot(ctx, t.Name); err != nil && !errors.Is(err, context.Canceled) {
+			n.log.Error("template snapshot", "template", t.Name, "err", err)
+		}
+	}
+}

@@ -1,0 +1,66 @@
+package orchestrator
+
+import (
+	"context"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+func phaseNames(s *Sandbox) []string {
+	var out []string
+	for _, p := range s.Phases {
+		out = append(out, p.Name)
+	}
+	return out
+}
+
+func TestCreateFromTemplateSnapshot(t *testing.T) {
+	n := testNode(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	start := time.Now()
+	if err := n.PrepareTemplateSnapshot(ctx, "base"); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("template snapshot prepared in %s", time.Since(start))
+	uuids := map[string]bool{}
+	for i := 0; i < 2; i++ {
+		s := create(t, n, CreateRequest{TemplateID: "base", Secure: true, EnvVars: map[string]string{"N": "x"}})
+		if !slices.Contains(phaseNames(s), "copy RAM image") {
+			t.Fatalf("create did not restore the template snapshot: %v", s.Phases)
+		}
+		t.Logf("restore phases: %v", s.Phases)
+		r, err := newEnvdClient(s).run(ctx, "", "bash", "-c", "echo $N $(whoami); cat /proc/sys/kernel/random/uuid; date +%s")
+		if err != nil || r.exit != 0 {
+			t.Fatalf("restored sandbox: %+v %v", r, err)
+		}
+		f := strings.Fields(r.stdout)
+		if len(f) != 4 || f[0] != "x" || f[1] != "user" {
+			t.Fatalf("restored sandbox output %q", r.stdout)
+		}
+		uuids[f[2]] = true
+		// The token is the new sandbox's own.
+		anon := *newEnvdClient(s)
+		anon.token = ""
+		if _, err := anon.run(ctx, "", "/bin/true"); err == nil {
+			t.Fatal("restored secure sandbox accepted a request without its token")
+		}
+		// Pause/resume works on a restored sandbox.
+		if _, err := n.Pause(ctx, s.ID); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := n.Resume(ctx, s.ID, time.Minute); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(uuids) != 2 {
+		t.Fatal("two sandboxes restored from one snapshot produced the same random numbers")
+	}
+	// A size the snapshot does not have falls back to a cold boot.
+	s := create(t, n, CreateRequest{TemplateID: "base", MemoryMiB: 640})
+	if !slices.Contains(phaseNames(s), "guest boot to envd") {
+		t.Fatalf("640 MiB create should cold-boot: %v", s.Phases)
+	}
+}
