@@ -232,3 +232,39 @@ func rss(pid int) rssInfo {
 	}
 	return r
 }
+
+// BenchmarkCreateFromSnapshot creates `base` sandboxes by restoring the
+// template snapshot (the default path of POST /sandboxes), reporting p50/p90
+// until envd has accepted /init. Baseline, same run: a cold boot of the same
+// template.
+func BenchmarkCreateFromSnapshot(b *testing.B) {
+	n := testNode(b)
+	ctx := context.Background()
+	if err := n.PrepareTemplateSnapshot(ctx, "base"); err != nil {
+		b.Fatal(err)
+	}
+	cold, err := n.Create(ctx, CreateRequest{TemplateID: "base", noSnapshot: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	var coldTook time.Duration
+	for _, p := range cold.Phases {
+		coldTook += p.Duration
+	}
+	n.Kill(ctx, cold.ID)
+	var ds []time.Duration
+	for i := 0; i < b.N; i++ {
+		start := time.Now()
+		s, err := n.Create(ctx, CreateRequest{TemplateID: "base", Secure: true})
+		if err != nil {
+			b.Fatal(err)
+		}
+		ds = append(ds, time.Since(start))
+		b.StopTimer()
+		n.Kill(ctx, s.ID)
+		b.StartTimer()
+	}
+	fmt.Fprintf(os.Stderr, "baseline cold boot: %s\ncreate from template snapshot: n=%d p50 %s p90 %s\n",
+		coldTook.Round(time.Millisecond), len(ds), percentile(ds, 50).Round(time.Millisecond), percentile(ds, 90).Round(time.Millisecond))
+	reportPercentiles(b, ds)
+}

@@ -23,6 +23,7 @@ func TestFork(t *testing.T) {
 		t.Fatalf("prepare parent: %+v %v", r, err)
 	}
 	bg := strings.TrimSpace(r.stdout)
+	time.Sleep(500 * time.Millisecond) // let the counter write its first value
 
 	for _, bad := range []int{0, 17, -1} {
 		if _, err := n.Fork(ctx, parent.ID, bad, 0); !errors.Is(err, ErrInvalid) {
