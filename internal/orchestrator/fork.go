@@ -62,21 +62,29 @@ func (n *Node) Fork(ctx context.Context, id string, count int, timeout time.Dura
 	if timeout < 0 || timeout > n.cfg.MaxTimeout {
 		return nil, fmt.Errorf("%w: timeout must be between 1s and %s", ErrInvalid, n.cfg.MaxTimeout)
 	}
+	_, results, err := n.capture(ctx, id, count, timeout, StateForking)
+	return results, err
+}
+
+// capture freezes a running sandbox into a snapshot, restores it, and
+// restores count children from the same snapshot; op is the state the
+// sandbox shows meanwhile.
+func (n *Node) capture(ctx context.Context, id string, count int, timeout time.Duration, op State) (string, []ForkResult, error) {
 	unlock := n.lockOp(id)
 	defer unlock()
 	parent, err := n.loadSandbox(ctx, id)
 	if err != nil {
-		return nil, err
+		return "", nil, err
 	}
 	if parent.State != StateRunning {
-		return nil, fmt.Errorf("%w: sandbox %s is %s; only running sandboxes can be forked", ErrConflict, id, parent.State)
+		return "", nil, fmt.Errorf("%w: sandbox %s is %s; only running sandboxes can be forked", ErrConflict, id, parent.State)
 	}
 	if parent.MemPrivate {
 		// Its RAM is a private mapping, not a file we could freeze and share.
-		return nil, fmt.Errorf("%w: sandbox %s is itself a fork child; forking a fork child is not supported yet", ErrConflict, id)
+		return "", nil, fmt.Errorf("%w: sandbox %s is itself a fork child; forking a fork child is not supported yet", ErrConflict, id)
 	}
-	if err := n.transition(ctx, id, StateForking, StateRunning); err != nil {
-		return nil, err
+	if err := n.transition(ctx, id, op, StateRunning); err != nil {
+		return "", nil, err
 	}
 	start := time.Now()
 	snap, err := n.freeze(ctx, parent, true)
@@ -84,12 +92,12 @@ func (n *Node) Fork(ctx context.Context, id string, count int, timeout time.Dura
 		n.log.Error("fork: freezing the parent failed", "sandbox", id, "err", err)
 		if m := n.machine(id); m != nil {
 			_ = m.Resume(context.WithoutCancel(ctx))
-			_ = n.transition(context.WithoutCancel(ctx), id, StateRunning, StateForking)
+			_ = n.transition(context.WithoutCancel(ctx), id, StateRunning, op)
 		} else {
 			// The parent's QEMU is gone; it cannot be brought back.
 			n.destroy(context.WithoutCancel(ctx), parent)
 		}
-		return nil, fmt.Errorf("fork %s: %w", id, err)
+		return "", nil, fmt.Errorf("fork %s: %w", id, err)
 	}
 	frozen := time.Since(start)
 
@@ -113,12 +121,15 @@ func (n *Node) Fork(ctx context.Context, id string, count int, timeout time.Dura
 	if parentErr != nil {
 		n.log.Error("fork: restoring the parent failed", "sandbox", id, "err", parentErr)
 		n.destroy(context.WithoutCancel(ctx), parent)
-	} else if err := n.transition(ctx, id, StateRunning, StateForking); err != nil {
-		return results, err
+		if count == 0 {
+			return snap, nil, fmt.Errorf("restore %s after capturing it: %w", id, parentErr)
+		}
+	} else if err := n.transition(ctx, id, StateRunning, op); err != nil {
+		return snap, results, err
 	}
 	n.log.Info("sandbox forked", "sandbox", id, "children", count, "freeze", frozen.Round(time.Microsecond),
 		"total", time.Since(start).Round(time.Millisecond))
-	return results, nil
+	return snap, results, nil
 }
 
 // freeze stops the parent, saves its device state and turns its RAM file
@@ -304,6 +315,13 @@ func (n *Node) gcSnapshots(ctx context.Context) {
 		}
 	}
 	used := map[string]bool{}
+	if named, err := n.Snapshots(); err == nil {
+		for _, ns := range named {
+			for id := ns.SnapshotID; id != "" && !used[id]; id = parentOf[id] {
+				used[id] = true
+			}
+		}
+	}
 	if refs, err := os.ReadDir(filepath.Join(n.cfg.DataDir, templateSnapshotsDir)); err == nil {
 		for _, r := range refs {
 			var ts templateSnapshot

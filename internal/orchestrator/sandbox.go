@@ -70,6 +70,17 @@ func (n *Node) validate(req *CreateRequest, t *Template) error {
 // answers. On failure nothing of it is left behind.
 func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) {
 	t, err := n.Template(req.TemplateID)
+	var named *NamedSnapshot
+	if errors.Is(err, ErrNotFound) {
+		// Not a template: maybe a named snapshot, whose size is fixed.
+		if ns, nerr := n.namedSnapshot(req.TemplateID); nerr == nil {
+			named, err = ns, nil
+			t = &Template{Name: ns.Name, VCPUs: ns.VCPUs, MemoryMiB: ns.MemoryMiB, DiskMiB: ns.DiskMiB, DefaultUser: ns.DefaultUser}
+			if (req.VCPUs != 0 && req.VCPUs != ns.VCPUs) || (req.MemoryMiB != 0 && req.MemoryMiB != ns.MemoryMiB) {
+				return nil, fmt.Errorf("%w: snapshot %s has %d vCPUs and %d MiB; its size cannot change", ErrInvalid, ns.Name, ns.VCPUs, ns.MemoryMiB)
+			}
+		}
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -119,15 +130,27 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 	}
 	start := time.Now()
 	how := "cold boot"
-	ts, tsErr := n.currentTemplateSnapshot(t)
-	if !req.noSnapshot && tsErr == nil && ts.VCPUs == s.VCPUs && ts.MemoryMiB == s.MemoryMiB && s.DiskMiB == t.DiskMiB {
+	var ts *templateSnapshot
+	tsErr := errors.New("named snapshot")
+	if named == nil {
+		ts, tsErr = n.currentTemplateSnapshot(t)
+	}
+	switch {
+	case named != nil:
+		how = "snapshot " + named.Name
+		s.SnapshotID = named.SnapshotID
+		err = n.setFields(ctx, s.ID, "snapshot_id = ?", named.SnapshotID)
+		if err == nil {
+			err = n.restoreTemplate(ctx, s, &templateSnapshot{SnapshotID: named.SnapshotID}, named.AccessToken)
+		}
+	case !req.noSnapshot && tsErr == nil && ts.VCPUs == s.VCPUs && ts.MemoryMiB == s.MemoryMiB && s.DiskMiB == t.DiskMiB:
 		how = "template snapshot"
 		s.SnapshotID = ts.SnapshotID
 		err = n.setFields(ctx, s.ID, "snapshot_id = ?", ts.SnapshotID)
 		if err == nil {
-			err = n.restoreTemplate(ctx, s, ts)
+			err = n.restoreTemplate(ctx, s, ts, "")
 		}
-	} else {
+	default:
 		err = n.boot(ctx, s, t)
 	}
 	if err != nil {

@@ -98,8 +98,9 @@ func (n *Node) PrepareTemplateSnapshot(ctx context.Context, name string) error {
 	return nil
 }
 
-// restoreTemplate creates s from its template's snapshot.
-func (n *Node) restoreTemplate(ctx context.Context, s *Sandbox, ts *templateSnapshot) error {
+// restoreTemplate creates s from a template snapshot or a named snapshot;
+// authToken is the token that snapshot's envd holds.
+func (n *Node) restoreTemplate(ctx context.Context, s *Sandbox, ts *templateSnapshot, authToken string) error {
 	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, ts.SnapshotID)
 	dir := n.sandboxDir(s.ID)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -115,7 +116,7 @@ func (n *Node) restoreTemplate(ctx context.Context, s *Sandbox, ts *templateSnap
 		return fmt.Errorf("copy template RAM image: %w", err)
 	}
 	phase("copy RAM image")
-	if err := n.restoreFromSnapshot(ctx, s, ts.SnapshotID, "", true); err != nil {
+	if err := n.restoreFromSnapshot(ctx, s, ts.SnapshotID, authToken, true); err != nil {
 		return err
 	}
 	phase("restore")
