@@ -41,6 +41,7 @@ type serverOptions struct {
 	domain      string
 	networkCIDR string
 	instance    string
+	poolSize    int
 	logLevel    string
 }
 
@@ -63,6 +64,7 @@ func serverCmd() *cobra.Command {
 	cmd.Flags().StringVar(&o.domain, "domain", "", "sandbox domain for {port}-{sandboxID}.{domain} hosts (empty: any)")
 	cmd.Flags().StringVar(&o.networkCIDR, "network-cidr", "", "IPv4 range for sandbox veth pairs (default 10.213.0.0/16)")
 	cmd.Flags().StringVar(&o.instance, "instance", "aenv", "prefix of host objects (netns, veth, nftables); nodes sharing a host need distinct ones")
+	cmd.Flags().IntVar(&o.poolSize, "pool-size", 2, "pre-started sandboxes kept waiting per template snapshot")
 	cmd.Flags().StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 	return cmd
 }
@@ -96,6 +98,7 @@ func runServer(ctx context.Context, o serverOptions) error {
 		NetworkCIDR:       o.networkCIDR,
 		Instance:          o.instance,
 		TemplateSnapshots: true,
+		PoolSize:          o.poolSize,
 		Logger:            log,
 	})
 	if err != nil {

@@ -95,6 +95,23 @@ func (n *Node) insertSandbox(ctx context.Context, s *Sandbox) error {
 	return nil
 }
 
+// saveSandbox rewrites every recorded field of an existing sandbox.
+func (n *Node) saveSandbox(ctx context.Context, s *Sandbox) error {
+	meta, _ := json.Marshal(nonNil(s.Metadata))
+	env, _ := json.Marshal(nonNil(s.EnvVars))
+	_, err := n.db.ExecContext(ctx, `UPDATE sandboxes SET template_id = ?, state = ?, vcpus = ?, memory_mib = ?,
+		disk_mib = ?, slot = ?, pid = ?, allow_internet = ?, secure = ?, auto_pause = ?, access_token = ?,
+		traffic_token = ?, default_user = ?, metadata = ?, env_vars = ?, created_at = ?, started_at = ?, end_at = ?,
+		mem_file = ?, mem_private = ?, snapshot_id = ?, updated_at = ? WHERE id = ?`,
+		s.TemplateID, s.State, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure, s.AutoPause,
+		s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env), s.CreatedAt.UnixMilli(),
+		s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID, time.Now().UnixMilli(), s.ID)
+	if err != nil {
+		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
+	}
+	return nil
+}
+
 func nonNil(m map[string]string) map[string]string {
 	if m == nil {
 		return map[string]string{}

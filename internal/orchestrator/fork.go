@@ -208,44 +208,77 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (strin
 // state loaded, vCPUs resumed, envd re-initialised (authenticated with
 // authToken, the token the snapshot's envd knows).
 func (n *Node) restoreFromSnapshot(ctx context.Context, s *Sandbox, snapID, authToken string, reseed bool) error {
+	m, err := n.startIncoming(ctx, s, snapID)
+	if err != nil {
+		return err
+	}
+	return n.finishRestore(ctx, s, m, snapID, authToken, reseed)
+}
+
+// startIncoming prepares everything of s but the guest itself: its disk
+// overlay on the snapshot's layer, its network, and a QEMU waiting for the
+// snapshot's device state. The pool of pre-started sandboxes stops here.
+func (n *Node) startIncoming(ctx context.Context, s *Sandbox, snapID string) (*vmm.Machine, error) {
 	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, snapID)
 	dir := n.sandboxDir(s.ID)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return err
+		return nil, err
 	}
 	if err := storage.CreateOverlay(ctx, filepath.Join(sdir, snapDiskName), filepath.Join(dir, overlayName), 0); err != nil {
-		return err
+		return nil, err
 	}
 	ep, err := n.endpoint(s)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	tap, err := n.net.OpenTap(ep)
 	if err != nil {
 		if err := n.net.Setup(ctx, ep); err != nil {
-			return err
+			return nil, err
 		}
 		if tap, err = n.net.OpenTap(ep); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	defer tap.Close()
 	m, err := vmm.Start(ctx, n.vmConfig(s, tap, true))
 	if err != nil {
-		return err
+		return nil, err
 	}
 	n.adopt(s.ID, m)
 	s.PID = m.PID()
 	if err := n.setFields(ctx, s.ID, "pid = ?", m.PID()); err != nil {
+		return m, err
+	}
+	return m, nil
+}
+
+// finishRestore loads the snapshot's device state into a machine from
+// startIncoming, runs it and initialises its envd.
+func (n *Node) finishRestore(ctx context.Context, s *Sandbox, m *vmm.Machine, snapID, authToken string, reseed bool) error {
+	mark := time.Now()
+	phase := func(name string) {
+		now := time.Now()
+		s.Phases = append(s.Phases, Phase{name, now.Sub(mark)})
+		mark = now
+	}
+	if err := m.LoadState(ctx, filepath.Join(n.cfg.DataDir, snapshotsDir, snapID, snapStateName)); err != nil {
 		return err
 	}
-	if err := m.LoadState(ctx, filepath.Join(sdir, snapStateName)); err != nil {
-		return err
-	}
+	phase("load device state")
 	if err := m.Resume(ctx); err != nil {
 		return err
 	}
-	return initEnvdAs(ctx, ep.GuestAddr(EnvdPort), s, authToken, reseed)
+	phase("resume vcpus")
+	ep, err := n.endpoint(s)
+	if err != nil {
+		return err
+	}
+	if err := initEnvdAs(ctx, ep.GuestAddr(EnvdPort), s, authToken, reseed); err != nil {
+		return err
+	}
+	phase("envd init")
+	return nil
 }
 
 func (n *Node) forkChild(ctx context.Context, parent *Sandbox, snapID string, timeout time.Duration) ForkResult {

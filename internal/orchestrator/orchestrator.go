@@ -123,6 +123,9 @@ type Config struct {
 	// in the background after it starts, so creates restore instead of
 	// cold-booting.
 	TemplateSnapshots bool
+	// PoolSize is how many pre-started sandboxes wait per template
+	// snapshot (0: none).
+	PoolSize int
 	// TCGTranslationCacheMiB bounds QEMU's TCG translation cache per sandbox.
 	TCGTranslationCacheMiB int
 	Logger                 *slog.Logger
@@ -172,9 +175,12 @@ type Node struct {
 	lastSlot int // guarded by mu
 	machines map[string]*vmm.Machine
 	opLocks  map[string]*sync.Mutex
+	pool     map[string][]*pooledSandbox // by snapshot id; guarded by mu
+	poolMu   sync.Mutex                  // one pool filler at a time
 
-	stop chan struct{}
-	wg   sync.WaitGroup
+	stop      chan struct{}
+	closeOnce sync.Once
+	wg        sync.WaitGroup
 }
 
 // Open starts a node on its data directory: it opens the state database,
@@ -214,6 +220,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		log:      cfg.Logger,
 		machines: map[string]*vmm.Machine{},
 		opLocks:  map[string]*sync.Mutex{},
+		pool:     map[string][]*pooledSandbox{},
 		stop:     make(chan struct{}),
 		lastSlot: -1,
 	}
@@ -237,8 +244,14 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 // Close stops background work. Running sandboxes keep running: a later Open
 // re-adopts them.
 func (n *Node) Close() error {
+	first := false
+	n.closeOnce.Do(func() { first = true })
+	if !first {
+		return nil
+	}
 	close(n.stop)
 	n.wg.Wait()
+	n.drainPool(context.Background())
 	n.mu.Lock()
 	for _, m := range n.machines {
 		if q := m.QMP(); q != nil {
@@ -284,12 +297,15 @@ func (n *Node) Get(ctx context.Context, id string) (*Sandbox, error) {
 	if err != nil {
 		return nil, err
 	}
+	if s.State == StatePooled {
+		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
+	}
 	return n.withAddr(s), nil
 }
 
 // List returns all sandboxes, oldest first.
 func (n *Node) List(ctx context.Context) ([]*Sandbox, error) {
-	all, err := n.loadSandboxes(ctx, "")
+	all, err := n.loadSandboxes(ctx, "state != ?", StatePooled)
 	if err != nil {
 		return nil, err
 	}

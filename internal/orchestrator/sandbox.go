@@ -113,29 +113,51 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 	if req.Secure {
 		s.AccessToken = newToken()
 	}
-	unlock := n.lockOp(s.ID)
-	defer unlock()
-
-	// Record first, then act: a crash from here on leaves a row that
-	// recovery cleans up.
-	n.mu.Lock()
-	slot, err := n.freeSlot(ctx)
-	if err == nil {
-		s.Slot = slot
-		err = n.insertSandbox(ctx, s)
-	}
-	n.mu.Unlock()
-	if err != nil {
-		return nil, err
-	}
 	start := time.Now()
-	how := "cold boot"
 	var ts *templateSnapshot
 	tsErr := errors.New("named snapshot")
 	if named == nil {
 		ts, tsErr = n.currentTemplateSnapshot(t)
 	}
+	fromTemplateSnapshot := named == nil && !req.noSnapshot && tsErr == nil &&
+		ts.VCPUs == s.VCPUs && ts.MemoryMiB == s.MemoryMiB && s.DiskMiB == t.DiskMiB
+	// A pre-started sandbox of the template snapshot, if one waits, becomes
+	// this sandbox: it keeps its id and network slot, takes everything else.
+	var pooled *pooledSandbox
+	if fromTemplateSnapshot {
+		if pooled = n.takePooled(ts.SnapshotID, s.VCPUs, s.MemoryMiB); pooled != nil {
+			s.ID, s.Slot, s.PID, s.SnapshotID = pooled.s.ID, pooled.s.Slot, pooled.s.PID, ts.SnapshotID
+		}
+		defer n.refillPool(t, ts)
+	}
+	unlock := n.lockOp(s.ID)
+	defer unlock()
+
+	// Record first, then act: a crash from here on leaves a row that
+	// recovery cleans up.
+	if pooled != nil {
+		err = n.saveSandbox(ctx, s)
+	} else {
+		n.mu.Lock()
+		var slot int
+		slot, err = n.freeSlot(ctx)
+		if err == nil {
+			s.Slot = slot
+			err = n.insertSandbox(ctx, s)
+		}
+		n.mu.Unlock()
+	}
+	if err != nil {
+		if pooled != nil {
+			n.destroy(context.WithoutCancel(ctx), pooled.s)
+		}
+		return nil, err
+	}
+	how := "cold boot"
 	switch {
+	case pooled != nil:
+		how = "pre-started template snapshot"
+		err = n.claimPooled(ctx, s, pooled, ts)
 	case named != nil:
 		how = "snapshot " + named.Name
 		s.SnapshotID = named.SnapshotID
@@ -143,7 +165,7 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 		if err == nil {
 			err = n.restoreTemplate(ctx, s, &templateSnapshot{SnapshotID: named.SnapshotID}, named.AccessToken)
 		}
-	case !req.noSnapshot && tsErr == nil && ts.VCPUs == s.VCPUs && ts.MemoryMiB == s.MemoryMiB && s.DiskMiB == t.DiskMiB:
+	case fromTemplateSnapshot:
 		how = "template snapshot"
 		s.SnapshotID = ts.SnapshotID
 		err = n.setFields(ctx, s.ID, "snapshot_id = ?", ts.SnapshotID)

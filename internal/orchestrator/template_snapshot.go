@@ -144,6 +144,12 @@ func (n *Node) prepareTemplateSnapshots() {
 	for _, t := range ts {
 		if err := n.PrepareTemplateSnapshot(ctx, t.Name); err != nil && !errors.Is(err, context.Canceled) {
 			n.log.Error("template snapshot", "template", t.Name, "err", err)
+			continue
+		}
+		if snap, err := n.currentTemplateSnapshot(t); err == nil && n.cfg.PoolSize > 0 {
+			n.poolMu.Lock()
+			n.fillPool(ctx, t, snap)
+			n.poolMu.Unlock()
 		}
 	}
 }

@@ -64,3 +64,45 @@ func TestCreateFromTemplateSnapshot(t *testing.T) {
 		t.Fatalf("640 MiB create should cold-boot: %v", s.Phases)
 	}
 }
+
+func TestCreateFromPool(t *testing.T) {
+	n := testNode(t)
+	n.cfg.PoolSize = 2
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	if err := n.PrepareTemplateSnapshot(ctx, "minimal"); err != nil {
+		t.Fatal(err)
+	}
+	tmpl, _ := n.Template("minimal")
+	snap, err := n.currentTemplateSnapshot(tmpl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.fillPool(ctx, tmpl, snap)
+	if all, _ := n.List(ctx); len(all) != 0 {
+		t.Fatalf("pooled sandboxes are listed: %d", len(all))
+	}
+	off := false
+	for i := 0; i < 3; i++ { // the third may find the pool still refilling
+		s := create(t, n, CreateRequest{TemplateID: "minimal", Secure: true, AllowInternet: &off, EnvVars: map[string]string{"P": "1"}})
+		t.Logf("create %d: %v", i, s.Phases)
+		r, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "echo $P")
+		if err != nil || r.stdout != "1\n" {
+			t.Fatalf("pooled create %d: %+v %v", i, r, err)
+		}
+		if got, err := n.Get(ctx, s.ID); err != nil || got.State != StateRunning || got.AllowInternet {
+			t.Fatalf("pooled sandbox record: %+v %v", got, err)
+		}
+	}
+	n.Close()
+	// Closing drains the pool: only the three created sandboxes remain recorded.
+	n2 := openTestNode(t, n.cfg.DataDir)
+	defer n2.Close()
+	all, _ := n2.loadSandboxes(ctx, "")
+	for _, s := range all {
+		if s.State == StatePooled {
+			t.Fatalf("pooled sandbox left after close: %s", s.ID)
+		}
+		n2.Kill(ctx, s.ID)
+	}
+}

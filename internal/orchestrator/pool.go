@@ -1,0 +1,156 @@
+package orchestrator
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/storage"
+	"github.com/agentenv/agentenv/internal/vmm"
+)
+
+// The pool keeps, per template snapshot, a few sandboxes prepared up to the
+// last step: RAM image copied, disk overlay created, network namespace up,
+// QEMU started and waiting in `-incoming defer`. Creating a sandbox from the
+// template then takes one, gives it the request's identity and only loads
+// the device state, resumes and initialises envd. Pooled sandboxes are
+// recorded (state "pooled", hidden from listings) so a restart cleans them.
+
+// StatePooled marks a pre-started sandbox no user owns yet.
+const StatePooled State = "pooled"
+
+type pooledSandbox struct {
+	s *Sandbox
+	m *vmm.Machine
+}
+
+// takePooled hands out a pre-started sandbox of the snapshot, if any.
+func (n *Node) takePooled(snapID string, vcpus, memMiB int) *pooledSandbox {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	list := n.pool[snapID]
+	for i, p := range list {
+		if p.s.VCPUs == vcpus && p.s.MemoryMiB == memMiB {
+			select {
+			case <-p.m.Exited():
+				continue // died while waiting; the exit watcher cleans it
+			default:
+			}
+			n.pool[snapID] = append(list[:i:i], list[i+1:]...)
+			return p
+		}
+	}
+	return nil
+}
+
+// fillPool starts pooled sandboxes of a template snapshot until the
+// configured number wait.
+func (n *Node) fillPool(ctx context.Context, t *Template, ts *templateSnapshot) {
+	for {
+		n.mu.Lock()
+		have := len(n.pool[ts.SnapshotID])
+		n.mu.Unlock()
+		if have >= n.cfg.PoolSize || ctx.Err() != nil {
+			return
+		}
+		p, err := n.prestart(ctx, t, ts)
+		if err != nil {
+			n.log.Error("pre-start pooled sandbox", "template", t.Name, "err", err)
+			return
+		}
+		n.mu.Lock()
+		n.pool[ts.SnapshotID] = append(n.pool[ts.SnapshotID], p)
+		n.mu.Unlock()
+	}
+}
+
+// refillPool tops the pool of a template up in the background.
+func (n *Node) refillPool(t *Template, ts *templateSnapshot) {
+	if n.cfg.PoolSize == 0 {
+		return
+	}
+	n.wg.Add(1)
+	go func() {
+		defer n.wg.Done()
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		go func() {
+			select {
+			case <-n.stop:
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+		n.poolMu.Lock()
+		defer n.poolMu.Unlock()
+		n.fillPool(ctx, t, ts)
+	}()
+}
+
+func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) (*pooledSandbox, error) {
+	now := time.Now().UTC().Truncate(time.Millisecond)
+	s := &Sandbox{
+		ID: NewSandboxID(), TemplateID: t.Name, State: StatePooled, VCPUs: ts.VCPUs, MemoryMiB: ts.MemoryMiB,
+		DiskMiB: t.DiskMiB, AllowInternet: true, DefaultUser: t.DefaultUser, SnapshotID: ts.SnapshotID,
+		CreatedAt: now, StartedAt: now, EndAt: now,
+	}
+	n.mu.Lock()
+	slot, err := n.freeSlot(ctx)
+	if err == nil {
+		s.Slot = slot
+		err = n.insertSandbox(ctx, s)
+	}
+	n.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, ts.SnapshotID)
+	m, err := func() (*vmm.Machine, error) {
+		if err := mkdirPrivate(n.sandboxDir(s.ID)); err != nil {
+			return nil, err
+		}
+		if _, err := storage.CloneFile(filepath.Join(sdir, snapMemName), filepath.Join(n.sandboxDir(s.ID), memFileName)); err != nil {
+			return nil, fmt.Errorf("copy template RAM image: %w", err)
+		}
+		return n.startIncoming(ctx, s, ts.SnapshotID)
+	}()
+	if err != nil {
+		n.destroy(context.WithoutCancel(ctx), s)
+		return nil, err
+	}
+	return &pooledSandbox{s: s, m: m}, nil
+}
+
+// drainPool kills every pooled sandbox (on close).
+func (n *Node) drainPool(ctx context.Context) {
+	n.mu.Lock()
+	var all []*pooledSandbox
+	for id, list := range n.pool {
+		all = append(all, list...)
+		delete(n.pool, id)
+	}
+	n.mu.Unlock()
+	for _, p := range all {
+		n.destroy(ctx, p.s)
+	}
+}
+
+// claimPooled turns a pooled sandbox into the one a create asked for:
+// identity, limits and records from s, then network rules, device state,
+// resume and envd init.
+func (n *Node) claimPooled(ctx context.Context, s *Sandbox, p *pooledSandbox, ts *templateSnapshot) error {
+	if !s.AllowInternet {
+		ep, err := n.endpoint(s)
+		if err != nil {
+			return err
+		}
+		if err := n.net.SetInternet(ctx, ep, false); err != nil {
+			return err
+		}
+	}
+	return n.finishRestore(ctx, s, p.m, ts.SnapshotID, "", true)
+}
+
+func mkdirPrivate(dir string) error { return os.MkdirAll(dir, 0o700) }
