@@ -36,7 +36,9 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 	updated_at     INTEGER NOT NULL,
 	mem_file       TEXT NOT NULL DEFAULT '',
 	mem_private    INTEGER NOT NULL DEFAULT 0,
-	snapshot_id    TEXT NOT NULL DEFAULT ''
+	snapshot_id    TEXT NOT NULL DEFAULT '',
+	auto_resume    INTEGER NOT NULL DEFAULT 0,
+	public_traffic INTEGER NOT NULL DEFAULT 1
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 `
@@ -57,7 +59,7 @@ func openDB(path string) (*sql.DB, error) {
 
 const sandboxColumns = `id, template_id, state, vcpus, memory_mib, disk_mib, slot, pid, allow_internet, secure,
 	auto_pause, access_token, traffic_token, default_user, metadata, env_vars, created_at, started_at, end_at,
-	mem_file, mem_private, snapshot_id`
+	mem_file, mem_private, snapshot_id, auto_resume, public_traffic`
 
 func scanSandbox(row interface{ Scan(...any) error }) (*Sandbox, error) {
 	var s Sandbox
@@ -65,7 +67,8 @@ func scanSandbox(row interface{ Scan(...any) error }) (*Sandbox, error) {
 	var created, started, end int64
 	if err := row.Scan(&s.ID, &s.TemplateID, &s.State, &s.VCPUs, &s.MemoryMiB, &s.DiskMiB, &s.Slot, &s.PID,
 		&s.AllowInternet, &s.Secure, &s.AutoPause, &s.AccessToken, &s.TrafficToken, &s.DefaultUser,
-		&meta, &env, &created, &started, &end, &s.MemFile, &s.MemPrivate, &s.SnapshotID); err != nil {
+		&meta, &env, &created, &started, &end, &s.MemFile, &s.MemPrivate, &s.SnapshotID,
+		&s.AutoResume, &s.PublicTraffic); err != nil {
 		return nil, err
 	}
 	if err := json.Unmarshal([]byte(meta), &s.Metadata); err != nil {
@@ -84,11 +87,11 @@ func (n *Node) insertSandbox(ctx context.Context, s *Sandbox) error {
 	meta, _ := json.Marshal(nonNil(s.Metadata))
 	env, _ := json.Marshal(nonNil(s.EnvVars))
 	_, err := n.db.ExecContext(ctx, `INSERT INTO sandboxes (`+sandboxColumns+`, updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
 		s.ID, s.TemplateID, s.State, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure,
 		s.AutoPause, s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env),
 		s.CreatedAt.UnixMilli(), s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID,
-		time.Now().UnixMilli())
+		s.AutoResume, s.PublicTraffic, time.Now().UnixMilli())
 	if err != nil {
 		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
 	}
@@ -102,10 +105,10 @@ func (n *Node) saveSandbox(ctx context.Context, s *Sandbox) error {
 	_, err := n.db.ExecContext(ctx, `UPDATE sandboxes SET template_id = ?, state = ?, vcpus = ?, memory_mib = ?,
 		disk_mib = ?, slot = ?, pid = ?, allow_internet = ?, secure = ?, auto_pause = ?, access_token = ?,
 		traffic_token = ?, default_user = ?, metadata = ?, env_vars = ?, created_at = ?, started_at = ?, end_at = ?,
-		mem_file = ?, mem_private = ?, snapshot_id = ?, updated_at = ? WHERE id = ?`,
+		mem_file = ?, mem_private = ?, snapshot_id = ?, auto_resume = ?, public_traffic = ?, updated_at = ? WHERE id = ?`,
 		s.TemplateID, s.State, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure, s.AutoPause,
 		s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env), s.CreatedAt.UnixMilli(),
-		s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID, time.Now().UnixMilli(), s.ID)
+		s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID, s.AutoResume, s.PublicTraffic, time.Now().UnixMilli(), s.ID)
 	if err != nil {
 		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
 	}

@@ -201,3 +201,20 @@ except Exception as e:
 		t.Fatalf("sandbox reached another sandbox: %+v %v", r, err)
 	}
 }
+
+func TestConsoleLog(t *testing.T) {
+	n := testNode(t)
+	s := create(t, n, CreateRequest{TemplateID: "minimal"})
+	ctx := context.Background()
+	all, err := n.ConsoleLog(ctx, s.ID, 0)
+	if err != nil || !strings.Contains(string(all), "aenv-init") {
+		t.Fatalf("console log %q, %v", all, err)
+	}
+	tail, err := n.ConsoleLog(ctx, s.ID, 10)
+	if err != nil || len(tail) != 10 || !strings.HasSuffix(string(all), string(tail)) {
+		t.Fatalf("tail %q, %v", tail, err)
+	}
+	if _, err := n.ConsoleLog(ctx, "nosuchsandbox", 0); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("unknown sandbox: %v", err)
+	}
+}

@@ -66,6 +66,10 @@ type Sandbox struct {
 	AllowInternet bool
 	Secure        bool
 	AutoPause     bool
+	// AutoResume: traffic for the sandbox while paused resumes it.
+	AutoResume bool
+	// PublicTraffic: ports other than envd's need no traffic token.
+	PublicTraffic bool
 	AccessToken   string
 	TrafficToken  string
 	DefaultUser   string

@@ -93,7 +93,7 @@ func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) 
 	now := time.Now().UTC().Truncate(time.Millisecond)
 	s := &Sandbox{
 		ID: NewSandboxID(), TemplateID: t.Name, State: StatePooled, VCPUs: ts.VCPUs, MemoryMiB: ts.MemoryMiB,
-		DiskMiB: t.DiskMiB, AllowInternet: true, DefaultUser: t.DefaultUser, SnapshotID: ts.SnapshotID,
+		DiskMiB: t.DiskMiB, AllowInternet: true, PublicTraffic: true, DefaultUser: t.DefaultUser, SnapshotID: ts.SnapshotID,
 		CreatedAt: now, StartedAt: now, EndAt: now,
 	}
 	n.mu.Lock()

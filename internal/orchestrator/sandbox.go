@@ -26,7 +26,11 @@ type CreateRequest struct {
 	DiskMiB    int // 0: the template's disk size
 	Timeout    time.Duration
 	AutoPause  bool
-	Secure     bool
+	AutoResume bool
+	// PrivateTraffic requires the sandbox's traffic token on ports other
+	// than envd's (E2B's allowPublicTraffic: false).
+	PrivateTraffic bool
+	Secure         bool
 	// AllowInternet nil means allowed.
 	AllowInternet *bool
 	Metadata      map[string]string
@@ -102,6 +106,8 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 		AllowInternet: internet,
 		Secure:        req.Secure,
 		AutoPause:     req.AutoPause,
+		AutoResume:    req.AutoResume,
+		PublicTraffic: !req.PrivateTraffic,
 		TrafficToken:  newToken(),
 		DefaultUser:   t.DefaultUser,
 		Metadata:      req.Metadata,
@@ -417,4 +423,29 @@ func (n *Node) destroy(ctx context.Context, s *Sandbox) {
 	if err := n.deleteSandbox(ctx, s.ID); err != nil {
 		n.log.Error("forget sandbox", "sandbox", s.ID, "err", err)
 	}
+}
+
+// ConsoleLog returns up to the last maxBytes of a sandbox's guest console
+// (kernel, init and envd messages).
+func (n *Node) ConsoleLog(ctx context.Context, id string, maxBytes int64) ([]byte, error) {
+	if _, err := n.Get(ctx, id); err != nil {
+		return nil, err
+	}
+	f, err := os.Open(filepath.Join(n.sandboxDir(id), vmm.ConsoleName))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	off := int64(0)
+	if maxBytes > 0 && st.Size() > maxBytes {
+		off = st.Size() - maxBytes
+	}
+	return io.ReadAll(io.NewSectionReader(f, off, st.Size()-off))
 }
