@@ -13,9 +13,9 @@ import (
 
 // The pool keeps, per template snapshot, a few sandboxes prepared up to the
 // last step: RAM image copied, disk overlay created, network namespace up,
-// QEMU started and waiting in `-incoming defer`. Creating a sandbox from the
-// template then takes one, gives it the request's identity and only loads
-// the device state, resumes and initialises envd. Pooled sandboxes are
+// QEMU restored from the snapshot and running idle with a warmed-up envd.
+// Creating a sandbox from the template then takes one and gives it the
+// request's identity, env vars, clock and fresh entropy through envd /init. Pooled sandboxes are
 // recorded (state "pooled", hidden from listings) so a restart cleans them.
 
 // StatePooled marks a pre-started sandbox no user owns yet.
@@ -114,7 +114,11 @@ func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) 
 		if _, err := storage.CloneFile(filepath.Join(sdir, snapMemName), filepath.Join(n.sandboxDir(s.ID), memFileName)); err != nil {
 			return nil, fmt.Errorf("copy template RAM image: %w", err)
 		}
-		return n.startIncoming(ctx, s, ts.SnapshotID)
+		m, err := n.startIncoming(ctx, s, ts.SnapshotID)
+		if err != nil {
+			return m, err
+		}
+		return m, n.warmUp(ctx, s, m, ts.SnapshotID)
 	}()
 	if err != nil {
 		n.destroy(context.WithoutCancel(ctx), s)
@@ -150,7 +154,42 @@ func (n *Node) claimPooled(ctx context.Context, s *Sandbox, p *pooledSandbox, ts
 			return err
 		}
 	}
-	return n.finishRestore(ctx, s, p.m, ts.SnapshotID, "", true)
+	ep, err := n.endpoint(s)
+	if err != nil {
+		return err
+	}
+	mark := time.Now()
+	if err := initEnvdAs(ctx, ep.GuestAddr(EnvdPort), s, "", true); err != nil {
+		return err
+	}
+	s.Phases = append(s.Phases, Phase{"envd init", time.Since(mark)})
+	return nil
+}
+
+// warmUp restores the snapshot into a pooled machine and lets it run, idle,
+// with a few requests to envd: under TCG the first request after a restore
+// pays for translating the guest's network stack and envd afresh, and this
+// moves that cost out of the create path. The guest has no identity yet:
+// no token, env vars or user, until a create claims it and sends /init.
+func (n *Node) warmUp(ctx context.Context, s *Sandbox, m *vmm.Machine, snapID string) error {
+	if err := m.LoadState(ctx, filepath.Join(n.cfg.DataDir, snapshotsDir, snapID, snapStateName)); err != nil {
+		return err
+	}
+	if err := m.Resume(ctx); err != nil {
+		return err
+	}
+	ep, err := n.endpoint(s)
+	if err != nil {
+		return err
+	}
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	for i := 0; i < 3; i++ {
+		if err := waitEnvd(wctx, m, ep.GuestAddr(EnvdPort)); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func mkdirPrivate(dir string) error { return os.MkdirAll(dir, 0o700) }
