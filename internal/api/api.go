@@ -95,9 +95,10 @@ func (s *Server) routes() {
 	s.mux.Handle("GET /sandboxes/{id}/metrics", auth(s.sandboxMetrics))
 	s.mux.Handle("GET /sandboxes/{id}/logs", auth(s.sandboxLogs))
 	s.mux.Handle("GET /snapshots", auth(s.listSnapshots))
-	for _, p := range []string{"pause", "resume", "fork", "snapshots"} {
-		s.mux.Handle("POST /sandboxes/{id}/"+p, auth(s.notYet(p)))
-	}
+	s.mux.Handle("POST /sandboxes/{id}/pause", auth(s.pauseSandbox))
+	s.mux.Handle("POST /sandboxes/{id}/resume", auth(s.resumeSandbox))
+	s.mux.Handle("POST /sandboxes/{id}/fork", auth(s.forkSandbox))
+	s.mux.Handle("POST /sandboxes/{id}/snapshots", auth(s.notYet("snapshots")))
 	s.mux.Handle("PUT /sandboxes/{id}/network", auth(s.notYet("changing a running sandbox's network")))
 	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
@@ -177,12 +178,29 @@ func (s *Server) notYet(op string) func(http.ResponseWriter, *http.Request) {
 func notYetMessage(op string) string {
 	switch op {
 	case "pause", "resume":
-		return op + " is not implemented on this node yet: sandboxes cannot be paused or resumed until snapshots land; running sandboxes are killed when their timeout expires"
+		return op + " is not supported by this node: it cannot pause sandboxes"
 	case "fork", "snapshots":
-		return op + " is not implemented on this node yet: it needs memory snapshots, which this node does not take yet"
+		return op + " is not implemented on this node yet"
 	}
 	return op + " is not implemented on this node yet"
 }
+
+// Pauser and Resumer are implemented by nodes that can pause sandboxes and
+// resume them where they stopped; without them pause, resume and connecting
+// to a paused sandbox answer 501. Resume's timeout 0 means the node default.
+type (
+	Pauser interface {
+		Pause(ctx context.Context, id string) (*orchestrator.Sandbox, error)
+	}
+	Resumer interface {
+		Resume(ctx context.Context, id string, timeout time.Duration) (*orchestrator.Sandbox, error)
+	}
+	// Forker clones a running sandbox into count children (timeout 0: the
+	// node default); without it fork answers 501.
+	Forker interface {
+		Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]orchestrator.ForkResult, error)
+	}
+)
 
 // Error is the JSON body of every error response.
 type Error struct {
@@ -202,6 +220,15 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 
 // writeNodeError maps orchestrator errors to statuses.
 func (s *Server) writeNodeError(w http.ResponseWriter, err error) {
+	status := statusOf(err)
+	if status == http.StatusInternalServerError {
+		s.log.Error("request failed", "err", err)
+	}
+	writeError(w, status, err.Error())
+}
+
+// statusOf is the HTTP status of an orchestrator error.
+func statusOf(err error) int {
 	status := http.StatusInternalServerError
 	switch {
 	case errors.Is(err, orchestrator.ErrNotFound):
@@ -215,10 +242,7 @@ func (s *Server) writeNodeError(w http.ResponseWriter, err error) {
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		status = http.StatusGatewayTimeout
 	}
-	if status == http.StatusInternalServerError {
-		s.log.Error("request failed", "err", err)
-	}
-	writeError(w, status, err.Error())
+	return status
 }
 
 const maxBodyBytes = 1 << 20
@@ -264,10 +288,34 @@ func (res Resolver) Route(ctx context.Context, id string) (proxy.Route, error) {
 	if err != nil {
 		return proxy.Route{}, err
 	}
+	return routeOf(sb), nil
+}
+
+// routeOf is the proxy's view of a sandbox. Public traffic and auto-resume
+// are not recorded per sandbox yet, so TrafficToken and AutoResume stay
+// unset (create refuses allowPublicTraffic=false and autoResume).
+func routeOf(sb *orchestrator.Sandbox) proxy.Route {
 	host, _, _ := strings.Cut(sb.EnvdAddr, ":")
 	return proxy.Route{
 		Addr:        host,
 		Running:     sb.State == orchestrator.StateRunning,
 		AccessToken: sb.AccessToken,
-	}, nil
+	}
+}
+
+// Resume implements proxy.Resumer with the node's Resume (node default
+// timeout); a sandbox some other request resumed first is fine.
+func (res Resolver) Resume(ctx context.Context, id string) (proxy.Route, error) {
+	rn, ok := res.Node.(Resumer)
+	if !ok {
+		return proxy.Route{}, errors.New("this node cannot resume sandboxes")
+	}
+	sb, err := rn.Resume(ctx, id, 0)
+	if errors.Is(err, orchestrator.ErrConflict) {
+		sb, err = res.Node.Get(ctx, id)
+	}
+	if err != nil {
+		return proxy.Route{}, err
+	}
+	return routeOf(sb), nil
 }

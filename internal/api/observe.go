@@ -17,8 +17,8 @@ import (
 
 // connectSandbox implements POST /sandboxes/{id}/connect and its /v2 form:
 // a running sandbox answers 200 with its Sandbox object (its timeout is
-// extended, never shortened, when one is given); resuming paused sandboxes
-// answers 501 until snapshots exist.
+// extended, never shortened, when one is given); a paused one is resumed
+// (with that timeout, or the node default) and answers 201.
 func (s *Server) connectSandbox(w http.ResponseWriter, r *http.Request) {
 	id, ok := s.sandboxID(w, r)
 	if !ok {
@@ -37,7 +37,7 @@ func (s *Server) connectSandbox(w http.ResponseWriter, r *http.Request) {
 	switch sb.State {
 	case orchestrator.StateRunning:
 	case orchestrator.StatePaused:
-		writeError(w, http.StatusNotImplemented, notYetMessage("resume"))
+		s.resume(w, r, id, time.Duration(secs)*time.Second)
 		return
 	default:
 		writeError(w, http.StatusConflict, fmt.Sprintf("sandbox %s is %s", id, sb.State))
@@ -50,6 +50,135 @@ func (s *Server) connectSandbox(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	writeJSON(w, http.StatusOK, s.sandboxBody(sb))
+}
+
+// pauseSandbox implements POST /sandboxes/{id}/pause {memory}: 204 when
+// paused, 409 when it already is.
+func (s *Server) pauseSandbox(w http.ResponseWriter, r *http.Request) {
+	id, ok := s.sandboxID(w, r)
+	if !ok {
+		return
+	}
+	var body struct {
+		Memory *bool `json:"memory"`
+	}
+	if err := decodeBody(r, &body); err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	if body.Memory != nil && !*body.Memory {
+		writeError(w, http.StatusBadRequest, "memory=false (filesystem-only pause) is not supported on this node; pauses keep memory")
+		return
+	}
+	p, ok := s.node.(Pauser)
+	if !ok {
+		writeError(w, http.StatusNotImplemented, notYetMessage("pause"))
+		return
+	}
+	if _, err := p.Pause(r.Context(), id); err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// resumeSandbox implements E2B's older POST /sandboxes/{id}/resume
+// {timeout}: 201 with the Sandbox, 409 when it is already running.
+func (s *Server) resumeSandbox(w http.ResponseWriter, r *http.Request) {
+	id, ok := s.sandboxID(w, r)
+	if !ok {
+		return
+	}
+	secs, _, err := decodeSeconds(r, "timeout", maxTimeoutSeconds)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	s.resume(w, r, id, time.Duration(secs)*time.Second)
+}
+
+// resume resumes a paused sandbox (timeout 0: the node default) and answers
+// 201 with its Sandbox object.
+func (s *Server) resume(w http.ResponseWriter, r *http.Request, id string, timeout time.Duration) {
+	res, ok := s.node.(Resumer)
+	if !ok {
+		writeError(w, http.StatusNotImplemented, notYetMessage("resume"))
+		return
+	}
+	sb, err := res.Resume(r.Context(), id, timeout)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, s.sandboxBody(sb))
+}
+
+// forkResultJSON is one entry of E2B's fork answer: the child, or why it
+// could not be made.
+type forkResultJSON struct {
+	Sandbox *sandboxJSON `json:"sandbox,omitempty"`
+	Error   *Error       `json:"error,omitempty"`
+}
+
+// maxForkCount bounds one fork request (orchestrator.MaxForkChildren).
+const maxForkCount = orchestrator.MaxForkChildren
+
+// forkSandbox implements POST /sandboxes/{id}/fork {count, timeout}: 201
+// with one entry per requested child.
+func (s *Server) forkSandbox(w http.ResponseWriter, r *http.Request) {
+	id, ok := s.sandboxID(w, r)
+	if !ok {
+		return
+	}
+	var body struct {
+		Count   *int64 `json:"count"`
+		Timeout *int64 `json:"timeout"`
+	}
+	if err := decodeBody(r, &body); err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	count := int64(1)
+	if body.Count != nil {
+		count = *body.Count
+	}
+	if count < 1 || count > maxForkCount {
+		writeError(w, http.StatusBadRequest, fmt.Sprintf("count must be between 1 and %d", maxForkCount))
+		return
+	}
+	var timeout time.Duration
+	if body.Timeout != nil {
+		if *body.Timeout < 0 || *body.Timeout > maxTimeoutSeconds {
+			writeError(w, http.StatusBadRequest, fmt.Sprintf("timeout must be between 0 and %d seconds", maxTimeoutSeconds))
+			return
+		}
+		timeout = time.Duration(*body.Timeout) * time.Second
+	}
+	f, ok := s.node.(Forker)
+	if !ok {
+		writeError(w, http.StatusNotImplemented, notYetMessage("fork"))
+		return
+	}
+	results, err := f.Fork(r.Context(), id, int(count), timeout)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	out := make([]forkResultJSON, 0, len(results))
+	for _, res := range results {
+		if res.Err != nil || res.Sandbox == nil {
+			e := res.Err
+			if e == nil {
+				e = errors.New("the child sandbox was not created")
+			}
+			st := statusOf(e)
+			out = append(out, forkResultJSON{Error: &Error{Code: st, Message: e.Error()}})
+			continue
+		}
+		b := s.sandboxBody(res.Sandbox)
+		out = append(out, forkResultJSON{Sandbox: &b})
+	}
+	writeJSON(w, http.StatusCreated, out)
 }
 
 // listSnapshots implements GET /snapshots: this node takes no snapshots yet,
@@ -90,7 +219,11 @@ type envdMetrics struct {
 // queryInt parses an optional integer query parameter within [lo, hi];
 // absent gives -1.
 func queryInt(r *http.Request, name string, lo, hi int64) (int64, error) {
-	v := r.URL.Query().Get(name)
+	q, err := query(r)
+	if err != nil {
+		return 0, err
+	}
+	v := q.Get(name)
 	if v == "" {
 		return -1, nil
 	}

@@ -139,10 +139,9 @@ func (s *Server) sandboxBody(sb *orchestrator.Sandbox) sandboxJSON {
 		t := sb.AccessToken
 		out.EnvdAccessToken = &t
 	}
-	if sb.TrafficToken != "" {
-		t := sb.TrafficToken
-		out.TrafficAccessToken = &t
-	}
+	// trafficAccessToken is only handed out (and only enforced by the proxy)
+	// for sandboxes without public traffic, which this node does not record
+	// yet: see routeOf.
 	return out
 }
 
@@ -170,9 +169,10 @@ func (s *Server) detailBody(sb *orchestrator.Sandbox) sandboxDetailJSON {
 	}
 	internet := sb.AllowInternet
 	out.AllowInternetAccess = &internet
-	// Until pause-on-expiry exists, every sandbox is killed at its end time,
-	// whatever autoPause it asked for.
 	out.Lifecycle = &lifecycleJSON{OnTimeout: "kill"}
+	if sb.AutoPause {
+		out.Lifecycle.OnTimeout = "pause"
+	}
 	if sb.AccessToken != "" {
 		t := sb.AccessToken
 		out.EnvdAccessToken = &t
@@ -382,7 +382,7 @@ func decodeSeconds(r *http.Request, field string, maxSecs int64) (secs int64, pr
 		return 0, false, nil
 	}
 	var n json.Number
-	if err := json.Unmarshal(raw, &n); err != nil {
+	if len(raw) == 0 || (raw[0] != '-' && (raw[0] < '0' || raw[0] > '9')) || json.Unmarshal(raw, &n) != nil {
 		return 0, false, fmt.Errorf("%s must be a number of seconds", field)
 	}
 	v, err := n.Int64()
@@ -432,8 +432,23 @@ func (s *Server) keepAlive(ctx context.Context, id string, d time.Duration, allo
 	return err
 }
 
+// query parses the request's query string strictly: a malformed one is an
+// error rather than silently dropped parameters.
+func query(r *http.Request) (url.Values, error) {
+	q, err := url.ParseQuery(r.URL.RawQuery)
+	if err != nil {
+		return nil, fmt.Errorf("malformed query string: %v", err)
+	}
+	return q, nil
+}
+
 func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
-	filter, err := parseMetadataFilter(r.URL.Query().Get("metadata"))
+	q, err := query(r)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	filter, err := parseMetadataFilter(q.Get("metadata"))
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
@@ -455,7 +470,11 @@ func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 // listSandboxesV2 implements GET /v2/sandboxes with state and metadata
 // filters and cursor pagination (the cursor is returned in X-Next-Token).
 func (s *Server) listSandboxesV2(w http.ResponseWriter, r *http.Request) {
-	q := r.URL.Query()
+	q, err := query(r)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
 	filter, err := parseMetadataFilter(q.Get("metadata"))
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
@@ -476,6 +495,20 @@ func (s *Server) listSandboxesV2(w http.ResponseWriter, r *http.Request) {
 	}
 	if len(states) == 0 {
 		states["running"], states["paused"] = true, true
+	}
+	template := q.Get("template")
+	var startedAfter time.Time
+	if v := q.Get("startedAfter"); v != "" {
+		if startedAfter, err = time.Parse(time.RFC3339Nano, v); err != nil {
+			writeError(w, http.StatusBadRequest, "startedAfter must be an RFC 3339 time")
+			return
+		}
+	}
+	switch q.Get("order") {
+	case "", "desc":
+	default:
+		writeError(w, http.StatusBadRequest, "order: only desc (newest first) is supported")
+		return
 	}
 	limit := 100
 	if v := q.Get("limit"); v != "" {
@@ -512,7 +545,9 @@ func (s *Server) listSandboxesV2(w http.ResponseWriter, r *http.Request) {
 	more := false
 	for _, sb := range all {
 		d := s.detailBody(sb)
-		if !states[d.State] || !matchMetadata(sb.Metadata, filter) {
+		if !states[d.State] || !matchMetadata(sb.Metadata, filter) ||
+			(template != "" && sb.TemplateID != template) ||
+			(!startedAfter.IsZero() && !sb.StartedAt.After(startedAfter)) {
 			continue
 		}
 		if after != "" && !afterCursor(sb, after) {
@@ -558,21 +593,29 @@ func afterCursor(sb *orchestrator.Sandbox, cursor string) bool {
 	return n < ts || (n == ts && sb.ID > parts[1])
 }
 
-// parseMetadataFilter parses the SDK's metadata query: a URL-encoded
-// "k=v&k2=v2" string.
+// parseMetadataFilter parses the SDKs' metadata query: "k=v&k2=v2" in which
+// every key and value was encoded with encodeURIComponent before the pairs
+// were form-encoded (so they arrive encoded twice; one layer is removed by
+// the query string, one by ParseQuery, the last here).
 func parseMetadataFilter(raw string) (map[string]string, error) {
 	if raw == "" {
 		return nil, nil
 	}
 	vals, err := url.ParseQuery(raw)
 	if err != nil {
-		return nil, fmt.Errorf("metadata filter %q is not k=v pairs: %v", raw, err)
+		return nil, fmt.Errorf("metadata filter %q is not k=v pairs: %v", truncate(raw, 100), err)
 	}
 	out := map[string]string{}
 	for k, v := range vals {
-		if len(v) > 0 {
-			out[k] = v[len(v)-1]
+		if len(v) == 0 {
+			continue
 		}
+		key, err1 := url.PathUnescape(k)
+		val, err2 := url.PathUnescape(v[len(v)-1])
+		if err1 != nil || err2 != nil {
+			return nil, fmt.Errorf("metadata filter %q: keys and values must be URI-component encoded", truncate(raw, 100))
+		}
+		out[key] = val
 	}
 	return out, nil
 }

@@ -88,6 +88,9 @@ type Route struct {
 	Addr string
 	// Running is false for sandboxes that exist but cannot take traffic.
 	Running bool
+	// AutoResume marks a paused sandbox that traffic should resume (the
+	// resolver must implement Resumer).
+	AutoResume bool
 	// AccessToken, when set (secure sandboxes), is required in
 	// X-Access-Token on envd's port, except for GET /health and validly
 	// signed /files URLs (envd checks it as well).
@@ -102,6 +105,13 @@ type Resolver interface {
 	Route(ctx context.Context, sandboxID string) (Route, error)
 }
 
+// Resumer is implemented by resolvers that can resume a paused sandbox for
+// incoming traffic; Resume returns the sandbox's route once it runs (also
+// when another request resumed it first).
+type Resumer interface {
+	Resume(ctx context.Context, sandboxID string) (Route, error)
+}
+
 // ErrUnknownSandbox is returned by resolvers for ids they do not know.
 var ErrUnknownSandbox = errors.New("unknown sandbox")
 
@@ -112,6 +122,7 @@ type Proxy struct {
 	envdPort int
 	rp       *httputil.ReverseProxy
 	log      *slog.Logger
+	inflight inflight
 }
 
 type ctxKey struct{}
@@ -185,6 +196,16 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadGateway, msg)
 		return
 	}
+	if !route.Running && route.AutoResume {
+		if res, ok := p.resolver.(Resumer); ok {
+			route, err = res.Resume(r.Context(), t.SandboxID)
+			if err != nil {
+				p.log.Warn("auto-resume failed", "sandbox", t.SandboxID, "err", err)
+				writeError(w, http.StatusBadGateway, fmt.Sprintf("sandbox %q is paused and could not be resumed: %v", t.SandboxID, err))
+				return
+			}
+		}
+	}
 	if !route.Running {
 		writeError(w, http.StatusBadGateway, fmt.Sprintf("sandbox %q is not running", t.SandboxID))
 		return
@@ -199,7 +220,15 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	up := upstream{sandboxID: t.SandboxID, addr: net.JoinHostPort(route.Addr, strconv.Itoa(t.Port))}
-	p.rp.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), ctxKey{}, up)))
+	// The response (headers flushed at once) may start before the request
+	// body has been forwarded; without full duplex Go's HTTP/1 server would
+	// close the request body at the first flush and the transport would
+	// abort the upstream connection mid-stream. (HTTP/2 is always full
+	// duplex and reports ErrNotSupported, which is fine.)
+	_ = http.NewResponseController(w).EnableFullDuplex()
+	ctx, done := p.track(r.Context(), t.SandboxID)
+	defer done()
+	p.rp.ServeHTTP(w, r.WithContext(context.WithValue(ctx, ctxKey{}, up)))
 }
 
 func validSandboxID(id string) bool {

@@ -52,6 +52,15 @@ test('Sandbox.list with metadata filter and paging', async (t) => {
     assert.equal(paused.flat().length, 0);
   });
 
+  await t.test('filter values with special characters', async () => {
+    const odd = 'a b/c&d=e%+é';
+    const s = await e2b.Sandbox.create(template, { timeoutMs: 120_000, metadata: { tag: tag + '-odd', 'k y': odd } });
+    t.after(async () => { await s.kill().catch(() => {}); });
+    const pages = await collect(e2b.Sandbox.list({ query: { metadata: { 'k y': odd } } }));
+    assert.deepEqual(pages.flat().map((x) => x.sandboxId), [s.sandboxId]);
+    assert.equal(pages.flat()[0].metadata['k y'], odd);
+  });
+
   await t.test('unmatched filter is empty', async () => {
     const pages = await collect(e2b.Sandbox.list({ query: { metadata: { tag: tag + '-nope' } } }));
     assert.equal(pages.flat().length, 0);

@@ -1,0 +1,711 @@
+package api
+
+import (
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/orchestrator"
+	"github.com/agentenv/agentenv/internal/proxy"
+)
+
+const testKey = "e2b_0123456789abcdef"
+
+type testAPI struct {
+	t    *testing.T
+	node *fakeNode
+	srv  *Server
+}
+
+func newTestAPI(t *testing.T) *testAPI {
+	t.Helper()
+	node := newFakeNode()
+	srv, err := New(node, Config{APIKey: testKey, Domain: "sandbox.test", SandboxProxy: http.NotFoundHandler()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &testAPI{t: t, node: node, srv: srv}
+}
+
+// do sends a request with the API key; body is sent verbatim.
+func (a *testAPI) do(method, path, body string) *httptest.ResponseRecorder {
+	a.t.Helper()
+	req := httptest.NewRequest(method, path, strings.NewReader(body))
+	req.Header.Set("X-API-Key", testKey)
+	req.Header.Set("Content-Type", "application/json")
+	rec := httptest.NewRecorder()
+	a.srv.ServeHTTP(rec, req)
+	return rec
+}
+
+func (a *testAPI) create(body string) map[string]any {
+	a.t.Helper()
+	rec := a.do("POST", "/v2/sandboxes", body)
+	if rec.Code != http.StatusCreated {
+		a.t.Fatalf("create %s: %d %s", body, rec.Code, rec.Body)
+	}
+	var out map[string]any
+	if err := json.Unmarshal(rec.Body.Bytes(), &out); err != nil {
+		a.t.Fatal(err)
+	}
+	return out
+}
+
+// assertError checks a {code,message} JSON error with the given status.
+func assertError(t *testing.T, rec *httptest.ResponseRecorder, status int) {
+	t.Helper()
+	if rec.Code != status {
+		t.Fatalf("status %d, want %d: %s", rec.Code, status, rec.Body)
+	}
+	if ct := rec.Header().Get("Content-Type"); ct != "application/json" {
+		t.Fatalf("content type %q", ct)
+	}
+	var e map[string]any
+	if err := json.Unmarshal(rec.Body.Bytes(), &e); err != nil {
+		t.Fatalf("error body %q: %v", rec.Body, err)
+	}
+	if len(e) != 2 || e["code"] != float64(status) || e["message"] == "" {
+		t.Fatalf("error body %s is not {code:%d,message}", rec.Body, status)
+	}
+}
+
+func TestAuth(t *testing.T) {
+	a := newTestAPI(t)
+	for _, tc := range []struct {
+		name   string
+		header string
+		value  string
+		status int
+	}{
+		{"no key", "", "", 401},
+		{"wrong key", "X-API-Key", "e2b_ffff", 401},
+		{"key prefix only", "X-API-Key", testKey[:10], 401},
+		{"right key", "X-API-Key", testKey, 200},
+		{"bearer", "Authorization", "Bearer " + testKey, 200},
+		{"wrong bearer", "Authorization", "Bearer e2b_00", 401},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req := httptest.NewRequest("GET", "/v2/sandboxes", nil)
+			if tc.header != "" {
+				req.Header.Set(tc.header, tc.value)
+			}
+			rec := httptest.NewRecorder()
+			a.srv.ServeHTTP(rec, req)
+			if tc.status != 200 {
+				assertError(t, rec, tc.status)
+			} else if rec.Code != 200 {
+				t.Fatalf("%d %s", rec.Code, rec.Body)
+			}
+		})
+	}
+}
+
+func TestCreateFieldsAndDefaults(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		path       string
+		body       string
+		wantSecure bool
+		check      func(t *testing.T, req orchestrator.CreateRequest)
+	}{
+		{"v2 is secure by default", "/v2/sandboxes", `{"templateID":"base"}`, true, nil},
+		{"v2 secure false", "/v2/sandboxes", `{"templateID":"base","secure":false}`, false, nil},
+		{"v1 is not secure by default", "/sandboxes", `{"templateID":"base"}`, false, nil},
+		{"v1 secure true", "/sandboxes", `{"templateID":"base","secure":true}`, true, nil},
+		{"timeout metadata envVars", "/v2/sandboxes", `{"templateID":"base","timeout":42,"metadata":{"a":"b"},"envVars":{"FOO":"bar"}}`, true,
+			func(t *testing.T, req orchestrator.CreateRequest) {
+				if req.Timeout != 42*time.Second || req.Metadata["a"] != "b" || req.EnvVars["FOO"] != "bar" {
+					t.Fatalf("%+v", req)
+				}
+			}},
+		{"internet off", "/v2/sandboxes", `{"templateID":"base","allow_internet_access":false}`, true,
+			func(t *testing.T, req orchestrator.CreateRequest) {
+				if req.AllowInternet == nil || *req.AllowInternet {
+					t.Fatalf("%+v", req)
+				}
+			}},
+		{"denyOut all is internet off", "/v2/sandboxes", `{"templateID":"base","network":{"denyOut":["0.0.0.0/0"]}}`, true,
+			func(t *testing.T, req orchestrator.CreateRequest) {
+				if req.AllowInternet == nil || *req.AllowInternet {
+					t.Fatalf("%+v", req)
+				}
+			}},
+		{"SDK extras that are off are accepted", "/v2/sandboxes",
+			`{"templateID":"base","autoPause":false,"autoResume":{"enabled":false},"mcp":null,"network":{"allowPublicTraffic":true},"volumeMounts":[],"unknownField":[1,2]}`, true,
+			func(t *testing.T, req orchestrator.CreateRequest) {
+				if req.AutoPause {
+					t.Fatalf("%+v", req)
+				}
+			}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := newTestAPI(t)
+			rec := a.do("POST", tc.path, tc.body)
+			if rec.Code != 201 {
+				t.Fatalf("%d %s", rec.Code, rec.Body)
+			}
+			var out map[string]any
+			_ = json.Unmarshal(rec.Body.Bytes(), &out)
+			for _, k := range []string{"templateID", "sandboxID", "clientID", "envdVersion", "domain"} {
+				if _, ok := out[k]; !ok {
+					t.Fatalf("response lacks %q: %s", k, rec.Body)
+				}
+			}
+			if _, ok := out["trafficAccessToken"]; ok {
+				t.Fatalf("trafficAccessToken for a sandbox with public traffic: %s", rec.Body)
+			}
+			if _, ok := out["envdAccessToken"]; ok != tc.wantSecure {
+				t.Fatalf("envdAccessToken present=%v, want %v: %s", ok, tc.wantSecure, rec.Body)
+			}
+			if out["domain"] != "sandbox.test" || out["envdVersion"] != envdVersion {
+				t.Fatalf("%s", rec.Body)
+			}
+			if len(a.node.creates) != 1 || a.node.creates[0].Secure != tc.wantSecure {
+				t.Fatalf("creates %+v", a.node.creates)
+			}
+			if tc.check != nil {
+				tc.check(t, a.node.creates[0])
+			}
+		})
+	}
+}
+
+// Bad input is refused with a 4xx JSON error and changes nothing.
+func TestBadInputChangesNothing(t *testing.T) {
+	bigMeta := map[string]string{}
+	for i := range 100 {
+		bigMeta[fmt.Sprint("k", i)] = "v"
+	}
+	bigMetaJSON, _ := json.Marshal(map[string]any{"templateID": "base", "metadata": bigMeta})
+	longValue, _ := json.Marshal(map[string]any{"templateID": "base", "metadata": map[string]string{"k": strings.Repeat("x", 20000)}})
+	for _, tc := range []struct {
+		name   string
+		method string
+		path   string
+		body   string
+		status int
+	}{
+		{"malformed JSON", "POST", "/v2/sandboxes", `{"templateID":`, 400},
+		{"not an object", "POST", "/v2/sandboxes", `["base"]`, 400},
+		{"trailing garbage", "POST", "/v2/sandboxes", `{"templateID":"base"} x`, 400},
+		{"missing template", "POST", "/v2/sandboxes", `{}`, 400},
+		{"template wrong type", "POST", "/v2/sandboxes", `{"templateID":5}`, 400},
+		{"template traversal", "POST", "/v2/sandboxes", `{"templateID":"../../etc"}`, 400},
+		{"timeout string", "POST", "/v2/sandboxes", `{"templateID":"base","timeout":"10"}`, 400},
+		{"timeout negative", "POST", "/v2/sandboxes", `{"templateID":"base","timeout":-1}`, 400},
+		{"timeout fractional", "POST", "/v2/sandboxes", `{"templateID":"base","timeout":1.5}`, 400},
+		{"timeout huge", "POST", "/v2/sandboxes", `{"templateID":"base","timeout":100000000}`, 400},
+		{"timeout overflow", "POST", "/v2/sandboxes", `{"templateID":"base","timeout":1e30}`, 400},
+		{"metadata wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","metadata":{"a":1}}`, 400},
+		{"metadata too many", "POST", "/v2/sandboxes", string(bigMetaJSON), 400},
+		{"metadata too large", "POST", "/v2/sandboxes", string(longValue), 400},
+		{"envVars bad name", "POST", "/v2/sandboxes", `{"templateID":"base","envVars":{"A=B":"x"}}`, 400},
+		{"secure wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","secure":"yes"}`, 400},
+		{"network wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","network":"open"}`, 400},
+		{"autoResume wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","autoResume":true}`, 400},
+		{"autoResume on", "POST", "/v2/sandboxes", `{"templateID":"base","autoResume":{"enabled":true}}`, 400},
+		{"allowOut lists", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowOut":["1.1.1.1"]}}`, 400},
+		{"public traffic off", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowPublicTraffic":false}}`, 400},
+		{"volume mounts", "POST", "/v2/sandboxes", `{"templateID":"base","volumeMounts":[{"name":"v","path":"/v"}]}`, 400},
+		{"cpu zero", "POST", "/v2/sandboxes", `{"templateID":"base","cpuCount":0}`, 400},
+		{"unknown template", "POST", "/v2/sandboxes", `{"templateID":"missing"}`, 404},
+		{"no capacity", "POST", "/v2/sandboxes", `{"templateID":"full"}`, 429},
+		{"get invalid id", "GET", "/sandboxes/BAD_ID", ``, 400},
+		{"get unknown id", "GET", "/sandboxes/abc123", ``, 404},
+		{"delete invalid id", "DELETE", "/sandboxes/..%2F..", ``, 400},
+		{"delete unknown", "DELETE", "/sandboxes/abc123", ``, 404},
+		{"timeout missing", "POST", "/sandboxes/sbx1/timeout", `{}`, 400},
+		{"timeout wrong type", "POST", "/sandboxes/sbx1/timeout", `{"timeout":"60"}`, 400},
+		{"timeout negative", "POST", "/sandboxes/sbx1/timeout", `{"timeout":-5}`, 400},
+		{"timeout too long", "POST", "/sandboxes/sbx1/timeout", `{"timeout":86401}`, 400},
+		{"timeout malformed", "POST", "/sandboxes/sbx1/timeout", `{"timeout":`, 400},
+		{"timeout unknown sandbox", "POST", "/sandboxes/nope/timeout", `{"timeout":60}`, 404},
+		{"refresh too long", "POST", "/sandboxes/sbx1/refreshes", `{"duration":3601}`, 400},
+		{"refresh wrong type", "POST", "/sandboxes/sbx1/refreshes", `{"duration":true}`, 400},
+		{"connect malformed", "POST", "/v2/sandboxes/sbx1/connect", `{"timeout":[]}`, 400},
+		{"connect unknown", "POST", "/v2/sandboxes/nope/connect", `{"timeout":10}`, 404},
+		{"list bad state", "GET", "/v2/sandboxes?state=zombie", ``, 400},
+		{"list bad limit", "GET", "/v2/sandboxes?limit=0", ``, 400},
+		{"list huge limit", "GET", "/v2/sandboxes?limit=99999999999", ``, 400},
+		{"list bad token", "GET", "/v2/sandboxes?nextToken=%%%", ``, 400},
+		{"list forged token", "GET", "/v2/sandboxes?nextToken=" + base64.RawURLEncoding.EncodeToString([]byte("x|../")), ``, 400},
+		{"list bad metadata", "GET", "/v2/sandboxes?metadata=" + url.QueryEscape("a=%zz"), ``, 400},
+		{"metrics bad start", "GET", "/sandboxes/sbx1/metrics?start=abc", ``, 400},
+		{"logs bad limit", "GET", "/sandboxes/sbx1/logs?limit=-1", ``, 400},
+		{"pause without memory", "POST", "/sandboxes/sbx1/pause", `{"memory":false}`, 400},
+		{"pause malformed", "POST", "/sandboxes/sbx1/pause", `{"memory":"yes"}`, 400},
+		{"pause unknown", "POST", "/sandboxes/nope/pause", ``, 404},
+		{"resume running", "POST", "/sandboxes/sbx1/resume", `{}`, 409},
+		{"resume bad timeout", "POST", "/sandboxes/sbx1/resume", `{"timeout":-1}`, 400},
+		{"fork count zero", "POST", "/sandboxes/sbx1/fork", `{"count":0}`, 400},
+		{"fork count huge", "POST", "/sandboxes/sbx1/fork", `{"count":17}`, 400},
+		{"fork count string", "POST", "/sandboxes/sbx1/fork", `{"count":"2"}`, 400},
+		{"fork negative timeout", "POST", "/sandboxes/sbx1/fork", `{"count":1,"timeout":-1}`, 400},
+		{"fork unknown", "POST", "/sandboxes/nope/fork", `{"count":1}`, 404},
+		{"snapshot", "POST", "/sandboxes/sbx1/snapshots", `{}`, 501},
+		{"pause invalid id", "POST", "/sandboxes/BAD!/pause", ``, 400},
+		{"unknown route", "GET", "/nope", ``, 404},
+		{"unsigned files without sandbox", "GET", "/files?path=/etc/passwd", ``, 404},
+		{"forged signed files", "GET", "/files?path=/etc/passwd&signature=v1_x", ``, 401},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := newTestAPI(t)
+			a.node.add(&orchestrator.Sandbox{ID: "sbx1", TemplateID: "base", StartedAt: time.Now(), EndAt: time.Now().Add(time.Minute), AccessToken: "tok"})
+			before, _ := a.node.Get(t.Context(), "sbx1")
+			rec := a.do(tc.method, tc.path, tc.body)
+			assertError(t, rec, tc.status)
+			if n := a.node.mutationCount(); n != 0 {
+				t.Fatalf("%d node mutations after a refused request", n)
+			}
+			after, _ := a.node.Get(t.Context(), "sbx1")
+			if !after.EndAt.Equal(before.EndAt) {
+				t.Fatal("end time changed")
+			}
+		})
+	}
+}
+
+func TestGetDetailFields(t *testing.T) {
+	a := newTestAPI(t)
+	sb := a.create(`{"templateID":"base","timeout":120,"metadata":{"team":"x"}}`)
+	rec := a.do("GET", "/sandboxes/"+sb["sandboxID"].(string), "")
+	if rec.Code != 200 {
+		t.Fatalf("%d %s", rec.Code, rec.Body)
+	}
+	var d map[string]any
+	_ = json.Unmarshal(rec.Body.Bytes(), &d)
+	for _, k := range []string{"templateID", "sandboxID", "clientID", "startedAt", "endAt", "cpuCount", "memoryMB", "diskSizeMB", "envdVersion", "envdAccessToken", "state", "metadata", "domain"} {
+		if _, ok := d[k]; !ok {
+			t.Errorf("detail lacks %q", k)
+		}
+	}
+	end, err := time.Parse(time.RFC3339Nano, d["endAt"].(string))
+	if err != nil || time.Until(end) < 110*time.Second || time.Until(end) > 120*time.Second {
+		t.Fatalf("endAt %v (%v)", d["endAt"], err)
+	}
+	if d["state"] != "running" || d["metadata"].(map[string]any)["team"] != "x" {
+		t.Fatalf("%s", rec.Body)
+	}
+	// A "<id>-<clientID>" form is accepted too.
+	if rec := a.do("GET", "/sandboxes/"+sb["sandboxID"].(string)+"-aenv", ""); rec.Code != 200 {
+		t.Fatalf("id with client suffix: %d", rec.Code)
+	}
+}
+
+func TestTimeoutsAndRefreshes(t *testing.T) {
+	a := newTestAPI(t)
+	id := a.create(`{"templateID":"base","timeout":300}`)["sandboxID"].(string)
+	endIn := func() time.Duration {
+		sb, _ := a.node.Get(t.Context(), id)
+		return time.Until(sb.EndAt)
+	}
+	for _, tc := range []struct {
+		name     string
+		path     string
+		body     string
+		min, max time.Duration
+	}{
+		{"setTimeout shortens", "/timeout", `{"timeout":60}`, 55 * time.Second, 60 * time.Second},
+		{"setTimeout lengthens", "/timeout", `{"timeout":900}`, 895 * time.Second, 900 * time.Second},
+		{"refresh never shortens", "/refreshes", `{"duration":10}`, 895 * time.Second, 900 * time.Second},
+		{"setTimeout again", "/timeout", `{"timeout":30}`, 25 * time.Second, 30 * time.Second},
+		{"refresh extends", "/refreshes", `{"duration":120}`, 115 * time.Second, 120 * time.Second},
+		{"refresh without body", "/refreshes", ``, 115 * time.Second, 120 * time.Second},
+		{"timeout zero is one second", "/timeout", `{"timeout":0}`, 0, time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rec := a.do("POST", "/sandboxes/"+id+tc.path, tc.body)
+			if rec.Code != 204 {
+				t.Fatalf("%d %s", rec.Code, rec.Body)
+			}
+			if d := endIn(); d < tc.min || d > tc.max {
+				t.Fatalf("ends in %v, want %v..%v", d, tc.min, tc.max)
+			}
+		})
+	}
+}
+
+func TestPauseResumeConnect(t *testing.T) {
+	a := newTestAPI(t)
+	id := a.create(`{"templateID":"base","timeout":60}`)["sandboxID"].(string)
+	state := func() string {
+		sb, _ := a.node.Get(t.Context(), id)
+		return string(sb.State)
+	}
+	steps := []struct {
+		name   string
+		path   string
+		body   string
+		status int
+		state  string
+	}{
+		{"pause", "/sandboxes/" + id + "/pause", `{"memory":true}`, 204, "paused"},
+		{"pause again conflicts", "/sandboxes/" + id + "/pause", ``, 409, "paused"},
+		{"timeout of a paused sandbox conflicts", "/sandboxes/" + id + "/timeout", `{"timeout":10}`, 409, "paused"},
+		{"connect resumes", "/v2/sandboxes/" + id + "/connect", `{"timeout":500}`, 201, "running"},
+		{"connect running", "/v2/sandboxes/" + id + "/connect", `{}`, 200, "running"},
+		{"pause for resume", "/sandboxes/" + id + "/pause", ``, 204, "paused"},
+		{"resume", "/sandboxes/" + id + "/resume", `{"timeout":30}`, 201, "running"},
+		{"resume running conflicts", "/sandboxes/" + id + "/resume", `{}`, 409, "running"},
+	}
+	for _, st := range steps {
+		t.Run(st.name, func(t *testing.T) {
+			rec := a.do("POST", st.path, st.body)
+			if st.status >= 400 {
+				assertError(t, rec, st.status)
+			} else if rec.Code != st.status {
+				t.Fatalf("%d %s", rec.Code, rec.Body)
+			}
+			if st.status == 201 || st.status == 200 {
+				var out map[string]any
+				_ = json.Unmarshal(rec.Body.Bytes(), &out)
+				if out["sandboxID"] != id || out["envdAccessToken"] == nil {
+					t.Fatalf("%s", rec.Body)
+				}
+			}
+			if got := state(); got != st.state {
+				t.Fatalf("state %s, want %s", got, st.state)
+			}
+		})
+	}
+	sb, _ := a.node.Get(t.Context(), id)
+	if d := time.Until(sb.EndAt); d > 30*time.Second || d < 25*time.Second {
+		t.Fatalf("resume with timeout 30 left %v", d)
+	}
+}
+
+func TestWithoutPauseSupport(t *testing.T) {
+	node := newFakeNode()
+	srv, err := New(basicNode{node}, Config{APIKey: testKey})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := &testAPI{t: t, node: node, srv: srv}
+	node.add(&orchestrator.Sandbox{ID: "r1", StartedAt: time.Now()})
+	node.add(&orchestrator.Sandbox{ID: "p1", State: orchestrator.StatePaused, StartedAt: time.Now()})
+	for _, tc := range []struct{ path, body string }{
+		{"/sandboxes/r1/pause", ``},
+		{"/sandboxes/p1/resume", `{}`},
+		{"/v2/sandboxes/p1/connect", `{}`},
+		{"/sandboxes/r1/fork", `{"count":1}`},
+	} {
+		assertError(t, a.do("POST", tc.path, tc.body), 501)
+	}
+	assertError(t, a.do("GET", "/sandboxes/r1/logs", ""), 501)
+	if node.mutationCount() != 0 {
+		t.Fatal("node changed")
+	}
+}
+
+func TestConnect(t *testing.T) {
+	a := newTestAPI(t)
+	id := a.create(`{"templateID":"base","timeout":60}`)["sandboxID"].(string)
+	a.node.add(&orchestrator.Sandbox{ID: "creating1", State: orchestrator.StateCreating, StartedAt: time.Now()})
+	for _, tc := range []struct {
+		name   string
+		path   string
+		body   string
+		status int
+	}{
+		{"running v2", "/v2/sandboxes/" + id + "/connect", `{"timeout":600}`, 200},
+		{"running v1 no body", "/sandboxes/" + id + "/connect", ``, 200},
+		{"paused conflicts if not resumable", "/v2/sandboxes/creating1/connect", `{}`, 409},
+		{"unknown", "/v2/sandboxes/zzz/connect", `{}`, 404},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rec := a.do("POST", tc.path, tc.body)
+			if tc.status != 200 {
+				assertError(t, rec, tc.status)
+				return
+			}
+			if rec.Code != 200 {
+				t.Fatalf("%d %s", rec.Code, rec.Body)
+			}
+			var out map[string]any
+			_ = json.Unmarshal(rec.Body.Bytes(), &out)
+			if out["sandboxID"] != id || out["envdAccessToken"] == nil {
+				t.Fatalf("%s", rec.Body)
+			}
+		})
+	}
+	sb, _ := a.node.Get(t.Context(), id)
+	if d := time.Until(sb.EndAt); d < 590*time.Second {
+		t.Fatalf("connect with timeout 600 left %v", d)
+	}
+}
+
+func TestListV2(t *testing.T) {
+	a := newTestAPI(t)
+	base := time.Now().Add(-time.Hour)
+	for i := range 5 {
+		a.node.add(&orchestrator.Sandbox{
+			ID: fmt.Sprintf("s%d", i), TemplateID: "base", StartedAt: base.Add(time.Duration(i) * time.Second),
+			EndAt: base.Add(2 * time.Hour), Metadata: map[string]string{"team": []string{"a", "b"}[i%2], "n": fmt.Sprint(i)},
+		})
+	}
+	a.node.sandboxes["s1"].Metadata["odd"] = "a b/c&d=e%"
+	a.node.add(&orchestrator.Sandbox{ID: "p0", State: orchestrator.StatePaused, StartedAt: base.Add(-time.Second), Metadata: map[string]string{"team": "a"}})
+	list := func(q string) ([]string, string) {
+		rec := a.do("GET", "/v2/sandboxes?"+q, "")
+		if rec.Code != 200 {
+			t.Fatalf("%s: %d %s", q, rec.Code, rec.Body)
+		}
+		var out []map[string]any
+		_ = json.Unmarshal(rec.Body.Bytes(), &out)
+		var ids []string
+		for _, s := range out {
+			ids = append(ids, s["sandboxID"].(string))
+		}
+		return ids, rec.Header().Get("X-Next-Token")
+	}
+	for _, tc := range []struct {
+		name string
+		q    string
+		want string
+	}{
+		{"all newest first", "", "s4 s3 s2 s1 s0 p0"},
+		{"running", "state=running", "s4 s3 s2 s1 s0"},
+		{"paused", "state=paused", "p0"},
+		{"both comma", "state=running,paused", "s4 s3 s2 s1 s0 p0"},
+		{"metadata", "metadata=" + url.QueryEscape("team=a"), "s4 s2 s0 p0"},
+		{"metadata two keys", "metadata=" + url.QueryEscape("team=a&n=2"), "s2"},
+		{"metadata no match", "metadata=" + url.QueryEscape("team=c"), ""},
+		// What the SDK sends for {odd: "a b/c&d=e%"}: encodeURIComponent on
+		// key and value, then form encoding, then query encoding.
+		{"metadata with special characters", "metadata=" + url.QueryEscape(url.Values{"odd": {url.PathEscape("a b/c&d=e%")}}.Encode()), "s1"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ids, next := list(tc.q)
+			if strings.Join(ids, " ") != tc.want || next != "" {
+				t.Fatalf("got %v next %q, want %q", ids, next, tc.want)
+			}
+		})
+	}
+	t.Run("paging", func(t *testing.T) {
+		var all []string
+		q := "limit=2&state=running"
+		for page := 0; ; page++ {
+			ids, next := list(q)
+			all = append(all, ids...)
+			if next == "" {
+				break
+			}
+			if page > 5 {
+				t.Fatal("paging does not end")
+			}
+			q = "limit=2&state=running&nextToken=" + url.QueryEscape(next)
+		}
+		if strings.Join(all, " ") != "s4 s3 s2 s1 s0" {
+			t.Fatalf("pages gave %v", all)
+		}
+	})
+	t.Run("v1 list is running only", func(t *testing.T) {
+		rec := a.do("GET", "/sandboxes", "")
+		var out []map[string]any
+		_ = json.Unmarshal(rec.Body.Bytes(), &out)
+		if len(out) != 5 {
+			t.Fatalf("%d sandboxes", len(out))
+		}
+	})
+}
+
+func TestMetricsFromEnvd(t *testing.T) {
+	envd := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/metrics" || r.Header.Get("X-Access-Token") != "tok" {
+			http.Error(w, "no", http.StatusUnauthorized)
+			return
+		}
+		_, _ = io.WriteString(w, `{"ts":1700000000,"cpu_count":2,"cpu_used_pct":12.5,"mem_total":1000,"mem_used":400,"mem_cache":7,"disk_used":5,"disk_total":50}`)
+	}))
+	defer envd.Close()
+	a := newTestAPI(t)
+	a.node.add(&orchestrator.Sandbox{ID: "m1", AccessToken: "tok", EnvdAddr: strings.TrimPrefix(envd.URL, "http://"), StartedAt: time.Now()})
+	a.node.add(&orchestrator.Sandbox{ID: "m2", AccessToken: "wrong", EnvdAddr: strings.TrimPrefix(envd.URL, "http://"), StartedAt: time.Now()})
+	rec := a.do("GET", "/sandboxes/m1/metrics", "")
+	if rec.Code != 200 {
+		t.Fatalf("%d %s", rec.Code, rec.Body)
+	}
+	var m []map[string]any
+	_ = json.Unmarshal(rec.Body.Bytes(), &m)
+	if len(m) != 1 || m[0]["cpuCount"] != 2.0 || m[0]["cpuUsedPct"] != 12.5 || m[0]["memTotal"] != 1000.0 ||
+		m[0]["diskTotal"] != 50.0 || m[0]["timestamp"] != "2023-11-14T22:13:20Z" || m[0]["timestampUnix"] != 1700000000.0 {
+		t.Fatalf("%s", rec.Body)
+	}
+	assertError(t, a.do("GET", "/sandboxes/m2/metrics", ""), 502)
+	assertError(t, a.do("GET", "/sandboxes/zz/metrics", ""), 404)
+	if rec := a.do("GET", "/sandboxes/m1/metrics?start=1&end=2", ""); rec.Code != 200 || strings.TrimSpace(rec.Body.String()) != "[]" {
+		t.Fatalf("past window: %d %s", rec.Code, rec.Body)
+	}
+}
+
+func TestLogs(t *testing.T) {
+	a := newTestAPI(t)
+	started := time.Now().Add(-time.Minute).UTC()
+	a.node.add(&orchestrator.Sandbox{ID: "l1", StartedAt: started})
+	a.node.logs["l1"] = []byte("[    0.1] kernel line\r\n\ninit: started envd\nbad \xff byte\n")
+	for _, tc := range []struct {
+		name  string
+		q     string
+		lines []string
+	}{
+		{"all", "", []string{"[    0.1] kernel line", "init: started envd", "bad \uFFFD byte"}},
+		{"limit", "?limit=1", []string{"[    0.1] kernel line"}},
+		{"start after", fmt.Sprintf("?start=%d", started.UnixMilli()+1), nil},
+		{"start before", fmt.Sprintf("?start=%d", started.UnixMilli()-1), []string{"[    0.1] kernel line", "init: started envd", "bad \uFFFD byte"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rec := a.do("GET", "/sandboxes/l1/logs"+tc.q, "")
+			if rec.Code != 200 {
+				t.Fatalf("%d %s", rec.Code, rec.Body)
+			}
+			var out struct {
+				Logs []struct {
+					Timestamp time.Time `json:"timestamp"`
+					Line      string    `json:"line"`
+				} `json:"logs"`
+				LogEntries []struct {
+					Message string `json:"message"`
+					Level   string `json:"level"`
+				} `json:"logEntries"`
+			}
+			if err := json.Unmarshal(rec.Body.Bytes(), &out); err != nil {
+				t.Fatal(err)
+			}
+			var got []string
+			for i, l := range out.Logs {
+				got = append(got, l.Line)
+				if out.LogEntries[i].Message != l.Line || !l.Timestamp.Equal(started) {
+					t.Fatalf("entry %d: %+v", i, out)
+				}
+			}
+			if strings.Join(got, "|") != strings.Join(tc.lines, "|") || out.Logs == nil || out.LogEntries == nil {
+				t.Fatalf("lines %q, want %q (%s)", got, tc.lines, rec.Body)
+			}
+		})
+	}
+	assertError(t, a.do("GET", "/sandboxes/zz/logs", ""), 404)
+}
+
+func TestKill(t *testing.T) {
+	a := newTestAPI(t)
+	id := a.create(`{"templateID":"base"}`)["sandboxID"].(string)
+	if rec := a.do("DELETE", "/sandboxes/"+id, ""); rec.Code != 204 || rec.Body.Len() != 0 {
+		t.Fatalf("%d %s", rec.Code, rec.Body)
+	}
+	assertError(t, a.do("DELETE", "/sandboxes/"+id, ""), 404)
+	assertError(t, a.do("GET", "/sandboxes/"+id, ""), 404)
+}
+
+func TestOpenAPIServedAndCoversRoutes(t *testing.T) {
+	a := newTestAPI(t)
+	req := httptest.NewRequest("GET", "/openapi.yml", nil)
+	rec := httptest.NewRecorder()
+	a.srv.ServeHTTP(rec, req) // no key needed
+	if rec.Code != 200 || !strings.HasPrefix(rec.Body.String(), "openapi: 3.") {
+		t.Fatalf("%d %.100s", rec.Code, rec.Body)
+	}
+	spec := rec.Body.String()
+	for _, p := range []string{
+		"/sandboxes:", "/v2/sandboxes:", "/sandboxes/{sandboxID}:", "/sandboxes/{sandboxID}/timeout:",
+		"/sandboxes/{sandboxID}/refreshes:", "/sandboxes/{sandboxID}/connect:", "/v2/sandboxes/{sandboxID}/connect:",
+		"/sandboxes/{sandboxID}/pause:", "/sandboxes/{sandboxID}/resume:", "/sandboxes/{sandboxID}/metrics:",
+		"/sandboxes/{sandboxID}/logs:", "/sandboxes/{sandboxID}/fork:", "/sandboxes/{sandboxID}/snapshots:",
+		"/snapshots:", "/openapi.yml:", "/health:",
+	} {
+		if !strings.Contains(spec, "\n  "+p+"\n") {
+			t.Errorf("openapi.yml does not document %s", strings.TrimSuffix(p, ":"))
+		}
+	}
+}
+
+func TestResolver(t *testing.T) {
+	node := newFakeNode()
+	node.add(&orchestrator.Sandbox{ID: "run1", EnvdAddr: "10.0.0.2:49983", AccessToken: "tok"})
+	node.add(&orchestrator.Sandbox{ID: "pau1", State: orchestrator.StatePaused, EnvdAddr: "10.0.0.3:49983"})
+	res := Resolver{Node: node}
+	for _, tc := range []struct {
+		id      string
+		want    proxy.Route
+		unknown bool
+	}{
+		{id: "run1", want: proxy.Route{Addr: "10.0.0.2", Running: true, AccessToken: "tok"}},
+		{id: "pau1", want: proxy.Route{Addr: "10.0.0.3"}},
+		{id: "nope", unknown: true},
+	} {
+		got, err := res.Route(t.Context(), tc.id)
+		if tc.unknown != errors.Is(err, proxy.ErrUnknownSandbox) || (!tc.unknown && (err != nil || got != tc.want)) {
+			t.Errorf("%s: %+v %v, want %+v", tc.id, got, err, tc.want)
+		}
+	}
+	// Resume for traffic; a second resume (already running) is fine too.
+	for range 2 {
+		got, err := res.Resume(t.Context(), "pau1")
+		if err != nil || !got.Running || got.Addr != "10.0.0.3" {
+			t.Fatalf("resume: %+v %v", got, err)
+		}
+	}
+	if _, err := (Resolver{Node: basicNode{node}}).Resume(t.Context(), "run1"); err == nil {
+		t.Fatal("a node without Resume resumed")
+	}
+}
+
+func TestFork(t *testing.T) {
+	a := newTestAPI(t)
+	parent := a.create(`{"templateID":"base","metadata":{"k":"v"}}`)["sandboxID"].(string)
+	broken := a.create(`{"templateID":"halfbroken"}`)["sandboxID"].(string)
+	for _, tc := range []struct {
+		name     string
+		id       string
+		body     string
+		children int
+		errors   []int
+	}{
+		{"default count is one", parent, ``, 1, nil},
+		{"three children", parent, `{"count":3,"timeout":60}`, 3, nil},
+		{"partial failure", broken, `{"count":3}`, 2, []int{429}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rec := a.do("POST", "/sandboxes/"+tc.id+"/fork", tc.body)
+			if rec.Code != 201 {
+				t.Fatalf("%d %s", rec.Code, rec.Body)
+			}
+			var out []struct {
+				Sandbox *map[string]any `json:"sandbox"`
+				Error   *Error          `json:"error"`
+			}
+			if err := json.Unmarshal(rec.Body.Bytes(), &out); err != nil {
+				t.Fatal(err)
+			}
+			var children int
+			var errs []int
+			for _, r := range out {
+				switch {
+				case r.Sandbox != nil && r.Error == nil:
+					children++
+					sb := *r.Sandbox
+					if sb["sandboxID"] == tc.id || sb["envdAccessToken"] == nil {
+						t.Fatalf("child %v", sb)
+					}
+					if _, err := a.node.Get(t.Context(), sb["sandboxID"].(string)); err != nil {
+						t.Fatal(err)
+					}
+				case r.Error != nil && r.Sandbox == nil:
+					errs = append(errs, r.Error.Code)
+				default:
+					t.Fatalf("entry with both or neither: %s", rec.Body)
+				}
+			}
+			if children != tc.children || fmt.Sprint(errs) != fmt.Sprint(tc.errors) {
+				t.Fatalf("children %d errors %v, want %d %v: %s", children, errs, tc.children, tc.errors, rec.Body)
+			}
+		})
+	}
+}

@@ -1,0 +1,228 @@
+package api
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/orchestrator"
+)
+
+// fakeNode is an in-memory Node for testing the API layer alone.
+type fakeNode struct {
+	mu        sync.Mutex
+	sandboxes map[string]*orchestrator.Sandbox
+	creates   []orchestrator.CreateRequest
+	mutations int // successful Create/Kill/SetTimeout calls
+	seq       int
+	logs      map[string][]byte
+}
+
+func newFakeNode() *fakeNode {
+	return &fakeNode{sandboxes: map[string]*orchestrator.Sandbox{}, logs: map[string][]byte{}}
+}
+
+func (f *fakeNode) add(sb *orchestrator.Sandbox) *orchestrator.Sandbox {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if sb.State == "" {
+		sb.State = orchestrator.StateRunning
+	}
+	f.sandboxes[sb.ID] = sb
+	return sb
+}
+
+func (f *fakeNode) Create(ctx context.Context, req orchestrator.CreateRequest) (*orchestrator.Sandbox, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.creates = append(f.creates, req)
+	if req.TemplateID == "missing" {
+		return nil, fmt.Errorf("%w: template %q", orchestrator.ErrNotFound, req.TemplateID)
+	}
+	if req.TemplateID == "full" {
+		return nil, fmt.Errorf("%w: all slots taken", orchestrator.ErrCapacity)
+	}
+	f.seq++
+	f.mutations++
+	timeout := req.Timeout
+	if timeout == 0 {
+		timeout = 5 * time.Minute
+	}
+	now := time.Now().UTC()
+	sb := &orchestrator.Sandbox{
+		ID: fmt.Sprintf("sbx%017d", f.seq), TemplateID: req.TemplateID, State: orchestrator.StateRunning,
+		VCPUs: 2, MemoryMiB: 512, DiskMiB: 1024, Secure: req.Secure, AutoPause: req.AutoPause,
+		AllowInternet: req.AllowInternet == nil || *req.AllowInternet,
+		Metadata:      req.Metadata, EnvVars: req.EnvVars, StartedAt: now, CreatedAt: now, EndAt: now.Add(timeout),
+		TrafficToken: "traffic",
+	}
+	if req.Secure {
+		sb.AccessToken = "envd-token-" + sb.ID
+	}
+	f.sandboxes[sb.ID] = sb
+	cp := *sb
+	return &cp, nil
+}
+
+func (f *fakeNode) Get(ctx context.Context, id string) (*orchestrator.Sandbox, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	sb, ok := f.sandboxes[id]
+	if !ok {
+		return nil, fmt.Errorf("%w: sandbox %s", orchestrator.ErrNotFound, id)
+	}
+	cp := *sb
+	return &cp, nil
+}
+
+func (f *fakeNode) List(ctx context.Context) ([]*orchestrator.Sandbox, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var out []*orchestrator.Sandbox
+	for _, sb := range f.sandboxes {
+		cp := *sb
+		out = append(out, &cp)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.Before(out[j].CreatedAt) })
+	return out, nil
+}
+
+func (f *fakeNode) Kill(ctx context.Context, id string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, ok := f.sandboxes[id]; !ok {
+		return fmt.Errorf("%w: sandbox %s", orchestrator.ErrNotFound, id)
+	}
+	delete(f.sandboxes, id)
+	f.mutations++
+	return nil
+}
+
+func (f *fakeNode) SetTimeout(ctx context.Context, id string, d time.Duration) (*orchestrator.Sandbox, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	sb, ok := f.sandboxes[id]
+	if !ok {
+		return nil, fmt.Errorf("%w: sandbox %s", orchestrator.ErrNotFound, id)
+	}
+	if sb.State != orchestrator.StateRunning {
+		return nil, fmt.Errorf("%w: sandbox %s is %s", orchestrator.ErrConflict, id, sb.State)
+	}
+	sb.EndAt = time.Now().Add(d).UTC()
+	f.mutations++
+	cp := *sb
+	return &cp, nil
+}
+
+func (f *fakeNode) Pause(ctx context.Context, id string) (*orchestrator.Sandbox, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	sb, ok := f.sandboxes[id]
+	if !ok {
+		return nil, fmt.Errorf("%w: sandbox %s", orchestrator.ErrNotFound, id)
+	}
+	if sb.State != orchestrator.StateRunning {
+		return nil, fmt.Errorf("%w: sandbox %s is %s", orchestrator.ErrConflict, id, sb.State)
+	}
+	sb.State = orchestrator.StatePaused
+	f.mutations++
+	cp := *sb
+	return &cp, nil
+}
+
+func (f *fakeNode) Resume(ctx context.Context, id string, timeout time.Duration) (*orchestrator.Sandbox, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	sb, ok := f.sandboxes[id]
+	if !ok {
+		return nil, fmt.Errorf("%w: sandbox %s", orchestrator.ErrNotFound, id)
+	}
+	if sb.State != orchestrator.StatePaused {
+		return nil, fmt.Errorf("%w: sandbox %s is %s", orchestrator.ErrConflict, id, sb.State)
+	}
+	if timeout == 0 {
+		timeout = 5 * time.Minute
+	}
+	sb.State = orchestrator.StateRunning
+	sb.EndAt = time.Now().Add(timeout).UTC()
+	f.mutations++
+	cp := *sb
+	return &cp, nil
+}
+
+// Fork makes count children; the template "halfbroken" fails every second.
+func (f *fakeNode) Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]orchestrator.ForkResult, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	parent, ok := f.sandboxes[id]
+	if !ok {
+		return nil, fmt.Errorf("%w: sandbox %s", orchestrator.ErrNotFound, id)
+	}
+	if parent.State != orchestrator.StateRunning {
+		return nil, fmt.Errorf("%w: sandbox %s is %s", orchestrator.ErrConflict, id, parent.State)
+	}
+	if timeout == 0 {
+		timeout = 5 * time.Minute
+	}
+	var out []orchestrator.ForkResult
+	for i := range count {
+		if parent.TemplateID == "halfbroken" && i%2 == 1 {
+			out = append(out, orchestrator.ForkResult{Err: fmt.Errorf("%w: no slot", orchestrator.ErrCapacity)})
+			continue
+		}
+		f.seq++
+		f.mutations++
+		child := *parent
+		child.ID = fmt.Sprintf("child%015d", f.seq)
+		child.AccessToken = "tok-" + child.ID
+		child.EndAt = time.Now().Add(timeout)
+		f.sandboxes[child.ID] = &child
+		cp := child
+		out = append(out, orchestrator.ForkResult{Sandbox: &cp})
+	}
+	return out, nil
+}
+
+// basicNode hides the optional capabilities of a fakeNode.
+type basicNode struct{ n *fakeNode }
+
+func (b basicNode) Create(ctx context.Context, req orchestrator.CreateRequest) (*orchestrator.Sandbox, error) {
+	return b.n.Create(ctx, req)
+}
+func (b basicNode) Get(ctx context.Context, id string) (*orchestrator.Sandbox, error) {
+	return b.n.Get(ctx, id)
+}
+func (b basicNode) List(ctx context.Context) ([]*orchestrator.Sandbox, error) { return b.n.List(ctx) }
+func (b basicNode) Kill(ctx context.Context, id string) error                 { return b.n.Kill(ctx, id) }
+func (b basicNode) SetTimeout(ctx context.Context, id string, d time.Duration) (*orchestrator.Sandbox, error) {
+	return b.n.SetTimeout(ctx, id, d)
+}
+
+// The real node must keep offering what the API looks for.
+var (
+	_ Node    = (*orchestrator.Node)(nil)
+	_ Pauser  = (*orchestrator.Node)(nil)
+	_ Resumer = (*orchestrator.Node)(nil)
+	_ Forker  = (*orchestrator.Node)(nil)
+)
+
+func (f *fakeNode) ConsoleLog(ctx context.Context, id string, maxBytes int64) ([]byte, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, ok := f.sandboxes[id]; !ok {
+		return nil, fmt.Errorf("%w: sandbox %s", orchestrator.ErrNotFound, id)
+	}
+	b := f.logs[id]
+	if int64(len(b)) > maxBytes {
+		b = b[int64(len(b))-maxBytes:]
+	}
+	return b, nil
+}
+
+func (f *fakeNode) mutationCount() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.mutations
+}

@@ -1,0 +1,124 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// TestRESTBadInputRealNode sends malformed requests to a real node: each is
+// refused with a 4xx {code,message} and no sandbox (record, directory, VM)
+// is created or changed.
+func TestRESTBadInputRealNode(t *testing.T) {
+	s := needServer(t)
+	sb := s.createSandbox(t, map[string]any{"templateID": "minimal", "timeout": 600})
+	ctx := context.Background()
+	detail := func() map[string]any {
+		var d map[string]any
+		if err := s.rest(ctx, "GET", "/sandboxes/"+sb.SandboxID, nil, &d); err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	countDirs := func() int {
+		entries, _ := os.ReadDir(filepath.Join(s.dataDir, "sandboxes"))
+		return len(entries)
+	}
+	before, dirsBefore := detail(), countDirs()
+	var listBefore []map[string]any
+	_ = s.rest(ctx, "GET", "/v2/sandboxes", nil, &listBefore)
+	id := sb.SandboxID
+	for _, tc := range []struct {
+		name, method, path, body string
+		status                   int
+	}{
+		{"malformed JSON", "POST", "/v2/sandboxes", `{"templateID":"minimal"`, 400},
+		{"wrong type", "POST", "/v2/sandboxes", `{"templateID":["minimal"]}`, 400},
+		{"typed unknown-to-us field of wrong type", "POST", "/v2/sandboxes", `{"templateID":"minimal","network":42}`, 400},
+		{"negative timeout", "POST", "/v2/sandboxes", `{"templateID":"minimal","timeout":-10}`, 400},
+		{"huge timeout", "POST", "/v2/sandboxes", `{"templateID":"minimal","timeout":864000000}`, 400},
+		{"metadata too large", "POST", "/v2/sandboxes", `{"templateID":"minimal","metadata":{"k":"` + strings.Repeat("v", 17000) + `"}}`, 400},
+		{"template path traversal", "POST", "/v2/sandboxes", `{"templateID":"../minimal"}`, 400},
+		{"unknown template", "POST", "/v2/sandboxes", `{"templateID":"no-such-template"}`, 404},
+		{"too much memory", "POST", "/v2/sandboxes", `{"templateID":"minimal","memoryMB":1000000}`, 400},
+		{"invalid sandbox id", "GET", "/sandboxes/NOT-VALID!", ``, 400},
+		{"unknown sandbox", "DELETE", "/sandboxes/abcdefghij0123456789", ``, 404},
+		{"timeout wrong type", "POST", "/sandboxes/" + id + "/timeout", `{"timeout":"1"}`, 400},
+		{"timeout negative", "POST", "/sandboxes/" + id + "/timeout", `{"timeout":-1}`, 400},
+		{"timeout huge", "POST", "/sandboxes/" + id + "/timeout", `{"timeout":1e12}`, 400},
+		{"refresh malformed", "POST", "/sandboxes/" + id + "/refreshes", `{"duration":}`, 400},
+		{"filesystem-only pause", "POST", "/sandboxes/" + id + "/pause", `{"memory":false}`, 400},
+		{"resume a running sandbox", "POST", "/sandboxes/" + id + "/resume", `{}`, 409},
+		{"fork too many", "POST", "/sandboxes/" + id + "/fork", `{"count":17}`, 400},
+		{"fork wrong type", "POST", "/sandboxes/" + id + "/fork", `{"count":"2"}`, 400},
+		{"snapshots not yet", "POST", "/sandboxes/" + id + "/snapshots", `{}`, 501},
+		{"list bad limit", "GET", "/v2/sandboxes?limit=-1", ``, 400},
+		{"list bad token", "GET", "/v2/sandboxes?nextToken=garbage!", ``, 400},
+		{"files without sandbox", "GET", "/files?path=../../../../etc/shadow", ``, 404},
+		{"files with forged signature", "GET", "/files?path=/etc/shadow&signature=v1_abc", ``, 401},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := s.rest(ctx, tc.method, tc.path, tc.body, nil)
+			var ae *apiError
+			if !errors.As(err, &ae) {
+				t.Fatalf("want HTTP %d, got %v", tc.status, err)
+			}
+			var e struct {
+				Code    int    `json:"code"`
+				Message string `json:"message"`
+			}
+			if ae.Status != tc.status || json.Unmarshal([]byte(ae.Body), &e) != nil || e.Code != tc.status || e.Message == "" {
+				t.Fatalf("got %v, want %d with {code,message}", err, tc.status)
+			}
+		})
+	}
+	after := detail()
+	if after["endAt"] != before["endAt"] || after["state"] != "running" {
+		t.Fatalf("sandbox changed: %v -> %v", before, after)
+	}
+	var listAfter []map[string]any
+	_ = s.rest(ctx, "GET", "/v2/sandboxes", nil, &listAfter)
+	if len(listAfter) != len(listBefore) || countDirs() != dirsBefore {
+		t.Fatalf("sandboxes %d -> %d, dirs %d -> %d", len(listBefore), len(listAfter), dirsBefore, countDirs())
+	}
+}
+
+// TestLogsAndMetricsRealNode reads a real guest's console log and metrics.
+func TestLogsAndMetricsRealNode(t *testing.T) {
+	s := needServer(t)
+	sb := s.createSandbox(t, map[string]any{"templateID": "minimal"})
+	ctx := context.Background()
+	var metrics []map[string]any
+	if err := s.rest(ctx, "GET", "/sandboxes/"+sb.SandboxID+"/metrics", nil, &metrics); err != nil {
+		t.Fatal(err)
+	}
+	if len(metrics) != 1 || metrics[0]["memTotal"].(float64) <= 0 || metrics[0]["cpuCount"].(float64) < 1 {
+		t.Fatalf("metrics %v", metrics)
+	}
+	req, _ := http.NewRequest("GET", s.url+"/sandboxes/"+sb.SandboxID+"/logs?limit=5000", nil)
+	req.Header.Set("X-API-Key", apiKey)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode == http.StatusNotImplemented {
+		t.Skipf("the orchestrator does not implement api.ConsoleLogReader yet: %s", body)
+	}
+	var logs struct {
+		Logs []struct {
+			Line string `json:"line"`
+		} `json:"logs"`
+	}
+	if resp.StatusCode != 200 || json.Unmarshal(body, &logs) != nil || len(logs.Logs) == 0 {
+		t.Fatalf("logs: %d %.500s", resp.StatusCode, body)
+	}
+	t.Logf("%d console lines; first %q", len(logs.Logs), logs.Logs[0].Line)
+}
