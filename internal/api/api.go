@@ -98,7 +98,8 @@ func (s *Server) routes() {
 	s.mux.Handle("POST /sandboxes/{id}/pause", auth(s.pauseSandbox))
 	s.mux.Handle("POST /sandboxes/{id}/resume", auth(s.resumeSandbox))
 	s.mux.Handle("POST /sandboxes/{id}/fork", auth(s.forkSandbox))
-	s.mux.Handle("POST /sandboxes/{id}/snapshots", auth(s.notYet("snapshots")))
+	s.mux.Handle("POST /sandboxes/{id}/snapshots", auth(s.createSnapshot))
+	s.mux.Handle("DELETE /snapshots/{name}", auth(s.deleteSnapshot))
 	s.mux.Handle("PUT /sandboxes/{id}/network", auth(s.notYet("changing a running sandbox's network")))
 	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
@@ -291,16 +292,20 @@ func (res Resolver) Route(ctx context.Context, id string) (proxy.Route, error) {
 	return routeOf(sb), nil
 }
 
-// routeOf is the proxy's view of a sandbox. Public traffic and auto-resume
-// are not recorded per sandbox yet, so TrafficToken and AutoResume stay
-// unset (create refuses allowPublicTraffic=false and autoResume).
+// routeOf is the proxy's view of a sandbox: the traffic token is enforced
+// only for sandboxes created without public traffic.
 func routeOf(sb *orchestrator.Sandbox) proxy.Route {
 	host, _, _ := strings.Cut(sb.EnvdAddr, ":")
-	return proxy.Route{
+	r := proxy.Route{
 		Addr:        host,
 		Running:     sb.State == orchestrator.StateRunning,
 		AccessToken: sb.AccessToken,
+		AutoResume:  sb.AutoResume,
 	}
+	if !sb.PublicTraffic {
+		r.TrafficToken = sb.TrafficToken
+	}
+	return r
 }
 
 // Resume implements proxy.Resumer with the node's Resume (node default

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"context"
 	"encoding/base64"
 	"encoding/json"
 	"errors"
@@ -211,9 +212,7 @@ func TestBadInputChangesNothing(t *testing.T) {
 		{"secure wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","secure":"yes"}`, 400},
 		{"network wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","network":"open"}`, 400},
 		{"autoResume wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","autoResume":true}`, 400},
-		{"autoResume on", "POST", "/v2/sandboxes", `{"templateID":"base","autoResume":{"enabled":true}}`, 400},
 		{"allowOut lists", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowOut":["1.1.1.1"]}}`, 400},
-		{"public traffic off", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowPublicTraffic":false}}`, 400},
 		{"volume mounts", "POST", "/v2/sandboxes", `{"templateID":"base","volumeMounts":[{"name":"v","path":"/v"}]}`, 400},
 		{"cpu zero", "POST", "/v2/sandboxes", `{"templateID":"base","cpuCount":0}`, 400},
 		{"unknown template", "POST", "/v2/sandboxes", `{"templateID":"missing"}`, 404},
@@ -707,5 +706,29 @@ func TestFork(t *testing.T) {
 				t.Fatalf("children %d errors %v, want %d %v: %s", children, errs, tc.children, tc.errors, rec.Body)
 			}
 		})
+	}
+}
+
+func TestPrivateTrafficAndAutoResume(t *testing.T) {
+	a := newTestAPI(t)
+	out := a.create(`{"templateID":"base","autoResume":{"enabled":true},"network":{"allowPublicTraffic":false}}`)
+	if out["trafficAccessToken"] != "traffic" {
+		t.Fatalf("private-traffic sandbox lacks its traffic token: %v", out)
+	}
+	req := a.node.creates[len(a.node.creates)-1]
+	if !req.AutoResume || !req.PrivateTraffic {
+		t.Fatalf("create request %+v", req)
+	}
+	sb, _ := a.node.Get(context.Background(), out["sandboxID"].(string))
+	if r := routeOf(sb); r.TrafficToken != "traffic" || !r.AutoResume {
+		t.Fatalf("route %+v", r)
+	}
+	pub := a.create(`{"templateID":"base"}`)
+	if _, ok := pub["trafficAccessToken"]; ok {
+		t.Fatalf("public sandbox got a traffic token: %v", pub)
+	}
+	sb, _ = a.node.Get(context.Background(), pub["sandboxID"].(string))
+	if r := routeOf(sb); r.TrafficToken != "" || r.AutoResume {
+		t.Fatalf("route %+v", r)
 	}
 }

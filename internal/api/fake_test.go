@@ -56,7 +56,7 @@ func (f *fakeNode) Create(ctx context.Context, req orchestrator.CreateRequest) (
 		VCPUs: 2, MemoryMiB: 512, DiskMiB: 1024, Secure: req.Secure, AutoPause: req.AutoPause,
 		AllowInternet: req.AllowInternet == nil || *req.AllowInternet,
 		Metadata:      req.Metadata, EnvVars: req.EnvVars, StartedAt: now, CreatedAt: now, EndAt: now.Add(timeout),
-		TrafficToken: "traffic",
+		TrafficToken: "traffic", PublicTraffic: !req.PrivateTraffic, AutoResume: req.AutoResume,
 	}
 	if req.Secure {
 		sb.AccessToken = "envd-token-" + sb.ID

@@ -181,14 +181,100 @@ func (s *Server) forkSandbox(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusCreated, out)
 }
 
-// listSnapshots implements GET /snapshots: this node takes no snapshots yet,
-// so the list is empty.
-func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request) {
-	if _, err := queryInt(r, "limit", 1, 1000); err != nil {
+// Snapshotter is implemented by nodes that keep named snapshots (usable as
+// templateIDs); others answer the snapshot routes with 501 / an empty list.
+type Snapshotter interface {
+	Snapshot(ctx context.Context, id, name string) (*orchestrator.NamedSnapshot, error)
+	Snapshots() ([]*orchestrator.NamedSnapshot, error)
+	DeleteSnapshot(ctx context.Context, name string) error
+}
+
+// snapshotJSON describes a named snapshot.
+type snapshotJSON struct {
+	SnapshotID string    `json:"snapshotID"`
+	Names      []string  `json:"names"`
+	SandboxID  string    `json:"sandboxID"`
+	TemplateID string    `json:"templateID"`
+	CPUCount   int       `json:"cpuCount"`
+	MemoryMB   int       `json:"memoryMB"`
+	CreatedAt  time.Time `json:"createdAt"`
+}
+
+func snapshotBody(ns *orchestrator.NamedSnapshot) snapshotJSON {
+	return snapshotJSON{SnapshotID: ns.Name, Names: []string{ns.Name}, SandboxID: ns.SandboxID,
+		TemplateID: ns.TemplateID, CPUCount: ns.VCPUs, MemoryMB: ns.MemoryMiB, CreatedAt: ns.CreatedAt}
+}
+
+// createSnapshot implements POST /sandboxes/{id}/snapshots {name}: the
+// running sandbox is captured (paused briefly) and the name becomes a
+// templateID for POST /sandboxes. Without a name one is generated.
+func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request) {
+	id, ok := s.sandboxID(w, r)
+	if !ok {
+		return
+	}
+	sn, ok := s.node.(Snapshotter)
+	if !ok {
+		writeError(w, http.StatusNotImplemented, "snapshots are not supported on this node")
+		return
+	}
+	var body struct {
+		Name *string `json:"name"`
+	}
+	if err := decodeBody(r, &body); err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	writeJSON(w, http.StatusOK, []any{})
+	name := "snap-" + id
+	if body.Name != nil {
+		name = *body.Name
+	} else {
+		name += "-" + strconv.FormatInt(time.Now().UnixMilli(), 36)
+	}
+	ns, err := sn.Snapshot(r.Context(), id, name)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, snapshotBody(ns))
+}
+
+// listSnapshots implements GET /snapshots.
+func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request) {
+	limit, err := queryInt(r, "limit", 1, 1000)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	out := []snapshotJSON{}
+	if sn, ok := s.node.(Snapshotter); ok {
+		all, err := sn.Snapshots()
+		if err != nil {
+			s.writeNodeError(w, err)
+			return
+		}
+		for _, ns := range all {
+			if limit > 0 && int64(len(out)) == limit {
+				break
+			}
+			out = append(out, snapshotBody(ns))
+		}
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+// deleteSnapshot implements DELETE /snapshots/{name}.
+func (s *Server) deleteSnapshot(w http.ResponseWriter, r *http.Request) {
+	sn, ok := s.node.(Snapshotter)
+	if !ok {
+		writeError(w, http.StatusNotImplemented, "snapshots are not supported on this node")
+		return
+	}
+	if err := sn.DeleteSnapshot(r.Context(), r.PathValue("name")); err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
 }
 
 // metricJSON is E2B's SandboxMetric.

@@ -139,9 +139,12 @@ func (s *Server) sandboxBody(sb *orchestrator.Sandbox) sandboxJSON {
 		t := sb.AccessToken
 		out.EnvdAccessToken = &t
 	}
-	// trafficAccessToken is only handed out (and only enforced by the proxy)
-	// for sandboxes without public traffic, which this node does not record
-	// yet: see routeOf.
+	// trafficAccessToken is handed out (and enforced by the proxy) only for
+	// sandboxes without public traffic: see routeOf.
+	if !sb.PublicTraffic && sb.TrafficToken != "" {
+		t := sb.TrafficToken
+		out.TrafficAccessToken = &t
+	}
 	return out
 }
 
@@ -169,7 +172,7 @@ func (s *Server) detailBody(sb *orchestrator.Sandbox) sandboxDetailJSON {
 	}
 	internet := sb.AllowInternet
 	out.AllowInternetAccess = &internet
-	out.Lifecycle = &lifecycleJSON{OnTimeout: "kill"}
+	out.Lifecycle = &lifecycleJSON{OnTimeout: "kill", AutoResume: sb.AutoResume}
 	if sb.AutoPause {
 		out.Lifecycle.OnTimeout = "pause"
 	}
@@ -227,9 +230,6 @@ func (req *createSandboxRequest) toCreateRequest(secureDefault bool) (orchestrat
 	if req.IAM != nil && len(req.IAM.Tokens) > 0 {
 		return cr, errors.New("iam tokens are not supported on this node")
 	}
-	if req.AutoResume != nil && req.AutoResume.Enabled {
-		return cr, errors.New("autoResume is not supported on this node yet (sandboxes cannot be paused yet)")
-	}
 	cr = orchestrator.CreateRequest{
 		TemplateID:    req.TemplateID,
 		AutoPause:     req.AutoPause == nil || *req.AutoPause,
@@ -237,6 +237,7 @@ func (req *createSandboxRequest) toCreateRequest(secureDefault bool) (orchestrat
 		AllowInternet: req.AllowInternetAccess,
 		Metadata:      req.Metadata,
 		EnvVars:       req.EnvVars,
+		AutoResume:    req.AutoResume != nil && req.AutoResume.Enabled,
 	}
 	if req.Secure != nil {
 		cr.Secure = *req.Secure
@@ -253,7 +254,7 @@ func (req *createSandboxRequest) toCreateRequest(secureDefault bool) (orchestrat
 			cr.AllowInternet = internet
 		}
 		if n.AllowPublicTraffic != nil && !*n.AllowPublicTraffic {
-			return cr, errors.New("network.allowPublicTraffic=false is not supported on this node yet")
+			cr.PrivateTraffic = true
 		}
 		if n.MaskRequestHost != nil || len(n.HTTPSPorts) > 0 || len(n.Rules) > 0 || (n.EgressProxy != nil && *n.EgressProxy != nil) {
 			return cr, errors.New("network.maskRequestHost, httpsPorts, rules and egressProxy are not supported on this node")

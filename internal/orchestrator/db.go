@@ -54,7 +54,46 @@ func openDB(path string) (*sql.DB, error) {
 		db.Close()
 		return nil, fmt.Errorf("migrate state db %s: %w", path, err)
 	}
+	if err := addMissingColumns(db); err != nil {
+		db.Close()
+		return nil, fmt.Errorf("migrate state db %s: %w", path, err)
+	}
 	return db, nil
+}
+
+// laterColumns were added to the sandboxes table after its first release;
+// databases made before get them with their defaults.
+var laterColumns = []struct{ name, decl string }{
+	{"mem_file", "TEXT NOT NULL DEFAULT ''"},
+	{"mem_private", "INTEGER NOT NULL DEFAULT 0"},
+	{"snapshot_id", "TEXT NOT NULL DEFAULT ''"},
+	{"auto_resume", "INTEGER NOT NULL DEFAULT 0"},
+	{"public_traffic", "INTEGER NOT NULL DEFAULT 1"},
+}
+
+func addMissingColumns(db *sql.DB) error {
+	rows, err := db.Query(`SELECT name FROM pragma_table_info('sandboxes')`)
+	if err != nil {
+		return err
+	}
+	have := map[string]bool{}
+	for rows.Next() {
+		var n string
+		if err := rows.Scan(&n); err != nil {
+			rows.Close()
+			return err
+		}
+		have[n] = true
+	}
+	rows.Close()
+	for _, c := range laterColumns {
+		if !have[c.name] {
+			if _, err := db.Exec(`ALTER TABLE sandboxes ADD COLUMN ` + c.name + ` ` + c.decl); err != nil {
+				return fmt.Errorf("add column %s: %w", c.name, err)
+			}
+		}
+	}
+	return nil
 }
 
 const sandboxColumns = `id, template_id, state, vcpus, memory_mib, disk_mib, slot, pid, allow_internet, secure,
