@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"syscall"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/storage"
@@ -35,6 +36,18 @@ type templateSnapshot struct {
 	// is stale (its envd is not the current one).
 	Initrd string `json:"initrdSHA256"`
 	Kernel string `json:"kernel"`
+	// Layer identifies the template's root layer file the snapshot's disk
+	// was stacked on; a rebuilt template makes the snapshot stale.
+	Layer string `json:"layer"`
+}
+
+// layerIdentity names a file's current version (inode, size, mtime).
+func layerIdentity(path string) string {
+	var st syscall.Stat_t
+	if err := syscall.Stat(path, &st); err != nil {
+		return ""
+	}
+	return fmt.Sprintf("%d-%d-%d", st.Ino, st.Size, st.Mtim.Nano())
 }
 
 func (n *Node) currentTemplateSnapshot(t *Template) (*templateSnapshot, error) {
@@ -46,7 +59,7 @@ func (n *Node) currentTemplateSnapshot(t *Template) (*templateSnapshot, error) {
 	if err := json.Unmarshal(b, &ts); err != nil {
 		return nil, fmt.Errorf("%w: template %s snapshot record: %v", ErrCorrupt, t.Name, err)
 	}
-	if ts.Initrd != n.initrdSum || ts.Kernel != n.cfg.Kernel {
+	if ts.Initrd != n.initrdSum || ts.Kernel != n.cfg.Kernel || ts.Layer != layerIdentity(t.RootDisk) {
 		return nil, fmt.Errorf("template %s snapshot is stale (built with other boot files)", t.Name)
 	}
 	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, ts.SnapshotID)
@@ -86,7 +99,7 @@ func (n *Node) PrepareTemplateSnapshot(ctx context.Context, name string) error {
 	if err != nil {
 		return fmt.Errorf("freeze template %s: %w", name, err)
 	}
-	ref := templateSnapshot{SnapshotID: snapID, VCPUs: s.VCPUs, MemoryMiB: s.MemoryMiB, Initrd: n.initrdSum, Kernel: n.cfg.Kernel}
+	ref := templateSnapshot{SnapshotID: snapID, VCPUs: s.VCPUs, MemoryMiB: s.MemoryMiB, Initrd: n.initrdSum, Kernel: n.cfg.Kernel, Layer: layerIdentity(t.RootDisk)}
 	if err := os.MkdirAll(filepath.Dir(n.templateSnapshotRef(name)), 0o700); err != nil {
 		return err
 	}
