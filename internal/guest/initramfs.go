@@ -5,6 +5,7 @@ import (
 	"compress/gzip"
 	"debug/elf"
 	"fmt"
+	"github.com/agentenv/agentenv/internal/storage"
 	"os"
 	"path/filepath"
 	"strings"
@@ -105,7 +106,7 @@ func BuildInitramfsModules(k *Kernel, initBinary string, out string, wanted []Wa
 	if err := os.MkdirAll(filepath.Dir(out), 0o755); err != nil {
 		return nil, fmt.Errorf("build initramfs: %w", err)
 	}
-	if err := writeFileAtomic(out, buf.Bytes(), 0o644); err != nil {
+	if err := storage.WriteFileAtomic(out, buf.Bytes(), 0o644); err != nil {
 		return nil, fmt.Errorf("build initramfs: %w", err)
 	}
 	return order, nil

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/agentenv/agentenv/internal/storage"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -83,7 +84,7 @@ func FetchKernel(ctx context.Context, dir string, log func(format string, args .
 				return nil, err
 			}
 		}
-		if err := writeFileAtomic(filepath.Join(dir, currentFile), []byte(version+"\n"), 0o644); err != nil {
+		if err := storage.WriteFileAtomic(filepath.Join(dir, currentFile), []byte(version+"\n"), 0o644); err != nil {
 			return nil, err
 		}
 		return k, nil
@@ -131,7 +132,7 @@ func FetchKernel(ctx context.Context, dir string, log func(format string, args .
 	if err := os.Rename(unpack, dest); err != nil {
 		return nil, fmt.Errorf("install kernel into %s: %w", dest, err)
 	}
-	if err := writeFileAtomic(filepath.Join(dir, currentFile), []byte(version+"\n"), 0o644); err != nil {
+	if err := storage.WriteFileAtomic(filepath.Join(dir, currentFile), []byte(version+"\n"), 0o644); err != nil {
 		return nil, err
 	}
 	log("guest kernel %s unpacked into %s in %s", version, dest, time.Since(start).Round(time.Millisecond))
@@ -232,36 +233,6 @@ func lastLines(b []byte, n int) string {
 		lines = lines[len(lines)-n:]
 	}
 	return string(bytes.TrimSpace([]byte(strings.Join(lines, "\n"))))
-}
-
-// writeFileAtomic writes data to a temporary file beside path and renames it
-// into place.
-func writeFileAtomic(path string, data []byte, perm os.FileMode) error {
-	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-")
-	if err != nil {
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	tmp := f.Name()
-	defer os.Remove(tmp)
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	if err := f.Chmod(perm); err != nil {
-		f.Close()
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return fmt.Errorf("sync %s: %w", path, err)
-	}
-	if err := f.Close(); err != nil {
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		return fmt.Errorf("rename into %s: %w", path, err)
-	}
-	return nil
 }
 
 func fileExists(p string) bool {

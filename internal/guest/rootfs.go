@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/agentenv/agentenv/internal/storage"
 	"io"
 	"io/fs"
 	"os"
@@ -172,7 +173,7 @@ func BuildRootfs(ctx context.Context, spec RootfsSpec, out string, log func(stri
 	if err != nil {
 		return fmt.Errorf("build rootfs: manifest: %w", err)
 	}
-	if err := writeFileAtomic(ManifestPath(out), append(mb, '\n'), 0o644); err != nil {
+	if err := storage.WriteFileAtomic(ManifestPath(out), append(mb, '\n'), 0o644); err != nil {
 		return fmt.Errorf("build rootfs: %w", err)
 	}
 	log("%s rootfs %s: %d MiB qcow2 (%d MiB virtual) in %s", spec.Kind, out, size>>20, sizeMiB, time.Since(start).Round(time.Millisecond))

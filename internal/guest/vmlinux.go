@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"github.com/agentenv/agentenv/internal/storage"
 	"io"
 	"os"
 
@@ -48,7 +49,7 @@ func ExtractVmlinux(vmlinuz, out string) error {
 			off += i
 			img, err := m.fn(data[off:])
 			if err == nil && len(img) > 4 && bytes.Equal(img[:4], []byte("\x7fELF")) {
-				if err := writeFileAtomic(out, img, 0o644); err != nil {
+				if err := storage.WriteFileAtomic(out, img, 0o644); err != nil {
 					return fmt.Errorf("extract vmlinux: %w", err)
 				}
 				return nil
