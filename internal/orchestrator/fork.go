@@ -79,10 +79,6 @@ func (n *Node) capture(ctx context.Context, id string, count int, timeout time.D
 	if parent.State != StateRunning {
 		return "", nil, fmt.Errorf("%w: sandbox %s is %s; only running sandboxes can be forked", ErrConflict, id, parent.State)
 	}
-	if parent.MemPrivate {
-		// Its RAM is a private mapping, not a file we could freeze and share.
-		return "", nil, fmt.Errorf("%w: sandbox %s is itself a fork child; forking a fork child is not supported yet", ErrConflict, id)
-	}
 	if err := n.transition(ctx, id, op, StateRunning); err != nil {
 		return "", nil, err
 	}
@@ -149,20 +145,29 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (strin
 		os.RemoveAll(sdir)
 		return "", err
 	}
-	if err := m.SaveState(ctx, filepath.Join(sdir, snapStateName)); err != nil {
-		os.RemoveAll(sdir)
-		return "", err
-	}
-	n.mu.Lock()
-	delete(n.machines, parent.ID)
-	n.mu.Unlock()
-	if err := m.Kill(); err != nil {
-		return "", err
-	}
 	pdir := n.sandboxDir(parent.ID)
 	moves := [][2]string{
 		{filepath.Join(pdir, memFileName), filepath.Join(sdir, snapMemName)},
 		{filepath.Join(pdir, overlayName), filepath.Join(sdir, snapDiskName)},
+	}
+	if parent.MemPrivate {
+		// Copy-on-write RAM is no file to freeze: write it into one first.
+		if err := n.rebaseRAM(ctx, parent, m, sdir); err != nil {
+			os.RemoveAll(sdir)
+			return "", fmt.Errorf("write private RAM into an image: %w", err)
+		}
+		moves = moves[1:] // the image is already in the snapshot
+	} else {
+		if err := m.SaveState(ctx, filepath.Join(sdir, snapStateName)); err != nil {
+			os.RemoveAll(sdir)
+			return "", err
+		}
+		n.mu.Lock()
+		delete(n.machines, parent.ID)
+		n.mu.Unlock()
+		if err := m.Kill(); err != nil {
+			return "", err
+		}
 	}
 	for _, mv := range moves {
 		if err := os.Rename(mv[0], mv[1]); err != nil {
@@ -172,6 +177,9 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (strin
 			return "", err
 		}
 	}
+	if err := os.Chmod(filepath.Join(sdir, snapMemName), 0o400); err != nil {
+		return "", err
+	}
 	sum, err := fileSHA256(filepath.Join(sdir, snapStateName))
 	if err != nil {
 		return "", err
@@ -180,12 +188,13 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (strin
 	if err != nil {
 		return "", err
 	}
-	// The parent now depends on the snapshot's disk: record that before
-	// anything else can fail, so recovery never deletes a snapshot in use.
-	if err := n.setFields(ctx, parent.ID, "snapshot_id = ?, pid = 0", snapID); err != nil {
+	// The parent now depends on the snapshot's disk (and, from here on, runs
+	// on RAM of its own): record that before anything else can fail, so
+	// recovery never deletes a snapshot in use.
+	if err := n.setFields(ctx, parent.ID, "snapshot_id = ?, pid = 0, mem_file = '', mem_private = 0", snapID); err != nil {
 		return "", err
 	}
-	parent.SnapshotID = snapID
+	parent.SnapshotID, parent.MemFile, parent.MemPrivate = snapID, "", false
 	// The children map the frozen RAM copy-on-write; the parent gets a
 	// shared copy of its own (a reflink where the filesystem allows), so it
 	// stays cheap to pause and can be forked again.
@@ -379,4 +388,43 @@ func (n *Node) gcSnapshots(ctx context.Context) {
 			}
 		}
 	}
+}
+
+// rebaseRAM turns a stopped machine with copy-on-write RAM into a RAM image
+// plus device state in sdir. QEMU 7.2 always migrates private RAM, so the
+// machine's full state is saved, loaded into a helper QEMU whose RAM is the
+// new image file (mapped shared, so the load writes the image), and the
+// helper saves the device state alone. Both QEMUs exit.
+func (n *Node) rebaseRAM(ctx context.Context, s *Sandbox, m *vmm.Machine, sdir string) error {
+	full := filepath.Join(sdir, "full.vmstate")
+	defer os.Remove(full)
+	if err := m.SaveFullState(ctx, full); err != nil {
+		return err
+	}
+	n.mu.Lock()
+	delete(n.machines, s.ID)
+	n.mu.Unlock()
+	if err := m.Kill(); err != nil {
+		return err
+	}
+	ep, err := n.endpoint(s)
+	if err != nil {
+		return err
+	}
+	tap, err := n.net.OpenTap(ep)
+	if err != nil {
+		return err
+	}
+	defer tap.Close()
+	img := *s
+	img.MemFile, img.MemPrivate = filepath.Join(sdir, snapMemName), false
+	helper, err := vmm.Start(ctx, n.vmConfig(&img, tap, true))
+	if err != nil {
+		return err
+	}
+	defer helper.Kill()
+	if err := helper.LoadFullState(ctx, full); err != nil {
+		return err
+	}
+	return helper.SaveState(ctx, filepath.Join(sdir, snapStateName))
 }

@@ -79,6 +79,20 @@ func TestFork(t *testing.T) {
 	if err != nil || out.stdout != "parent-data\n" {
 		t.Fatalf("parent after fork: %+v %v", out, err)
 	}
+	// A child can be forked in turn: its copy-on-write RAM is written into a
+	// new image first, and both it and the grandchild run on.
+	gres, err := n.Fork(ctx, res[1].Sandbox.ID, 1, time.Minute)
+	if err != nil || gres[0].Err != nil {
+		t.Fatalf("fork of a fork child: %v %v", err, gres)
+	}
+	ids[gres[0].Sandbox.ID] = true
+	for _, sb := range []*Sandbox{res[1].Sandbox, gres[0].Sandbox} {
+		cur, _ := n.Get(ctx, sb.ID)
+		out, err := newEnvdClient(cur).run(ctx, "", "bash", "-c", "kill -0 "+bg+" && cat /home/user/f")
+		if err != nil || out.stdout != "child-1\n" {
+			t.Fatalf("%s after forking the child: %+v %v", sb.ID, out, err)
+		}
+	}
 	// A child can be paused and resumed (its RAM goes into its own state).
 	child := res[0].Sandbox
 	if _, err := n.Pause(ctx, child.ID); err != nil {

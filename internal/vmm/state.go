@@ -13,18 +13,33 @@ import (
 // capability makes QEMU skip RAM that is a shared file mapping. A stopped
 // machine's RAM file plus this device state is a complete snapshot.
 
-// migrationCaps are set on both ends of every save/load.
-var migrationCaps = map[string]any{
-	"capabilities": []map[string]any{{"capability": "x-ignore-shared", "state": true}},
+// caps are the migration capabilities of a save or load; both ends must
+// agree.
+func caps(ignoreShared bool) map[string]any {
+	return map[string]any{
+		"capabilities": []map[string]any{{"capability": "x-ignore-shared", "state": ignoreShared}},
+	}
 }
 
 // SaveState writes the device state of a paused machine to path. The caller
 // pauses the machine first and decides afterwards whether it resumes or quits.
 func (m *Machine) SaveState(ctx context.Context, path string) error {
+	return m.saveState(ctx, path, true)
+}
+
+// SaveFullState writes device state and all of guest RAM to path, whatever
+// the memory mapping. LoadFullState reads it into a machine whose RAM is a
+// shared file mapping, which so receives the RAM: the way to turn a machine
+// with private (copy-on-write) RAM back into a RAM file plus device state.
+func (m *Machine) SaveFullState(ctx context.Context, path string) error {
+	return m.saveState(ctx, path, false)
+}
+
+func (m *Machine) saveState(ctx context.Context, path string, ignoreShared bool) error {
 	if strings.ContainsAny(path, "'\\\n") {
 		return fmt.Errorf("unsupported characters in state path %q", path)
 	}
-	if _, err := m.qmp.Execute(ctx, "migrate-set-capabilities", migrationCaps); err != nil {
+	if _, err := m.qmp.Execute(ctx, "migrate-set-capabilities", caps(ignoreShared)); err != nil {
 		return err
 	}
 	if _, err := m.qmp.Execute(ctx, "migrate", map[string]any{"uri": "exec:cat > '" + path + "'"}); err != nil {
@@ -39,11 +54,20 @@ func (m *Machine) SaveState(ctx context.Context, path string) error {
 // memory to receive it; otherwise RAM comes from the memory file. The guest
 // stays paused until Resume.
 func (m *Machine) LoadState(ctx context.Context, path string) error {
+	return m.loadState(ctx, path, true)
+}
+
+// LoadFullState loads a SaveFullState file (see there).
+func (m *Machine) LoadFullState(ctx context.Context, path string) error {
+	return m.loadState(ctx, path, false)
+}
+
+func (m *Machine) loadState(ctx context.Context, path string, ignoreShared bool) error {
 	if strings.ContainsAny(path, "'\\\n") {
 		return fmt.Errorf("unsupported characters in state path %q", path)
 	}
-	// The capability must match the saving side's, which always sets it.
-	if _, err := m.qmp.Execute(ctx, "migrate-set-capabilities", migrationCaps); err != nil {
+	// The capability must match the saving side's.
+	if _, err := m.qmp.Execute(ctx, "migrate-set-capabilities", caps(ignoreShared)); err != nil {
 		return err
 	}
 	if _, err := m.qmp.Execute(ctx, "migrate-incoming", map[string]any{"uri": "exec:cat '" + path + "'"}); err != nil {
