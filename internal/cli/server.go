@@ -18,6 +18,7 @@ import (
 	"github.com/agentenv/agentenv/internal/guest"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/proxy"
+	"github.com/agentenv/agentenv/internal/storage/repository"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
@@ -42,6 +43,7 @@ type serverOptions struct {
 	networkCIDR string
 	instance    string
 	poolSize    int
+	repository  string
 	logLevel    string
 }
 
@@ -65,6 +67,7 @@ func serverCmd() *cobra.Command {
 	cmd.Flags().StringVar(&o.networkCIDR, "network-cidr", "", "IPv4 range for sandbox veth pairs (default 10.213.0.0/16)")
 	cmd.Flags().StringVar(&o.instance, "instance", "aenv", "prefix of host objects (netns, veth, nftables); nodes sharing a host need distinct ones")
 	cmd.Flags().IntVar(&o.poolSize, "pool-size", 2, "pre-started sandboxes kept waiting per template snapshot")
+	cmd.Flags().StringVar(&o.repository, "repository", "", "snapshot repository: /path, posix_fs:///path or oss://bucket/prefix?endpoint=…&region=… (default: <data-dir>/repository)")
 	cmd.Flags().StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 	return cmd
 }
@@ -80,6 +83,18 @@ func runServer(ctx context.Context, o serverOptions) error {
 	}
 	paths := pathsOf(o.dataDir)
 	k, err := guest.LoadKernel(paths.KernelDir)
+	if err != nil {
+		return err
+	}
+	repoURL := o.repository
+	if repoURL == "" {
+		repoURL = filepath.Join(o.dataDir, "repository")
+	}
+	repoCfg, err := repository.ParseURL(repoURL)
+	if err != nil {
+		return err
+	}
+	repo, err := repository.Open(repoCfg)
 	if err != nil {
 		return err
 	}
@@ -99,6 +114,7 @@ func runServer(ctx context.Context, o serverOptions) error {
 		Instance:          o.instance,
 		TemplateSnapshots: true,
 		PoolSize:          o.poolSize,
+		Repository:        repo,
 		Logger:            log,
 	})
 	if err != nil {

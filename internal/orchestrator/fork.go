@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -380,6 +381,9 @@ func (n *Node) gcSnapshots(ctx context.Context) {
 		}
 	}
 	for _, e := range ents {
+		if strings.HasPrefix(e.Name(), ".") {
+			continue // an export or import being staged
+		}
 		if !used[e.Name()] {
 			if err := os.RemoveAll(filepath.Join(root, e.Name())); err != nil {
 				n.log.Error("remove unused snapshot", "snapshot", e.Name(), "err", err)

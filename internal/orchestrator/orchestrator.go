@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/network"
+	"github.com/agentenv/agentenv/internal/storage/repository"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
@@ -127,6 +128,8 @@ type Config struct {
 	// in the background after it starts, so creates restore instead of
 	// cold-booting.
 	TemplateSnapshots bool
+	// Repository, when set, receives named snapshots (posix_fs or oss).
+	Repository repository.Repository
 	// PoolSize is how many pre-started sandboxes wait per template
 	// snapshot (0: none).
 	PoolSize int

@@ -77,7 +77,11 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 	var named *NamedSnapshot
 	if errors.Is(err, ErrNotFound) {
 		// Not a template: maybe a named snapshot, whose size is fixed.
-		if ns, nerr := n.namedSnapshot(req.TemplateID); nerr == nil {
+		ns, nerr := n.lookupSnapshot(ctx, req.TemplateID)
+		if nerr != nil && !errors.Is(nerr, ErrNotFound) {
+			err = nerr
+		}
+		if nerr == nil {
 			named, err = ns, nil
 			t = &Template{Name: ns.Name, VCPUs: ns.VCPUs, MemoryMiB: ns.MemoryMiB, DiskMiB: ns.DiskMiB, DefaultUser: ns.DefaultUser}
 			if (req.VCPUs != 0 && req.VCPUs != ns.VCPUs) || (req.MemoryMiB != 0 && req.MemoryMiB != ns.MemoryMiB) {

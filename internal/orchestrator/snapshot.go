@@ -10,6 +10,8 @@ import (
 	"sort"
 	"strings"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/storage/repository"
 )
 
 // A named snapshot freezes a running sandbox (processes, memory, files) under
@@ -32,6 +34,9 @@ type NamedSnapshot struct {
 	// accessToken is the token the snapshot's envd holds (kept in the
 	// record, which is readable by root only, never returned by the API).
 	AccessToken string `json:"accessToken,omitempty"`
+	// TemplateLayer identifies the template build the snapshot was made on
+	// (in repository copies).
+	TemplateLayer string `json:"templateLayer,omitempty"`
 }
 
 func (n *Node) namedSnapshotPath(name string) string {
@@ -74,7 +79,31 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 	if werr := writeJSONAtomic(n.namedSnapshotPath(name), ns); werr != nil {
 		return nil, werr
 	}
-	return ns, err
+	if err != nil {
+		return ns, err
+	}
+	if err := n.exportSnapshot(ctx, ns); err != nil {
+		// The local snapshot is complete and usable; only its durable copy failed.
+		n.log.Error("commit snapshot to the repository", "snapshot", name, "err", err)
+		return ns, fmt.Errorf("snapshot %s was taken but not committed to the repository: %w", name, err)
+	}
+	return ns, nil
+}
+
+// lookupSnapshot finds a named snapshot locally or, failing that, in the
+// repository (importing it).
+func (n *Node) lookupSnapshot(ctx context.Context, name string) (*NamedSnapshot, error) {
+	ns, err := n.namedSnapshot(name)
+	if err == nil {
+		if _, serr := os.Stat(filepath.Join(n.cfg.DataDir, snapshotsDir, ns.SnapshotID, snapStateName)); serr == nil {
+			return ns, nil
+		}
+		n.log.Warn("local copy of snapshot lost; fetching it from the repository", "snapshot", name)
+		_ = os.Remove(n.namedSnapshotPath(name))
+	} else if !errors.Is(err, ErrNotFound) {
+		return nil, err
+	}
+	return n.importSnapshot(ctx, name)
 }
 
 func (n *Node) namedSnapshot(name string) (*NamedSnapshot, error) {
@@ -126,6 +155,11 @@ func (n *Node) DeleteSnapshot(ctx context.Context, name string) error {
 	}
 	if err := os.Remove(n.namedSnapshotPath(name)); err != nil {
 		return err
+	}
+	if n.cfg.Repository != nil {
+		if err := n.cfg.Repository.Delete(ctx, repoKindSnapshot, name); err != nil && !errors.Is(err, repository.ErrNotFound) {
+			return fmt.Errorf("delete snapshot %s from the repository: %w", name, err)
+		}
 	}
 	n.gcSnapshots(ctx)
 	return nil

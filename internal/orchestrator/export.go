@@ -1,0 +1,154 @@
+package orchestrator
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/storage"
+	"github.com/agentenv/agentenv/internal/storage/repository"
+)
+
+// Named snapshots are committed to the node's snapshot repository (posix_fs
+// or oss), self-contained but for the template's root layer: the RAM image,
+// the device state, the disk as one qcow2 layer holding every block that
+// differs from the template, and the snapshot record. A node that has lost
+// its local copy (or, later, another node) restores the snapshot from there.
+
+// repoKindSnapshot is the repository kind of named snapshots.
+const repoKindSnapshot = "snapshot"
+
+// Files of an exported snapshot.
+const (
+	exportRecordName = "snapshot.json"
+	exportDiskName   = "disk-over-template.qcow2"
+)
+
+// exportSnapshot commits a named snapshot to the repository.
+func (n *Node) exportSnapshot(ctx context.Context, ns *NamedSnapshot) error {
+	if n.cfg.Repository == nil {
+		return nil
+	}
+	start := time.Now()
+	t, err := n.Template(ns.TemplateID)
+	if err != nil {
+		return fmt.Errorf("export snapshot %s: template: %w", ns.Name, err)
+	}
+	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, ns.SnapshotID)
+	stage, err := os.MkdirTemp(filepath.Join(n.cfg.DataDir, snapshotsDir), ".export-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(stage)
+	for _, f := range []string{snapMemName, snapStateName} {
+		if err := os.Link(filepath.Join(sdir, f), filepath.Join(stage, f)); err != nil {
+			return fmt.Errorf("export snapshot %s: %w", ns.Name, err)
+		}
+	}
+	// One layer with everything that differs from the template, whatever the
+	// chain of snapshot layers in between.
+	out, err := exec.CommandContext(ctx, "qemu-img", "convert", "-O", "qcow2", "-B", t.RootDisk, "-F", "qcow2",
+		filepath.Join(sdir, snapDiskName), filepath.Join(stage, exportDiskName)).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("export snapshot %s: flatten disk: %v: %s", ns.Name, err, strings.TrimSpace(string(out)))
+	}
+	rec := *ns
+	rec.TemplateLayer = layerIdentity(t.RootDisk)
+	if err := writeJSONAtomic(filepath.Join(stage, exportRecordName), rec); err != nil {
+		return err
+	}
+	if _, err := n.cfg.Repository.Put(ctx, repoKindSnapshot, ns.Name, stage); err != nil && !errors.Is(err, repository.ErrExists) {
+		return fmt.Errorf("export snapshot %s: %w", ns.Name, err)
+	}
+	n.log.Info("snapshot committed to the repository", "snapshot", ns.Name, "took", time.Since(start).Round(time.Millisecond))
+	return nil
+}
+
+// importSnapshot fetches a named snapshot from the repository into a new
+// local snapshot and records it, for a node that does not have it.
+func (n *Node) importSnapshot(ctx context.Context, name string) (*NamedSnapshot, error) {
+	if n.cfg.Repository == nil {
+		return nil, fmt.Errorf("%w: snapshot %q", ErrNotFound, name)
+	}
+	if _, err := n.cfg.Repository.Stat(ctx, repoKindSnapshot, name); err != nil {
+		if errors.Is(err, repository.ErrNotFound) || errors.Is(err, repository.ErrInvalidName) {
+			return nil, fmt.Errorf("%w: snapshot %q", ErrNotFound, name)
+		}
+		return nil, err
+	}
+	if err := os.MkdirAll(filepath.Join(n.cfg.DataDir, snapshotsDir), 0o700); err != nil {
+		return nil, err
+	}
+	stage, err := os.MkdirTemp(filepath.Join(n.cfg.DataDir, snapshotsDir), ".import-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(stage)
+	if _, err := n.cfg.Repository.Get(ctx, repoKindSnapshot, name, stage); err != nil {
+		if errors.Is(err, repository.ErrCorrupt) {
+			return nil, fmt.Errorf("%w: snapshot %q in the repository: %v", ErrCorrupt, name, err)
+		}
+		return nil, err
+	}
+	var rec NamedSnapshot
+	if err := readJSON(filepath.Join(stage, exportRecordName), &rec); err != nil {
+		return nil, fmt.Errorf("%w: snapshot %q record: %v", ErrCorrupt, name, err)
+	}
+	t, err := n.Template(rec.TemplateID)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %q needs template %q: %w", name, rec.TemplateID, err)
+	}
+	if rec.TemplateLayer != layerIdentity(t.RootDisk) {
+		n.log.Warn("importing a snapshot made over another build of its template", "snapshot", name, "template", t.Name)
+	}
+	// Point the disk layer at this node's copy of the template.
+	disk := filepath.Join(stage, exportDiskName)
+	if out, err := exec.CommandContext(ctx, "qemu-img", "rebase", "-u", "-b", t.RootDisk, "-F", "qcow2", disk).CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("import snapshot %s: rebase disk: %v: %s", name, err, strings.TrimSpace(string(out)))
+	}
+	snapID := "import-" + randomHex(8)
+	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, snapID)
+	if err := os.Rename(disk, filepath.Join(stage, snapDiskName)); err != nil {
+		return nil, err
+	}
+	os.Remove(filepath.Join(stage, exportRecordName))
+	sum, err := fileSHA256(filepath.Join(stage, snapStateName))
+	if err != nil {
+		return nil, err
+	}
+	if err := writeJSONAtomic(filepath.Join(stage, snapManifestName), snapshotManifest{
+		ID: snapID, SandboxID: rec.SandboxID, TemplateID: rec.TemplateID, ParentLayer: t.RootDisk,
+		MemoryMiB: rec.MemoryMiB, StateSHA256: sum, CreatedAt: time.Now().UTC(),
+	}); err != nil {
+		return nil, err
+	}
+	if err := os.Rename(stage, sdir); err != nil {
+		return nil, err
+	}
+	if err := storage.SyncDir(filepath.Dir(sdir)); err != nil {
+		return nil, err
+	}
+	rec.SnapshotID = snapID
+	if err := os.MkdirAll(filepath.Join(n.cfg.DataDir, namedSnapshotsDir), 0o700); err != nil {
+		return nil, err
+	}
+	if err := writeJSONAtomic(n.namedSnapshotPath(name), rec); err != nil {
+		return nil, err
+	}
+	n.log.Info("snapshot imported from the repository", "snapshot", name, "local", snapID)
+	return &rec, nil
+}
+
+func readJSON(path string, v any) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	return json.Unmarshal(b, v)
+}
