@@ -218,3 +218,55 @@ func TestConsoleLog(t *testing.T) {
 		t.Fatalf("unknown sandbox: %v", err)
 	}
 }
+
+// TestRestartMidOperation reopens a node whose sandboxes were caught in the
+// middle of a pause or a resume (as a crash would leave them): each comes
+// back in the last state that can be trusted, nothing is lost.
+func TestRestartMidOperation(t *testing.T) {
+	shared := testData(t)
+	dir := t.TempDir()
+	if err := os.Symlink(filepath.Join(shared, "templates"), filepath.Join(dir, "templates")); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	n1 := openTestNode(t, dir)
+	live := create(t, n1, CreateRequest{TemplateID: "minimal", Secure: true})
+	saved := create(t, n1, CreateRequest{TemplateID: "minimal", Secure: true})
+	if _, err := n1.Pause(ctx, saved.ID); err != nil {
+		t.Fatal(err)
+	}
+	// `live` was being paused (its QEMU still runs, stopped), `saved` was
+	// being resumed (its state on disk is complete, no QEMU yet).
+	if err := n1.machine(live.ID).Pause(ctx); err != nil {
+		t.Fatal(err)
+	}
+	n1.setFields(ctx, live.ID, "state = ?", StatePausing)
+	n1.setFields(ctx, saved.ID, "state = ?", StateResuming)
+	n1.Close()
+
+	n2 := openTestNode(t, dir)
+	defer func() {
+		for _, id := range []string{live.ID, saved.ID} {
+			n2.Kill(ctx, id)
+		}
+		n2.Close()
+	}()
+	got, err := n2.Get(ctx, live.ID)
+	if err != nil || got.State != StateRunning {
+		t.Fatalf("mid-pause sandbox after restart: %+v %v", got, err)
+	}
+	if r, err := newEnvdClient(got).run(ctx, "", "/bin/sh", "-c", "echo ok"); err != nil || r.stdout != "ok\n" {
+		t.Fatalf("mid-pause sandbox does not answer: %+v %v", r, err)
+	}
+	got, err = n2.Get(ctx, saved.ID)
+	if err != nil || got.State != StatePaused {
+		t.Fatalf("mid-resume sandbox after restart: %+v %v", got, err)
+	}
+	res, err := n2.Resume(ctx, saved.ID, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err := newEnvdClient(res).run(ctx, "", "/bin/sh", "-c", "echo ok"); err != nil || r.stdout != "ok\n" {
+		t.Fatalf("resumed sandbox does not answer: %+v %v", r, err)
+	}
+}

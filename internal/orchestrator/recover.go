@@ -45,6 +45,16 @@ func (n *Node) recover(ctx context.Context) error {
 			known[s.ID] = true
 			slots[fmt.Sprint(s.Slot)] = true
 			continue
+		case StatePausing, StateResuming, StateForking, StateSnapshotting:
+			// Interrupted in the middle of an operation: keep the sandbox in
+			// the last state it can be trusted in.
+			if to := n.recoverInterrupted(ctx, s); to != "" {
+				known[s.ID] = true
+				slots[fmt.Sprint(s.Slot)] = true
+				n.log.Warn("sandbox was mid-operation at restart; recovered", "sandbox", s.ID, "was", s.State, "now", to)
+				continue
+			}
+			n.log.Warn("sandbox was mid-operation at restart and cannot be recovered; removing it", "sandbox", s.ID, "state", s.State)
 		default:
 			n.log.Warn("sandbox was mid-operation at restart; removing it", "sandbox", s.ID, "state", s.State)
 		}
@@ -142,4 +152,66 @@ func killStray(pid int, dir string) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// recoverInterrupted brings a sandbox whose operation was cut short by a
+// crash back to a stable state and returns it ("" when nothing can be
+// trusted): a paused sandbox if its saved state is complete, else a running
+// one if its QEMU is still alive (vCPUs continued, envd re-initialised).
+func (n *Node) recoverInterrupted(ctx context.Context, s *Sandbox) State {
+	dir := n.sandboxDir(s.ID)
+	if s.State == StatePausing || s.State == StateResuming {
+		if rec, err := readPauseRecord(dir); err == nil {
+			if sum, err := fileSHA256(filepath.Join(dir, stateFileName)); err == nil && sum == rec.StateSHA256 {
+				m, aerr := vmm.Attach(ctx, dir)
+				if aerr == nil && s.State == StateResuming {
+					// The resume got as far as a live QEMU: finish it.
+					if n.finishInterruptedResume(ctx, s, m) {
+						return StateRunning
+					}
+				} else if aerr == nil {
+					_ = m.Kill()
+				}
+				if n.setFields(ctx, s.ID, "state = ?, pid = 0", StatePaused) == nil {
+					return StatePaused
+				}
+				return ""
+			}
+		}
+	}
+	m, err := vmm.Attach(ctx, dir)
+	if err != nil {
+		return ""
+	}
+	if n.finishInterruptedResume(ctx, s, m) {
+		return StateRunning
+	}
+	return ""
+}
+
+// finishInterruptedResume continues a live machine and re-initialises envd.
+func (n *Node) finishInterruptedResume(ctx context.Context, s *Sandbox, m *vmm.Machine) bool {
+	if st, err := m.Status(ctx); err != nil || (st != "running" && st != "paused") {
+		_ = m.Kill()
+		return false
+	}
+	if err := m.Resume(ctx); err != nil {
+		_ = m.Kill()
+		return false
+	}
+	n.adopt(s.ID, m)
+	ep, err := n.endpoint(s)
+	if err == nil {
+		ictx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		err = initEnvd(ictx, ep.GuestAddr(EnvdPort), s)
+		cancel()
+	}
+	if err != nil {
+		n.mu.Lock()
+		delete(n.machines, s.ID)
+		n.mu.Unlock()
+		_ = m.Kill()
+		return false
+	}
+	return n.setFields(ctx, s.ID, "state = ?, pid = ?", StateRunning, m.PID()) == nil
 }
