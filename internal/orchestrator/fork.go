@@ -139,14 +139,40 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (strin
 	}
 	snapID := "fork-" + randomHex(8)
 	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, snapID)
+	pdir := n.sandboxDir(parent.ID)
 	if err := os.MkdirAll(sdir, 0o700); err != nil {
 		return "", err
 	}
-	if err := m.Pause(ctx); err != nil {
+	// Record the snapshot before touching anything: its manifest names the
+	// layer the parent's disk stacks on, and the parent's record names the
+	// snapshot, so garbage collection keeps both and a restart after a crash
+	// from here on can rebuild the parent from the snapshot's files
+	// (recoverFreeze).
+	before, err := storage.Info(ctx, filepath.Join(pdir, overlayName))
+	if err != nil {
 		os.RemoveAll(sdir)
 		return "", err
 	}
-	pdir := n.sandboxDir(parent.ID)
+	early := snapshotManifest{ID: snapID, SandboxID: parent.ID, TemplateID: parent.TemplateID,
+		ParentLayer: before.BackingFilename, MemoryMiB: parent.MemoryMiB, CreatedAt: time.Now().UTC()}
+	if err := writeJSONAtomic(filepath.Join(sdir, snapManifestName), early); err != nil {
+		os.RemoveAll(sdir)
+		return "", err
+	}
+	prevSnap := parent.SnapshotID
+	if err := n.setFields(ctx, parent.ID, "snapshot_id = ?", snapID); err != nil {
+		os.RemoveAll(sdir)
+		return "", err
+	}
+	abandon := func() {
+		// Nothing was moved yet: the parent stays as it was.
+		_ = n.setFields(context.WithoutCancel(ctx), parent.ID, "snapshot_id = ?", prevSnap)
+		os.RemoveAll(sdir)
+	}
+	if err := m.Pause(ctx); err != nil {
+		abandon()
+		return "", err
+	}
 	moves := [][2]string{
 		{filepath.Join(pdir, memFileName), filepath.Join(sdir, snapMemName)},
 		{filepath.Join(pdir, overlayName), filepath.Join(sdir, snapDiskName)},
@@ -154,13 +180,13 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (strin
 	if parent.MemPrivate {
 		// Copy-on-write RAM is no file to freeze: write it into one first.
 		if err := n.rebaseRAM(ctx, parent, m, sdir); err != nil {
-			os.RemoveAll(sdir)
+			abandon()
 			return "", fmt.Errorf("write private RAM into an image: %w", err)
 		}
 		moves = moves[1:] // the image is already in the snapshot
 	} else {
 		if err := m.SaveState(ctx, filepath.Join(sdir, snapStateName)); err != nil {
-			os.RemoveAll(sdir)
+			abandon()
 			return "", err
 		}
 		n.mu.Lock()
@@ -189,9 +215,8 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (strin
 	if err != nil {
 		return "", err
 	}
-	// The parent now depends on the snapshot's disk (and, from here on, runs
-	// on RAM of its own): record that before anything else can fail, so
-	// recovery never deletes a snapshot in use.
+	// The parent now depends on the snapshot's disk and, from here on, runs
+	// on RAM of its own.
 	if err := n.setFields(ctx, parent.ID, "snapshot_id = ?, pid = 0, mem_file = '', mem_private = 0", snapID); err != nil {
 		return "", err
 	}
@@ -204,13 +229,56 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (strin
 			return "", fmt.Errorf("copy frozen RAM for the parent: %w", err)
 		}
 	}
-	if err := writeJSONAtomic(filepath.Join(sdir, snapManifestName), snapshotManifest{
-		ID: snapID, SandboxID: parent.ID, TemplateID: parent.TemplateID, ParentLayer: info.BackingFilename,
-		MemoryMiB: parent.MemoryMiB, StateSHA256: sum, CreatedAt: time.Now().UTC(),
-	}); err != nil {
+	early.ParentLayer, early.StateSHA256 = info.BackingFilename, sum
+	if err := writeJSONAtomic(filepath.Join(sdir, snapManifestName), early); err != nil {
 		return "", err
 	}
 	return snapID, nil
+}
+
+// recoverFreeze rebuilds, as a paused sandbox, a parent whose fork or
+// snapshot was cut short by a crash after its QEMU had stopped: its device
+// state, RAM image and disk are in its directory or already moved into the
+// snapshot's. It returns false when the saved state is not there.
+func (n *Node) recoverFreeze(ctx context.Context, s *Sandbox) bool {
+	if s.SnapshotID == "" {
+		return false
+	}
+	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, s.SnapshotID)
+	pdir := n.sandboxDir(s.ID)
+	exists := func(p string) bool { _, err := os.Stat(p); return err == nil }
+	if !exists(filepath.Join(sdir, snapStateName)) {
+		return false
+	}
+	if exists(filepath.Join(sdir, snapDiskName)) {
+		// The disk was frozen: the parent gets a fresh overlay on it.
+		_ = os.Remove(filepath.Join(pdir, overlayName))
+		if err := storage.CreateOverlay(ctx, filepath.Join(sdir, snapDiskName), filepath.Join(pdir, overlayName), 0); err != nil {
+			n.log.Error("recover frozen sandbox: overlay", "sandbox", s.ID, "err", err)
+			return false
+		}
+	} else if !exists(filepath.Join(pdir, overlayName)) {
+		return false
+	}
+	if exists(filepath.Join(sdir, snapMemName)) {
+		if _, err := storage.CloneFile(filepath.Join(sdir, snapMemName), filepath.Join(pdir, memFileName)); err != nil {
+			n.log.Error("recover frozen sandbox: RAM image", "sandbox", s.ID, "err", err)
+			return false
+		}
+	} else if !exists(filepath.Join(pdir, memFileName)) {
+		return false
+	}
+	if _, err := storage.CloneFile(filepath.Join(sdir, snapStateName), filepath.Join(pdir, stateFileName)); err != nil {
+		return false
+	}
+	sum, err := fileSHA256(filepath.Join(pdir, stateFileName))
+	if err != nil {
+		return false
+	}
+	if err := writeJSONAtomic(filepath.Join(pdir, pauseRecordName), pauseRecord{StateSHA256: sum, PausedAt: time.Now().UTC()}); err != nil {
+		return false
+	}
+	return n.setFields(ctx, s.ID, "state = ?, pid = 0, mem_file = '', mem_private = 0", StatePaused) == nil
 }
 
 // restoreFromSnapshot starts s from a fork snapshot: a fresh overlay on the

@@ -270,3 +270,45 @@ func TestRestartMidOperation(t *testing.T) {
 		t.Fatalf("resumed sandbox does not answer: %+v %v", r, err)
 	}
 }
+
+// TestRestartMidFork stops a node right after a fork froze its parent (QEMU
+// gone, RAM and disk moved into the snapshot), as a crash would: on restart
+// the parent is rebuilt from the snapshot as a paused sandbox and resumes
+// with its processes and files.
+func TestRestartMidFork(t *testing.T) {
+	shared := testData(t)
+	dir := t.TempDir()
+	if err := os.Symlink(filepath.Join(shared, "templates"), filepath.Join(dir, "templates")); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	n1 := openTestNode(t, dir)
+	s := create(t, n1, CreateRequest{TemplateID: "minimal", Secure: true})
+	r, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "echo precious > /home/user/f; sleep 1000 >/dev/null 2>&1 & echo $!")
+	if err != nil || r.exit != 0 {
+		t.Fatalf("prepare: %+v %v", r, err)
+	}
+	pid := strings.TrimSpace(r.stdout)
+	if err := n1.transition(ctx, s.ID, StateForking, StateRunning); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n1.freeze(ctx, s, true); err != nil {
+		t.Fatal(err)
+	}
+	n1.Close() // "crash": the parent is not restored
+
+	n2 := openTestNode(t, dir)
+	defer func() { n2.Kill(ctx, s.ID); n2.Close() }()
+	got, err := n2.Get(ctx, s.ID)
+	if err != nil || got.State != StatePaused {
+		t.Fatalf("parent after a crash mid-fork: %+v %v", got, err)
+	}
+	res, err := n2.Resume(ctx, s.ID, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := newEnvdClient(res).run(ctx, "", "/bin/sh", "-c", "cat /home/user/f && kill -0 "+pid+" && echo alive")
+	if err != nil || out.stdout != "precious\nalive\n" {
+		t.Fatalf("recovered parent: %+v %v", out, err)
+	}
+}

@@ -179,12 +179,13 @@ func (n *Node) recoverInterrupted(ctx context.Context, s *Sandbox) State {
 			}
 		}
 	}
-	m, err := vmm.Attach(ctx, dir)
-	if err != nil {
-		return ""
+	if m, err := vmm.Attach(ctx, dir); err == nil {
+		if n.finishInterruptedResume(ctx, s, m) {
+			return StateRunning
+		}
 	}
-	if n.finishInterruptedResume(ctx, s, m) {
-		return StateRunning
+	if (s.State == StateForking || s.State == StateSnapshotting) && n.recoverFreeze(ctx, s) {
+		return StatePaused
 	}
 	return ""
 }
