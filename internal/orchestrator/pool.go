@@ -21,6 +21,10 @@ import (
 // StatePooled marks a pre-started sandbox no user owns yet.
 const StatePooled State = "pooled"
 
+// PooledMarker is a file in the directory of every pooled sandbox, removed
+// when a create claims it.
+const PooledMarker = "pooled"
+
 type pooledSandbox struct {
 	s *Sandbox
 	m *vmm.Machine
@@ -111,6 +115,10 @@ func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) 
 		if err := mkdirPrivate(n.sandboxDir(s.ID)); err != nil {
 			return nil, err
 		}
+		// Marks the directory as the pool's, not a user's, for operators.
+		if err := os.WriteFile(filepath.Join(n.sandboxDir(s.ID), PooledMarker), nil, 0o600); err != nil {
+			return nil, err
+		}
 		if _, err := storage.CloneFile(filepath.Join(sdir, snapMemName), filepath.Join(n.sandboxDir(s.ID), memFileName)); err != nil {
 			return nil, fmt.Errorf("copy template RAM image: %w", err)
 		}
@@ -145,6 +153,9 @@ func (n *Node) drainPool(ctx context.Context) {
 // identity, limits and records from s, then network rules, device state,
 // resume and envd init.
 func (n *Node) claimPooled(ctx context.Context, s *Sandbox, p *pooledSandbox, ts *templateSnapshot) error {
+	if err := os.Remove(filepath.Join(n.sandboxDir(s.ID), PooledMarker)); err != nil {
+		return err
+	}
 	if !s.AllowInternet {
 		ep, err := n.endpoint(s)
 		if err != nil {

@@ -26,9 +26,15 @@ func TestRESTBadInputRealNode(t *testing.T) {
 		}
 		return d
 	}
-	countDirs := func() int {
+	countDirs := func() int { // users' sandboxes; the pool refills in the background
 		entries, _ := os.ReadDir(filepath.Join(s.dataDir, "sandboxes"))
-		return len(entries)
+		n := 0
+		for _, e := range entries {
+			if _, err := os.Stat(filepath.Join(s.dataDir, "sandboxes", e.Name(), "pooled")); err != nil {
+				n++
+			}
+		}
+		return n
 	}
 	before, dirsBefore := detail(), countDirs()
 	var listBefore []map[string]any
