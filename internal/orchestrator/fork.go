@@ -189,10 +189,7 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (strin
 			abandon()
 			return "", err
 		}
-		n.mu.Lock()
-		delete(n.machines, parent.ID)
-		n.mu.Unlock()
-		if err := m.Kill(); err != nil {
+		if err := n.stopMachine(parent.ID); err != nil {
 			return "", err
 		}
 	}
@@ -225,8 +222,8 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (strin
 	// shared copy of its own (a reflink where the filesystem allows), so it
 	// stays cheap to pause and can be forked again.
 	if keepRAM {
-		if _, err := storage.CloneFile(filepath.Join(sdir, snapMemName), filepath.Join(pdir, memFileName)); err != nil {
-			return "", fmt.Errorf("copy frozen RAM for the parent: %w", err)
+		if err := n.copySnapshotRAM(snapID, parent.ID); err != nil {
+			return "", err
 		}
 	}
 	early.ParentLayer, early.StateSHA256 = info.BackingFilename, sum
@@ -261,7 +258,7 @@ func (n *Node) recoverFreeze(ctx context.Context, s *Sandbox) bool {
 		return false
 	}
 	if exists(filepath.Join(sdir, snapMemName)) {
-		if _, err := storage.CloneFile(filepath.Join(sdir, snapMemName), filepath.Join(pdir, memFileName)); err != nil {
+		if err := n.copySnapshotRAM(s.SnapshotID, s.ID); err != nil {
 			n.log.Error("recover frozen sandbox: RAM image", "sandbox", s.ID, "err", err)
 			return false
 		}
@@ -279,6 +276,16 @@ func (n *Node) recoverFreeze(ctx context.Context, s *Sandbox) bool {
 		return false
 	}
 	return n.setFields(ctx, s.ID, "state = ?, pid = 0, mem_file = '', mem_private = 0", StatePaused) == nil
+}
+
+// copySnapshotRAM gives a sandbox its own RAM file, a copy of a snapshot's
+// frozen image (a reflink where the filesystem can).
+func (n *Node) copySnapshotRAM(snapID, sandboxID string) error {
+	src := filepath.Join(n.cfg.DataDir, snapshotsDir, snapID, snapMemName)
+	if _, err := storage.CloneFile(src, filepath.Join(n.sandboxDir(sandboxID), memFileName)); err != nil {
+		return fmt.Errorf("copy RAM image of snapshot %s: %w", snapID, err)
+	}
+	return nil
 }
 
 // restoreFromSnapshot starts s from a fork snapshot: a fresh overlay on the
@@ -309,14 +316,9 @@ func (n *Node) startIncoming(ctx context.Context, s *Sandbox, snapID string) (*v
 	if err != nil {
 		return nil, err
 	}
-	tap, err := n.net.OpenTap(ep)
+	tap, err := n.openTap(ctx, ep)
 	if err != nil {
-		if err := n.net.Setup(ctx, ep); err != nil {
-			return nil, err
-		}
-		if tap, err = n.net.OpenTap(ep); err != nil {
-			return nil, err
-		}
+		return nil, err
 	}
 	defer tap.Close()
 	m, err := vmm.Start(ctx, n.vmConfig(s, tap, true))
@@ -334,12 +336,7 @@ func (n *Node) startIncoming(ctx context.Context, s *Sandbox, snapID string) (*v
 // finishRestore loads the snapshot's device state into a machine from
 // startIncoming, runs it and initialises its envd.
 func (n *Node) finishRestore(ctx context.Context, s *Sandbox, m *vmm.Machine, snapID, authToken string, reseed bool) error {
-	mark := time.Now()
-	phase := func(name string) {
-		now := time.Now()
-		s.Phases = append(s.Phases, Phase{name, now.Sub(mark)})
-		mark = now
-	}
+	phase := s.phaseTimer()
 	if err := m.LoadState(ctx, filepath.Join(n.cfg.DataDir, snapshotsDir, snapID, snapStateName)); err != nil {
 		return err
 	}
@@ -473,10 +470,7 @@ func (n *Node) rebaseRAM(ctx context.Context, s *Sandbox, m *vmm.Machine, sdir s
 	if err := m.SaveFullState(ctx, full); err != nil {
 		return err
 	}
-	n.mu.Lock()
-	delete(n.machines, s.ID)
-	n.mu.Unlock()
-	if err := m.Kill(); err != nil {
+	if err := n.stopMachine(s.ID); err != nil {
 		return err
 	}
 	ep, err := n.endpoint(s)

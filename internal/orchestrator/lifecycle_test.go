@@ -4,9 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -61,11 +59,7 @@ func TestSetTimeout(t *testing.T) {
 // leave it) and opens a new one on the same data dir: the running sandbox is
 // re-adopted and still works; a sandbox caught mid-create is cleaned up.
 func TestRestartReadoptsAndCleansUp(t *testing.T) {
-	shared := testData(t)
-	dir := t.TempDir()
-	if err := os.Symlink(filepath.Join(shared, "templates"), filepath.Join(dir, "templates")); err != nil {
-		t.Fatal(err)
-	}
+	dir := newTestDataDir(t)
 	ctx := context.Background()
 	n1 := openTestNode(t, dir)
 	keep := create(t, n1, CreateRequest{TemplateID: "minimal", Secure: true})
@@ -223,11 +217,7 @@ func TestConsoleLog(t *testing.T) {
 // middle of a pause or a resume (as a crash would leave them): each comes
 // back in the last state that can be trusted, nothing is lost.
 func TestRestartMidOperation(t *testing.T) {
-	shared := testData(t)
-	dir := t.TempDir()
-	if err := os.Symlink(filepath.Join(shared, "templates"), filepath.Join(dir, "templates")); err != nil {
-		t.Fatal(err)
-	}
+	dir := newTestDataDir(t)
 	ctx := context.Background()
 	n1 := openTestNode(t, dir)
 	live := create(t, n1, CreateRequest{TemplateID: "minimal", Secure: true})
@@ -276,11 +266,7 @@ func TestRestartMidOperation(t *testing.T) {
 // the parent is rebuilt from the snapshot as a paused sandbox and resumes
 // with its processes and files.
 func TestRestartMidFork(t *testing.T) {
-	shared := testData(t)
-	dir := t.TempDir()
-	if err := os.Symlink(filepath.Join(shared, "templates"), filepath.Join(dir, "templates")); err != nil {
-		t.Fatal(err)
-	}
+	dir := newTestDataDir(t)
 	ctx := context.Background()
 	n1 := openTestNode(t, dir)
 	s := create(t, n1, CreateRequest{TemplateID: "minimal", Secure: true})

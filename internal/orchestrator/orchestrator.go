@@ -100,6 +100,17 @@ type Phase struct {
 	Duration time.Duration
 }
 
+// phaseTimer returns a function that appends to s.Phases a step named by
+// its argument, lasting since the previous call (or since now).
+func (s *Sandbox) phaseTimer() func(name string) {
+	mark := time.Now()
+	return func(name string) {
+		now := time.Now()
+		s.Phases = append(s.Phases, Phase{name, now.Sub(mark)})
+		mark = now
+	}
+}
+
 // Config configures a node.
 type Config struct {
 	DataDir string

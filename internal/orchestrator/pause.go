@@ -64,18 +64,27 @@ func (n *Node) machine(id string) *vmm.Machine {
 	return n.machines[id]
 }
 
+// stopMachine kills a sandbox's QEMU, if the node holds one. The machine
+// leaves the map before it exits, so the exit watcher does not take the exit
+// for a crash.
+func (n *Node) stopMachine(id string) error {
+	n.mu.Lock()
+	m := n.machines[id]
+	delete(n.machines, id)
+	n.mu.Unlock()
+	if m == nil {
+		return nil
+	}
+	return m.Kill()
+}
+
 func (n *Node) pause(ctx context.Context, s *Sandbox) error {
 	m := n.machine(s.ID)
 	if m == nil {
 		return errors.New("no running machine")
 	}
 	dir := n.sandboxDir(s.ID)
-	mark := time.Now()
-	phase := func(name string) {
-		now := time.Now()
-		s.Phases = append(s.Phases, Phase{name, now.Sub(mark)})
-		mark = now
-	}
+	phase := s.phaseTimer()
 	if err := m.Pause(ctx); err != nil {
 		return err
 	}
@@ -86,14 +95,9 @@ func (n *Node) pause(ctx context.Context, s *Sandbox) error {
 		return err
 	}
 	phase("save device state")
-	// The machine leaves the map before it exits so the exit watcher does not
-	// take the exit for a crash.
-	n.mu.Lock()
-	delete(n.machines, s.ID)
-	n.mu.Unlock()
 	// A completed migration has flushed and released the disk, so QEMU has
 	// nothing left to write: kill it rather than wait for an orderly quit.
-	if err := m.Kill(); err != nil {
+	if err := n.stopMachine(s.ID); err != nil {
 		return err
 	}
 	phase("qemu exit")
@@ -155,6 +159,37 @@ func writeJSONAtomic(path string, v any) error {
 	return storage.WriteFileAtomic(path, append(b, '\n'), 0o600)
 }
 
+// verifyPausedState checks that a paused sandbox's directory holds every
+// file its pause record needs and that the device state matches its checksum.
+func verifyPausedState(dir string) error {
+	rec, err := readPauseRecord(dir)
+	if err != nil {
+		return err
+	}
+	need := []string{filepath.Join(dir, stateFileName), filepath.Join(dir, overlayName)}
+	if !rec.RAMInState {
+		need = append(need, filepath.Join(dir, memFileName))
+	}
+	for _, f := range need {
+		if _, err := os.Stat(f); err != nil {
+			return fmt.Errorf("%w: paused sandbox is missing %s: %v", ErrCorrupt, filepath.Base(f), err)
+		}
+	}
+	return rec.matchesState(dir)
+}
+
+// matchesState checks the saved device state in dir against the record.
+func (rec *pauseRecord) matchesState(dir string) error {
+	sum, err := fileSHA256(filepath.Join(dir, stateFileName))
+	if err != nil {
+		return err
+	}
+	if sum != rec.StateSHA256 {
+		return fmt.Errorf("%w: saved device state checksum mismatch (%s, recorded %s); the sandbox stays paused", ErrCorrupt, sum, rec.StateSHA256)
+	}
+	return nil
+}
+
 func readPauseRecord(dir string) (*pauseRecord, error) {
 	b, err := os.ReadFile(filepath.Join(dir, pauseRecordName))
 	if err != nil {
@@ -165,6 +200,19 @@ func readPauseRecord(dir string) (*pauseRecord, error) {
 		return nil, fmt.Errorf("paused sandbox record is corrupt: %w", err)
 	}
 	return &rec, nil
+}
+
+// openTap opens a tap in a sandbox's namespace for a new QEMU, building the
+// network again when the namespace is gone (a host reboot).
+func (n *Node) openTap(ctx context.Context, ep *network.Endpoint) (*os.File, error) {
+	tap, err := n.net.OpenTap(ep)
+	if err == nil {
+		return tap, nil
+	}
+	if err := n.net.Setup(ctx, ep); err != nil {
+		return nil, err
+	}
+	return n.net.OpenTap(ep)
 }
 
 func syncFile(path string) error {
@@ -204,12 +252,7 @@ func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*S
 	start := time.Now()
 	if err := n.resume(ctx, s); err != nil {
 		// Nothing of the paused state was changed: the sandbox stays paused.
-		if m := n.machine(id); m != nil {
-			n.mu.Lock()
-			delete(n.machines, id)
-			n.mu.Unlock()
-			_ = m.Kill()
-		}
+		_ = n.stopMachine(id)
 		_ = n.transition(context.WithoutCancel(ctx), id, StatePaused, StateResuming)
 		return nil, fmt.Errorf("resume %s: %w", id, err)
 	}
@@ -226,45 +269,17 @@ func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*S
 func (n *Node) resume(ctx context.Context, s *Sandbox) error {
 	dir := n.sandboxDir(s.ID)
 	state := filepath.Join(dir, stateFileName)
-	rec, err := readPauseRecord(dir)
-	if err != nil {
+	if err := verifyPausedState(dir); err != nil {
 		return err
 	}
-	need := []string{state, filepath.Join(dir, overlayName)}
-	if !rec.RAMInState {
-		need = append(need, filepath.Join(dir, memFileName))
-	}
-	for _, f := range need {
-		if _, err := os.Stat(f); err != nil {
-			return fmt.Errorf("%w: paused sandbox is missing %s: %v", ErrCorrupt, filepath.Base(f), err)
-		}
-	}
-	sum, err := fileSHA256(state)
-	if err != nil {
-		return err
-	}
-	if sum != rec.StateSHA256 {
-		return fmt.Errorf("%w: saved device state checksum mismatch (%s, recorded %s); the sandbox stays paused", ErrCorrupt, sum, rec.StateSHA256)
-	}
-	mark := time.Now()
-	phase := func(name string) {
-		now := time.Now()
-		s.Phases = append(s.Phases, Phase{name, now.Sub(mark)})
-		mark = now
-	}
+	phase := s.phaseTimer()
 	ep, err := n.endpoint(s)
 	if err != nil {
 		return err
 	}
-	tap, err := n.net.OpenTap(ep)
+	tap, err := n.openTap(ctx, ep)
 	if err != nil {
-		// The namespace is gone (host reboot): build the network again.
-		if err := n.net.Setup(ctx, ep); err != nil {
-			return err
-		}
-		if tap, err = n.net.OpenTap(ep); err != nil {
-			return err
-		}
+		return err
 	}
 	defer tap.Close()
 	phase("network")
@@ -291,7 +306,7 @@ func (n *Node) resume(ctx context.Context, s *Sandbox) error {
 }
 
 // vmConfig is the machine of a sandbox; incoming restores saved state.
-func (n *Node) vmConfig(s *Sandbox, tap interface{ Fd() uintptr }, incoming bool) vmm.Config {
+func (n *Node) vmConfig(s *Sandbox, tap *os.File, incoming bool) vmm.Config {
 	dir := n.sandboxDir(s.ID)
 	cfg := vmm.Config{
 		QEMU:          n.cfg.QEMU,
@@ -308,12 +323,10 @@ func (n *Node) vmConfig(s *Sandbox, tap interface{ Fd() uintptr }, incoming bool
 		RunDir:        dir,
 		TBSizeMiB:     n.cfg.TCGTranslationCacheMiB,
 		Incoming:      incoming,
+		Tap:           tap,
 	}
 	if s.MemFile != "" {
 		cfg.MemFile = s.MemFile
-	}
-	if f, ok := tap.(*os.File); ok {
-		cfg.Tap = f
 	}
 	return cfg
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -12,11 +11,7 @@ import (
 )
 
 func TestPauseResume(t *testing.T) {
-	shared := testData(t)
-	dir := t.TempDir()
-	if err := os.Symlink(filepath.Join(shared, "templates"), filepath.Join(dir, "templates")); err != nil {
-		t.Fatal(err)
-	}
+	dir := newTestDataDir(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	n := openTestNode(t, dir)

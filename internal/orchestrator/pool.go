@@ -2,12 +2,10 @@ package orchestrator
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"path/filepath"
 	"time"
 
-	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
@@ -110,17 +108,16 @@ func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) 
 	if err != nil {
 		return nil, err
 	}
-	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, ts.SnapshotID)
 	m, err := func() (*vmm.Machine, error) {
-		if err := mkdirPrivate(n.sandboxDir(s.ID)); err != nil {
+		if err := os.MkdirAll(n.sandboxDir(s.ID), 0o700); err != nil {
 			return nil, err
 		}
 		// Marks the directory as the pool's, not a user's, for operators.
 		if err := os.WriteFile(filepath.Join(n.sandboxDir(s.ID), PooledMarker), nil, 0o600); err != nil {
 			return nil, err
 		}
-		if _, err := storage.CloneFile(filepath.Join(sdir, snapMemName), filepath.Join(n.sandboxDir(s.ID), memFileName)); err != nil {
-			return nil, fmt.Errorf("copy template RAM image: %w", err)
+		if err := n.copySnapshotRAM(ts.SnapshotID, s.ID); err != nil {
+			return nil, err
 		}
 		m, err := n.startIncoming(ctx, s, ts.SnapshotID)
 		if err != nil {
@@ -169,11 +166,11 @@ func (n *Node) claimPooled(ctx context.Context, s *Sandbox, p *pooledSandbox, ts
 	if err != nil {
 		return err
 	}
-	mark := time.Now()
+	phase := s.phaseTimer()
 	if err := initEnvdAs(ctx, ep.GuestAddr(EnvdPort), s, "", true); err != nil {
 		return err
 	}
-	s.Phases = append(s.Phases, Phase{"envd init", time.Since(mark)})
+	phase("envd init")
 	return nil
 }
 
@@ -202,5 +199,3 @@ func (n *Node) warmUp(ctx context.Context, s *Sandbox, m *vmm.Machine, snapID st
 	}
 	return nil
 }
-
-func mkdirPrivate(dir string) error { return os.MkdirAll(dir, 0o700) }

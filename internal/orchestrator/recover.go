@@ -1,27 +1,24 @@
 package orchestrator
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
-	"golang.org/x/sys/unix"
 
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
 // recover reconciles the database with what exists on the host after a
 // restart: running sandboxes whose QEMU is still alive are re-adopted,
-// sandboxes caught mid-operation are cleaned up, and anything on the host
-// that no record owns (QEMU processes, namespaces, veths, directories) is
-// removed.
+// sandboxes caught mid-operation are brought back to a stable state where
+// their files allow it (recoverInterrupted) and removed otherwise, and
+// anything on the host that no record owns (QEMU processes, namespaces,
+// veths, directories, unused snapshots) is removed.
 func (n *Node) recover(ctx context.Context) error {
 	all, err := n.loadSandboxes(ctx, "")
 	if err != nil {
@@ -61,10 +58,10 @@ func (n *Node) recover(ctx context.Context) error {
 		n.destroy(ctx, s)
 	}
 
-	for pid, id := range qemuProcesses(n.sandboxDir("") + "/") {
+	for pid, id := range vmm.Running(n.sandboxDir("")) {
 		if !known[id] {
 			n.log.Warn("killing orphaned QEMU", "pid", pid, "sandbox", id)
-			killStray(pid, n.sandboxDir(id))
+			vmm.KillStray(pid, n.sandboxDir(id))
 		}
 	}
 	nss, err := n.net.Namespaces()
@@ -105,55 +102,6 @@ func (n *Node) recover(ctx context.Context) error {
 	return nil
 }
 
-// qemuProcesses maps the pids of QEMU processes started by this node (named
-// "aenv:<sandbox id>", with files under sandboxesDir) to their sandbox ids.
-func qemuProcesses(sandboxesDir string) map[int]string {
-	out := map[int]string{}
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
-		if err != nil {
-			continue
-		}
-		args := bytes.Split(b, []byte{0})
-		if len(args) == 0 || !strings.Contains(string(args[0]), "qemu-system") || !bytes.Contains(b, []byte(sandboxesDir)) {
-			continue
-		}
-		for i := 0; i+1 < len(args); i++ {
-			if string(args[i]) == "-name" && bytes.HasPrefix(args[i+1], []byte("aenv:")) {
-				out[pid] = string(args[i+1][len("aenv:"):])
-			}
-		}
-	}
-	return out
-}
-
-// killStray kills a QEMU we do not hold a handle for, after checking that the
-// pid still belongs to it, and waits for it to disappear.
-func killStray(pid int, dir string) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-	if err != nil || !strings.Contains(string(b), "aenv:"+filepath.Base(dir)) {
-		return
-	}
-	_ = unix.Kill(pid, unix.SIGKILL)
-	deadline := time.Now().Add(10 * time.Second)
-	for time.Now().Before(deadline) {
-		if err := unix.Kill(pid, 0); err == unix.ESRCH {
-			return
-		}
-		// A zombie child of ours: reap it.
-		var ws unix.WaitStatus
-		if wpid, _ := unix.Wait4(pid, &ws, unix.WNOHANG, nil); wpid == pid {
-			return
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 // recoverInterrupted brings a sandbox whose operation was cut short by a
 // crash back to a stable state and returns it ("" when nothing can be
 // trusted): a paused sandbox if its saved state is complete, else a running
@@ -161,22 +109,20 @@ func killStray(pid int, dir string) {
 func (n *Node) recoverInterrupted(ctx context.Context, s *Sandbox) State {
 	dir := n.sandboxDir(s.ID)
 	if s.State == StatePausing || s.State == StateResuming {
-		if rec, err := readPauseRecord(dir); err == nil {
-			if sum, err := fileSHA256(filepath.Join(dir, stateFileName)); err == nil && sum == rec.StateSHA256 {
-				m, aerr := vmm.Attach(ctx, dir)
-				if aerr == nil && s.State == StateResuming {
-					// The resume got as far as a live QEMU: finish it.
-					if n.finishInterruptedResume(ctx, s, m) {
-						return StateRunning
-					}
-				} else if aerr == nil {
-					_ = m.Kill()
+		if rec, err := readPauseRecord(dir); err == nil && rec.matchesState(dir) == nil {
+			m, aerr := vmm.Attach(ctx, dir)
+			if aerr == nil && s.State == StateResuming {
+				// The resume got as far as a live QEMU: finish it.
+				if n.finishInterruptedResume(ctx, s, m) {
+					return StateRunning
 				}
-				if n.setFields(ctx, s.ID, "state = ?, pid = 0", StatePaused) == nil {
-					return StatePaused
-				}
-				return ""
+			} else if aerr == nil {
+				_ = m.Kill()
 			}
+			if n.setFields(ctx, s.ID, "state = ?, pid = 0", StatePaused) == nil {
+				return StatePaused
+			}
+			return ""
 		}
 	}
 	if m, err := vmm.Attach(ctx, dir); err == nil {
@@ -208,10 +154,7 @@ func (n *Node) finishInterruptedResume(ctx context.Context, s *Sandbox, m *vmm.M
 		cancel()
 	}
 	if err != nil {
-		n.mu.Lock()
-		delete(n.machines, s.ID)
-		n.mu.Unlock()
-		_ = m.Kill()
+		_ = n.stopMachine(s.ID)
 		return false
 	}
 	return n.setFields(ctx, s.ID, "state = ?, pid = ?", StateRunning, m.PID()) == nil

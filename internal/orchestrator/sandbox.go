@@ -208,12 +208,7 @@ func (n *Node) boot(ctx context.Context, s *Sandbox, t *Template) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("create sandbox dir: %w", err)
 	}
-	mark := time.Now()
-	phase := func(name string) {
-		now := time.Now()
-		s.Phases = append(s.Phases, Phase{name, now.Sub(mark)})
-		mark = now
-	}
+	phase := s.phaseTimer()
 	overlay := filepath.Join(dir, overlayName)
 	if err := storage.CreateOverlay(ctx, t.RootDisk, overlay, s.DiskMiB); err != nil {
 		return err
@@ -405,16 +400,11 @@ func (n *Node) Kill(ctx context.Context, id string) error {
 // destroy tears a sandbox down completely; every step tolerates pieces that
 // are already gone, so it also serves failed creates and recovery.
 func (n *Node) destroy(ctx context.Context, s *Sandbox) {
-	n.mu.Lock()
-	m := n.machines[s.ID]
-	delete(n.machines, s.ID)
-	n.mu.Unlock()
-	if m != nil {
-		if err := m.Kill(); err != nil {
-			n.log.Error("kill qemu", "sandbox", s.ID, "err", err)
-		}
-	} else if s.PID > 0 {
-		killStray(s.PID, n.sandboxDir(s.ID))
+	if err := n.stopMachine(s.ID); err != nil {
+		n.log.Error("kill qemu", "sandbox", s.ID, "err", err)
+	}
+	if s.PID > 0 { // a QEMU the node does not hold (recovery)
+		vmm.KillStray(s.PID, n.sandboxDir(s.ID))
 	}
 	if ep, err := n.endpoint(s); err == nil {
 		if err := n.net.Teardown(ep); err != nil {

@@ -9,8 +9,6 @@ import (
 	"path/filepath"
 	"syscall"
 	"time"
-
-	"github.com/agentenv/agentenv/internal/storage"
 )
 
 // A template snapshot is a sandbox of the template booted once, stopped the
@@ -114,19 +112,12 @@ func (n *Node) PrepareTemplateSnapshot(ctx context.Context, name string) error {
 // restoreTemplate creates s from a template snapshot or a named snapshot;
 // authToken is the token that snapshot's envd holds.
 func (n *Node) restoreTemplate(ctx context.Context, s *Sandbox, ts *templateSnapshot, authToken string) error {
-	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, ts.SnapshotID)
-	dir := n.sandboxDir(s.ID)
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+	if err := os.MkdirAll(n.sandboxDir(s.ID), 0o700); err != nil {
 		return err
 	}
-	mark := time.Now()
-	phase := func(name string) {
-		now := time.Now()
-		s.Phases = append(s.Phases, Phase{name, now.Sub(mark)})
-		mark = now
-	}
-	if _, err := storage.CloneFile(filepath.Join(sdir, snapMemName), filepath.Join(dir, memFileName)); err != nil {
-		return fmt.Errorf("copy template RAM image: %w", err)
+	phase := s.phaseTimer()
+	if err := n.copySnapshotRAM(ts.SnapshotID, s.ID); err != nil {
+		return err
 	}
 	phase("copy RAM image")
 	if err := n.restoreFromSnapshot(ctx, s, ts.SnapshotID, authToken, true); err != nil {

@@ -36,11 +36,7 @@ import (
 // no prepared data dir.
 func testNode(t testing.TB) *Node {
 	t.Helper()
-	shared := testData(t)
-	dir := t.TempDir()
-	if err := os.Symlink(filepath.Join(shared, "templates"), filepath.Join(dir, "templates")); err != nil {
-		t.Fatal(err)
-	}
+	dir := newTestDataDir(t)
 	n := openTestNode(t, dir)
 	t.Cleanup(func() {
 		all, _ := n.List(context.Background())
@@ -50,6 +46,18 @@ func testNode(t testing.TB) *Node {
 		n.Close()
 	})
 	return n
+}
+
+// newTestDataDir returns a fresh node data dir whose templates are the
+// prepared ones in $AENV_TEST_DATA_DIR.
+func newTestDataDir(t testing.TB) string {
+	t.Helper()
+	shared := testData(t)
+	dir := t.TempDir()
+	if err := os.Symlink(filepath.Join(shared, "templates"), filepath.Join(dir, "templates")); err != nil {
+		t.Fatal(err)
+	}
+	return dir
 }
 
 func testData(t testing.TB) string {

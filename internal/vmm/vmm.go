@@ -6,6 +6,7 @@
 package vmm
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -118,7 +119,7 @@ func (c *Config) Args() []string {
 		share = "off"
 	}
 	args := []string{
-		"-name", "aenv:" + filepath.Base(c.RunDir),
+		"-name", namePrefix + filepath.Base(c.RunDir),
 		"-M", "microvm,x-option-roms=off,isa-serial=on,rtc=on,memory-backend=mem",
 		"-accel", accel,
 		"-cpu", cpu,
@@ -244,6 +245,10 @@ func Attach(ctx context.Context, runDir string) (*Machine, error) {
 	return m, nil
 }
 
+// namePrefix starts the QEMU -name of every machine, followed by the base
+// name of its run dir; it is how processes are recognised after a restart.
+const namePrefix = "aenv:"
+
 // isQEMU reports whether pid is a live QEMU process whose command line names
 // runDir, so that a recycled pid is never mistaken for ours.
 func isQEMU(pid int, runDir string) bool {
@@ -252,7 +257,56 @@ func isQEMU(pid int, runDir string) bool {
 		return false
 	}
 	cmdline := string(b)
-	return strings.Contains(cmdline, "qemu-system") && strings.Contains(cmdline, "aenv:"+filepath.Base(runDir))
+	return strings.Contains(cmdline, "qemu-system") && strings.Contains(cmdline, namePrefix+filepath.Base(runDir))
+}
+
+// Running maps the pids of live QEMU processes started by this package with
+// run dirs directly under runRoot to the base names of those run dirs.
+func Running(runRoot string) map[int]string {
+	out := map[int]string{}
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+		if err != nil {
+			continue
+		}
+		args := bytes.Split(b, []byte{0})
+		if len(args) == 0 || !strings.Contains(string(args[0]), "qemu-system") || !bytes.Contains(b, []byte(runRoot+"/")) {
+			continue
+		}
+		for i := 0; i+1 < len(args); i++ {
+			if string(args[i]) == "-name" && bytes.HasPrefix(args[i+1], []byte(namePrefix)) {
+				out[pid] = string(args[i+1][len(namePrefix):])
+			}
+		}
+	}
+	return out
+}
+
+// KillStray kills a QEMU no Machine handle is held for (found by Running,
+// or a pid recorded earlier), after checking the pid still belongs to the
+// machine of runDir, and waits for it to disappear.
+func KillStray(pid int, runDir string) {
+	if !isQEMU(pid, runDir) {
+		return
+	}
+	_ = unix.Kill(pid, unix.SIGKILL)
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if err := unix.Kill(pid, 0); err == unix.ESRCH {
+			return
+		}
+		// A zombie child of ours: reap it.
+		var ws unix.WaitStatus
+		if wpid, _ := unix.Wait4(pid, &ws, unix.WNOHANG, nil); wpid == pid {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 func (m *Machine) connect(ctx context.Context) error {
