@@ -149,26 +149,13 @@ func (r *ossRepo) Put(ctx context.Context, kind, id, dir string) (_ *Manifest, e
 			r.removeAll(cctx, r.key(kind, id)+"/")
 		}
 	}()
-	m := &Manifest{Format: FormatVersion, Kind: kind, ID: id}
-	for _, name := range names {
+	m, data, err := storeFiles(ctx, kind, id, names, r.hook, r.now, func(name string) (File, error) {
 		f, err := r.putFile(ctx, filepath.Join(dir, name), r.key(kind, id, name), name)
 		if err != nil {
-			return nil, fmt.Errorf("put %s/%s: file %q: %w", kind, id, name, err)
+			return f, fmt.Errorf("put %s/%s: file %q: %w", kind, id, name, err)
 		}
-		f.Name = name
-		m.Files = append(m.Files, f)
-		if err := r.hook.at("file:" + name); err != nil {
-			return nil, err
-		}
-	}
-	if err := r.hook.at("manifest"); err != nil {
-		return nil, err
-	}
-	if err := ctx.Err(); err != nil {
-		return nil, fmt.Errorf("put %s/%s: %w", kind, id, err)
-	}
-	m.Created = r.now().UTC()
-	data, err := encodeManifest(m)
+		return f, nil
+	})
 	if err != nil {
 		return nil, err
 	}

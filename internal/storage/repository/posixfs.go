@@ -75,26 +75,13 @@ func (r *posixFS) Put(ctx context.Context, kind, id, dir string) (_ *Manifest, e
 		return nil, fmt.Errorf("put %s/%s: %w", kind, id, err)
 	}
 
-	m := &Manifest{Format: FormatVersion, Kind: kind, ID: id}
-	for _, name := range names {
+	m, data, err := storeFiles(ctx, kind, id, names, r.hook, r.now, func(name string) (File, error) {
 		fe, err := copyFileSparse(ctx, filepath.Join(dir, name), filepath.Join(tmp, name), -1)
 		if err != nil {
-			return nil, fmt.Errorf("put %s/%s: %w", kind, id, err)
+			return fe, fmt.Errorf("put %s/%s: %w", kind, id, err)
 		}
-		fe.Name = name
-		m.Files = append(m.Files, fe)
-		if err := r.hook.at("file:" + name); err != nil {
-			return nil, err
-		}
-	}
-	if err := r.hook.at("manifest"); err != nil {
-		return nil, err
-	}
-	if err := ctx.Err(); err != nil {
-		return nil, fmt.Errorf("put %s/%s: %w", kind, id, err)
-	}
-	m.Created = r.now().UTC()
-	data, err := encodeManifest(m)
+		return fe, nil
+	})
 	if err != nil {
 		return nil, err
 	}

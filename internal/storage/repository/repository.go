@@ -217,6 +217,37 @@ func encodeManifest(m *Manifest) ([]byte, error) {
 // "commit" before the final rename of posix_fs). Returning errSimulatedCrash
 // makes the operation return at once without its usual cleanup, as if the
 // process had died there.
+// storeFiles stores each named file with store (in order, passing the fault
+// points "file:<name>" after each and "manifest" before the commit) and
+// returns the artifact's manifest, encoded too, ready to be committed.
+func storeFiles(ctx context.Context, kind, id string, names []string, hook faultHook, now func() time.Time,
+	store func(name string) (File, error)) (*Manifest, []byte, error) {
+	m := &Manifest{Format: FormatVersion, Kind: kind, ID: id}
+	for _, name := range names {
+		f, err := store(name)
+		if err != nil {
+			return nil, nil, err
+		}
+		f.Name = name
+		m.Files = append(m.Files, f)
+		if err := hook.at("file:" + name); err != nil {
+			return nil, nil, err
+		}
+	}
+	if err := hook.at("manifest"); err != nil {
+		return nil, nil, err
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, nil, fmt.Errorf("put %s/%s: %w", kind, id, err)
+	}
+	m.Created = now().UTC()
+	data, err := encodeManifest(m)
+	if err != nil {
+		return nil, nil, err
+	}
+	return m, data, nil
+}
+
 type faultHook func(point string) error
 
 var errSimulatedCrash = errors.New("simulated crash")
