@@ -16,8 +16,9 @@ import (
 )
 
 // Named snapshots are committed to the node's snapshot repository (posix_fs
-// or oss), self-contained but for the template's root layer: the RAM image,
-// the device state, the disk as one qcow2 layer holding every block that
+// or oss), self-contained but for the template's root layer: the RAM image
+// (an incremental snapshot's base image), the state (with an incremental
+// snapshot's changed pages), the disk as one qcow2 layer holding every block that
 // differs from the template, and the snapshot record. A node that has lost
 // its local copy (or, later, another node) restores the snapshot from there.
 
@@ -46,8 +47,13 @@ func (n *Node) exportSnapshot(ctx context.Context, ns *NamedSnapshot) error {
 		return err
 	}
 	defer os.RemoveAll(stage)
-	for _, f := range []string{snapMemName, snapStateName} {
-		if err := os.Link(filepath.Join(sdir, f), filepath.Join(stage, f)); err != nil {
+	// An incremental snapshot goes with the RAM image it is relative to.
+	image, hasRAM, err := n.snapshotRAM(ns.SnapshotID)
+	if err != nil {
+		return err
+	}
+	for _, f := range [][2]string{{image, snapMemName}, {filepath.Join(sdir, snapStateName), snapStateName}} {
+		if err := os.Link(f[0], filepath.Join(stage, f[1])); err != nil {
 			return fmt.Errorf("export snapshot %s: %w", ns.Name, err)
 		}
 	}
@@ -59,7 +65,7 @@ func (n *Node) exportSnapshot(ctx context.Context, ns *NamedSnapshot) error {
 		return fmt.Errorf("export snapshot %s: flatten disk: %v: %s", ns.Name, err, strings.TrimSpace(string(out)))
 	}
 	rec := *ns
-	rec.TemplateLayer = layerIdentity(t.RootDisk)
+	rec.TemplateLayer, rec.StateHasRAM = layerIdentity(t.RootDisk), hasRAM
 	if err := writeJSONAtomic(filepath.Join(stage, exportRecordName), rec); err != nil {
 		return err
 	}
@@ -124,7 +130,7 @@ func (n *Node) importSnapshot(ctx context.Context, name string) (*NamedSnapshot,
 	}
 	if err := writeJSONAtomic(filepath.Join(stage, snapManifestName), snapshotManifest{
 		ID: snapID, SandboxID: rec.SandboxID, TemplateID: rec.TemplateID, ParentLayer: t.RootDisk,
-		MemoryMiB: rec.MemoryMiB, StateSHA256: sum, CreatedAt: time.Now().UTC(),
+		MemoryMiB: rec.MemoryMiB, StateSHA256: sum, CreatedAt: time.Now().UTC(), StateHasRAM: rec.StateHasRAM,
 	}); err != nil {
 		return nil, err
 	}

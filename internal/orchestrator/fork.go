@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -44,6 +43,77 @@ type snapshotManifest struct {
 	MemoryMiB   int       `json:"memoryMiB"`
 	StateSHA256 string    `json:"stateSHA256"`
 	CreatedAt   time.Time `json:"createdAt"`
+	// MemoryBase names the snapshot whose RAM image this one's memory is
+	// relative to (an incremental snapshot: the state file carries the pages
+	// that differ from that image). Empty: the snapshot has its own image.
+	MemoryBase string `json:"memoryBase,omitempty"`
+	// StateHasRAM: the state file carries the pages that differ from the
+	// RAM image (always so with a MemoryBase; imported incremental
+	// snapshots have their base image beside them).
+	StateHasRAM bool `json:"stateHasRAM,omitempty"`
+	// DiffPages is how many pages of RAM an incremental snapshot wrote.
+	DiffPages int64 `json:"diffPages,omitempty"`
+}
+
+// snapshotRAM tells how a snapshot's memory is restored: image is the RAM
+// image to map, and with stateHasRAM the state file holds the pages that
+// differ from it.
+func (n *Node) snapshotRAM(snapID string) (image string, stateHasRAM bool, err error) {
+	var m snapshotManifest
+	if err := readJSON(filepath.Join(n.cfg.DataDir, snapshotsDir, snapID, snapManifestName), &m); err != nil {
+		return "", false, fmt.Errorf("%w: snapshot %s manifest: %v", ErrCorrupt, snapID, err)
+	}
+	owner := snapID
+	if m.MemoryBase != "" {
+		owner = m.MemoryBase
+	}
+	return filepath.Join(n.cfg.DataDir, snapshotsDir, owner, snapMemName), m.StateHasRAM || m.MemoryBase != "", nil
+}
+
+// verifySnapshotState checks a snapshot's state file against the checksum
+// in its manifest.
+func (n *Node) verifySnapshotState(snapID string) error {
+	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, snapID)
+	var m snapshotManifest
+	if err := readJSON(filepath.Join(sdir, snapManifestName), &m); err != nil {
+		return fmt.Errorf("%w: snapshot %s manifest: %v", ErrCorrupt, snapID, err)
+	}
+	sum, err := fileSHA256(filepath.Join(sdir, snapStateName))
+	if err != nil {
+		return fmt.Errorf("%w: snapshot %s state: %v", ErrCorrupt, snapID, err)
+	}
+	if sum != m.StateSHA256 {
+		return fmt.Errorf("%w: snapshot %s state checksum mismatch (%s, recorded %s)", ErrCorrupt, snapID, sum, m.StateSHA256)
+	}
+	return nil
+}
+
+// memoryBaseOf names the snapshot whose RAM image a copy-on-write sandbox
+// maps ("" if it maps none).
+func (n *Node) memoryBaseOf(s *Sandbox) string {
+	if !s.MemPrivate || s.MemFile == "" {
+		return ""
+	}
+	root := filepath.Join(n.cfg.DataDir, snapshotsDir)
+	if filepath.Dir(filepath.Dir(s.MemFile)) != root || filepath.Base(s.MemFile) != snapMemName {
+		return ""
+	}
+	return filepath.Base(filepath.Dir(s.MemFile))
+}
+
+// runOnSnapshot points a sandbox's record at a snapshot it now runs on: its
+// disk stacks on the snapshot's and its RAM maps the snapshot's image
+// copy-on-write.
+func (n *Node) runOnSnapshot(ctx context.Context, s *Sandbox, snapID string) error {
+	image, _, err := n.snapshotRAM(snapID)
+	if err != nil {
+		return err
+	}
+	if err := n.setFields(ctx, s.ID, "snapshot_id = ?, mem_file = ?, mem_private = 1", snapID, image); err != nil {
+		return err
+	}
+	s.SnapshotID, s.MemFile, s.MemPrivate = snapID, image, true
+	return nil
 }
 
 // Fork clones a running sandbox into count children on this node. The parent
@@ -84,7 +154,7 @@ func (n *Node) capture(ctx context.Context, id string, count int, timeout time.D
 		return "", nil, err
 	}
 	start := time.Now()
-	snap, err := n.freeze(ctx, parent, true)
+	snap, err := n.freeze(ctx, parent)
 	if err != nil {
 		n.log.Error("fork: freezing the parent failed", "sandbox", id, "err", err)
 		if m := n.machine(id); m != nil {
@@ -129,10 +199,14 @@ func (n *Node) capture(ctx context.Context, id string, count int, timeout time.D
 	return snap, results, nil
 }
 
-// freeze stops the parent, saves its device state and turns its RAM file
-// and disk overlay into a read-only snapshot. The parent's QEMU exits. With
-// keepRAM the parent gets a copy of the frozen RAM to run on again.
-func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (string, error) {
+// freeze stops the parent, saves its state and turns its memory and disk
+// overlay into a read-only snapshot; the parent's QEMU exits. A parent with
+// its own RAM file gives the file to the snapshot (a full snapshot). A parent
+// running copy-on-write on an earlier snapshot's RAM image writes only the
+// pages that differ from that image (an incremental snapshot over it). Either
+// way the parent's record then points at the snapshot: it runs on, and
+// resumes, from it, mapping its RAM image copy-on-write.
+func (n *Node) freeze(ctx context.Context, parent *Sandbox) (string, error) {
 	m := n.machine(parent.ID)
 	if m == nil {
 		return "", errors.New("no running machine")
@@ -142,6 +216,11 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (strin
 	pdir := n.sandboxDir(parent.ID)
 	if err := os.MkdirAll(sdir, 0o700); err != nil {
 		return "", err
+	}
+	base := n.memoryBaseOf(parent)
+	if parent.MemPrivate && base == "" {
+		os.RemoveAll(sdir)
+		return "", fmt.Errorf("copy-on-write RAM of %s maps no snapshot image (%q)", parent.ID, parent.MemFile)
 	}
 	// Record the snapshot before touching anything: its manifest names the
 	// layer the parent's disk stacks on, and the parent's record names the
@@ -154,7 +233,8 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (strin
 		return "", err
 	}
 	early := snapshotManifest{ID: snapID, SandboxID: parent.ID, TemplateID: parent.TemplateID,
-		ParentLayer: before.BackingFilename, MemoryMiB: parent.MemoryMiB, CreatedAt: time.Now().UTC()}
+		ParentLayer: before.BackingFilename, MemoryMiB: parent.MemoryMiB, CreatedAt: time.Now().UTC(),
+		MemoryBase: base, StateHasRAM: base != ""}
 	if err := writeJSONAtomic(filepath.Join(sdir, snapManifestName), early); err != nil {
 		os.RemoveAll(sdir)
 		return "", err
@@ -173,23 +253,30 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (strin
 		abandon()
 		return "", err
 	}
-	moves := [][2]string{
-		{filepath.Join(pdir, memFileName), filepath.Join(sdir, snapMemName)},
-		{filepath.Join(pdir, overlayName), filepath.Join(sdir, snapDiskName)},
-	}
-	if parent.MemPrivate {
-		// Copy-on-write RAM is no file to freeze: write it into one first.
-		if err := n.rebaseRAM(ctx, parent, m, sdir); err != nil {
+	moves := [][2]string{{filepath.Join(pdir, overlayName), filepath.Join(sdir, snapDiskName)}}
+	if base != "" {
+		st, err := m.SaveStateDiff(ctx, filepath.Join(sdir, snapStateName), parent.MemFile)
+		if err != nil {
 			abandon()
-			return "", fmt.Errorf("write private RAM into an image: %w", err)
+			return "", fmt.Errorf("write incremental snapshot: %w", err)
 		}
-		moves = moves[1:] // the image is already in the snapshot
+		early.DiffPages = st.PagesKept
 	} else {
 		if err := m.SaveState(ctx, filepath.Join(sdir, snapStateName)); err != nil {
 			abandon()
 			return "", err
 		}
-		if err := n.stopMachine(parent.ID); err != nil {
+		moves = append(moves, [2]string{filepath.Join(pdir, memFileName), filepath.Join(sdir, snapMemName)})
+	}
+	if err := n.stopMachine(parent.ID); err != nil {
+		return "", err
+	}
+	// The state and the disk are made durable; a RAM image is left to the
+	// kernel's writeback, so that freezing stays cheap (a paused sandbox
+	// syncs its RAM file; a named snapshot's durable copy is the one
+	// committed to the repository).
+	for _, f := range []string{filepath.Join(sdir, snapStateName), moves[0][0]} {
+		if err := syncFile(f); err != nil {
 			return "", err
 		}
 	}
@@ -201,9 +288,6 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (strin
 			return "", err
 		}
 	}
-	if err := os.Chmod(filepath.Join(sdir, snapMemName), 0o400); err != nil {
-		return "", err
-	}
 	sum, err := fileSHA256(filepath.Join(sdir, snapStateName))
 	if err != nil {
 		return "", err
@@ -212,31 +296,20 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox, keepRAM bool) (strin
 	if err != nil {
 		return "", err
 	}
-	// The parent now depends on the snapshot's disk and, from here on, runs
-	// on RAM of its own.
-	if err := n.setFields(ctx, parent.ID, "snapshot_id = ?, pid = 0, mem_file = '', mem_private = 0", snapID); err != nil {
-		return "", err
-	}
-	parent.SnapshotID, parent.MemFile, parent.MemPrivate = snapID, "", false
-	// The children map the frozen RAM copy-on-write; the parent gets a
-	// shared copy of its own (a reflink where the filesystem allows), so it
-	// stays cheap to pause and can be forked again.
-	if keepRAM {
-		if err := n.copySnapshotRAM(snapID, parent.ID); err != nil {
-			return "", err
-		}
-	}
 	early.ParentLayer, early.StateSHA256 = info.BackingFilename, sum
 	if err := writeJSONAtomic(filepath.Join(sdir, snapManifestName), early); err != nil {
 		return "", err
 	}
-	return snapID, nil
+	if err := n.setFields(ctx, parent.ID, "pid = 0"); err != nil {
+		return "", err
+	}
+	return snapID, n.runOnSnapshot(ctx, parent, snapID)
 }
 
 // recoverFreeze rebuilds, as a paused sandbox, a parent whose fork or
-// snapshot was cut short by a crash after its QEMU had stopped: its device
-// state, RAM image and disk are in its directory or already moved into the
-// snapshot's. It returns false when the saved state is not there.
+// snapshot was cut short by a crash after its state was saved: it completes
+// the freeze (moving what was not moved yet) and leaves the parent paused on
+// the snapshot. It returns false when the saved state is not there.
 func (n *Node) recoverFreeze(ctx context.Context, s *Sandbox) bool {
 	if s.SnapshotID == "" {
 		return false
@@ -244,38 +317,55 @@ func (n *Node) recoverFreeze(ctx context.Context, s *Sandbox) bool {
 	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, s.SnapshotID)
 	pdir := n.sandboxDir(s.ID)
 	exists := func(p string) bool { _, err := os.Stat(p); return err == nil }
-	if !exists(filepath.Join(sdir, snapStateName)) {
+	var man snapshotManifest
+	if readJSON(filepath.Join(sdir, snapManifestName), &man) != nil || !exists(filepath.Join(sdir, snapStateName)) {
 		return false
 	}
-	if exists(filepath.Join(sdir, snapDiskName)) {
-		// The disk was frozen: the parent gets a fresh overlay on it.
-		_ = os.Remove(filepath.Join(pdir, overlayName))
-		if err := storage.CreateOverlay(ctx, filepath.Join(sdir, snapDiskName), filepath.Join(pdir, overlayName), 0); err != nil {
-			n.log.Error("recover frozen sandbox: overlay", "sandbox", s.ID, "err", err)
-			return false
-		}
-	} else if !exists(filepath.Join(pdir, overlayName)) {
+	fail := func(what string, err error) bool {
+		n.log.Error("recover frozen sandbox", "sandbox", s.ID, "step", what, "err", err)
 		return false
 	}
-	if exists(filepath.Join(sdir, snapMemName)) {
-		if err := n.copySnapshotRAM(s.SnapshotID, s.ID); err != nil {
-			n.log.Error("recover frozen sandbox: RAM image", "sandbox", s.ID, "err", err)
-			return false
+	moves := [][2]string{{filepath.Join(pdir, overlayName), filepath.Join(sdir, snapDiskName)}}
+	if man.MemoryBase == "" {
+		moves = append(moves, [2]string{filepath.Join(pdir, memFileName), filepath.Join(sdir, snapMemName)})
+	}
+	for _, mv := range moves {
+		if !exists(mv[1]) {
+			if err := os.Rename(mv[0], mv[1]); err != nil {
+				return fail("move "+filepath.Base(mv[0]), err)
+			}
 		}
-	} else if !exists(filepath.Join(pdir, memFileName)) {
-		return false
+	}
+	// The parent gets a fresh overlay on the frozen disk.
+	_ = os.Remove(filepath.Join(pdir, overlayName))
+	if err := storage.CreateOverlay(ctx, filepath.Join(sdir, snapDiskName), filepath.Join(pdir, overlayName), 0); err != nil {
+		return fail("overlay", err)
+	}
+	sum, err := fileSHA256(filepath.Join(sdir, snapStateName))
+	if err != nil {
+		return fail("checksum", err)
+	}
+	if man.StateSHA256 == "" {
+		man.StateSHA256 = sum
+		if err := writeJSONAtomic(filepath.Join(sdir, snapManifestName), man); err != nil {
+			return fail("manifest", err)
+		}
 	}
 	if _, err := storage.CloneFile(filepath.Join(sdir, snapStateName), filepath.Join(pdir, stateFileName)); err != nil {
-		return false
+		return fail("state", err)
 	}
-	sum, err := fileSHA256(filepath.Join(pdir, stateFileName))
+	_, hasRAM, err := n.snapshotRAM(s.SnapshotID)
 	if err != nil {
-		return false
+		return fail("manifest", err)
 	}
-	if err := writeJSONAtomic(filepath.Join(pdir, pauseRecordName), pauseRecord{StateSHA256: sum, PausedAt: time.Now().UTC()}); err != nil {
-		return false
+	rec := pauseRecord{StateSHA256: sum, RAMInState: hasRAM, RAMDiff: hasRAM, PausedAt: time.Now().UTC()}
+	if err := writeJSONAtomic(filepath.Join(pdir, pauseRecordName), rec); err != nil {
+		return fail("pause record", err)
 	}
-	return n.setFields(ctx, s.ID, "state = ?, pid = 0, mem_file = '', mem_private = 0", StatePaused) == nil
+	if err := n.runOnSnapshot(ctx, s, s.SnapshotID); err != nil {
+		return fail("record", err)
+	}
+	return n.setFields(ctx, s.ID, "state = ?, pid = 0", StatePaused) == nil
 }
 
 // copySnapshotRAM gives a sandbox its own RAM file, a copy of a snapshot's
@@ -293,6 +383,9 @@ func (n *Node) copySnapshotRAM(snapID, sandboxID string) error {
 // state loaded, vCPUs resumed, envd re-initialised (authenticated with
 // authToken, the token the snapshot's envd knows).
 func (n *Node) restoreFromSnapshot(ctx context.Context, s *Sandbox, snapID, authToken string, reseed bool) error {
+	if err := n.verifySnapshotState(snapID); err != nil {
+		return err
+	}
 	m, err := n.startIncoming(ctx, s, snapID)
 	if err != nil {
 		return err
@@ -337,10 +430,18 @@ func (n *Node) startIncoming(ctx context.Context, s *Sandbox, snapID string) (*v
 // startIncoming, runs it and initialises its envd.
 func (n *Node) finishRestore(ctx context.Context, s *Sandbox, m *vmm.Machine, snapID, authToken string, reseed bool) error {
 	phase := s.phaseTimer()
-	if err := m.LoadState(ctx, filepath.Join(n.cfg.DataDir, snapshotsDir, snapID, snapStateName)); err != nil {
+	_, hasRAM, err := n.snapshotRAM(snapID)
+	if err != nil {
 		return err
 	}
-	phase("load device state")
+	load := m.LoadState
+	if hasRAM {
+		load = m.LoadFullState
+	}
+	if err := load(ctx, filepath.Join(n.cfg.DataDir, snapshotsDir, snapID, snapStateName)); err != nil {
+		return err
+	}
+	phase("load state")
 	if err := m.Resume(ctx); err != nil {
 		return err
 	}
@@ -368,7 +469,11 @@ func (n *Node) forkChild(ctx context.Context, parent *Sandbox, snapID string, ti
 	}
 	c.CreatedAt, c.StartedAt, c.EndAt = now, now, now.Add(timeout)
 	c.Phases = nil
-	c.MemFile, c.MemPrivate = filepath.Join(n.cfg.DataDir, snapshotsDir, snapID, snapMemName), true
+	image, _, err := n.snapshotRAM(snapID)
+	if err != nil {
+		return ForkResult{Err: err}
+	}
+	c.MemFile, c.MemPrivate = image, true
 	unlock := n.lockOp(c.ID)
 	defer unlock()
 	n.mu.Lock()
@@ -402,7 +507,8 @@ func randomHex(n int) string {
 }
 
 // gcSnapshots deletes fork snapshots no sandbox depends on any more, directly
-// (its overlay or RAM image) or through another snapshot's disk layer.
+// (its overlay or RAM image) or through another snapshot (whose disk layer
+// stacks on it, or whose memory is relative to its RAM image).
 func (n *Node) gcSnapshots(ctx context.Context) {
 	root := filepath.Join(n.cfg.DataDir, snapshotsDir)
 	ents, err := os.ReadDir(root)
@@ -413,37 +519,45 @@ func (n *Node) gcSnapshots(ctx context.Context) {
 	if err != nil {
 		return
 	}
-	parentOf := map[string]string{}
+	deps := map[string][]string{}
 	for _, e := range ents {
 		var m snapshotManifest
-		if b, err := os.ReadFile(filepath.Join(root, e.Name(), snapManifestName)); err == nil {
-			if json.Unmarshal(b, &m) == nil && filepath.Dir(filepath.Dir(m.ParentLayer)) == root {
-				parentOf[e.Name()] = filepath.Base(filepath.Dir(m.ParentLayer))
+		if readJSON(filepath.Join(root, e.Name(), snapManifestName), &m) == nil {
+			if filepath.Dir(filepath.Dir(m.ParentLayer)) == root {
+				deps[e.Name()] = append(deps[e.Name()], filepath.Base(filepath.Dir(m.ParentLayer)))
+			}
+			if m.MemoryBase != "" {
+				deps[e.Name()] = append(deps[e.Name()], m.MemoryBase)
 			}
 		}
 	}
 	used := map[string]bool{}
+	var keep func(id string)
+	keep = func(id string) {
+		if id == "" || used[id] {
+			return
+		}
+		used[id] = true
+		for _, d := range deps[id] {
+			keep(d)
+		}
+	}
 	if named, err := n.Snapshots(); err == nil {
 		for _, ns := range named {
-			for id := ns.SnapshotID; id != "" && !used[id]; id = parentOf[id] {
-				used[id] = true
-			}
+			keep(ns.SnapshotID)
 		}
 	}
 	if refs, err := os.ReadDir(filepath.Join(n.cfg.DataDir, templateSnapshotsDir)); err == nil {
 		for _, r := range refs {
 			var ts templateSnapshot
-			if b, err := os.ReadFile(filepath.Join(n.cfg.DataDir, templateSnapshotsDir, r.Name())); err == nil && json.Unmarshal(b, &ts) == nil {
-				for id := ts.SnapshotID; id != "" && !used[id]; id = parentOf[id] {
-					used[id] = true
-				}
+			if readJSON(filepath.Join(n.cfg.DataDir, templateSnapshotsDir, r.Name()), &ts) == nil {
+				keep(ts.SnapshotID)
 			}
 		}
 	}
 	for _, s := range all {
-		for id := s.SnapshotID; id != "" && !used[id]; id = parentOf[id] {
-			used[id] = true
-		}
+		keep(s.SnapshotID)
+		keep(n.memoryBaseOf(s))
 	}
 	for _, e := range ents {
 		if strings.HasPrefix(e.Name(), ".") {
@@ -457,40 +571,4 @@ func (n *Node) gcSnapshots(ctx context.Context) {
 			}
 		}
 	}
-}
-
-// rebaseRAM turns a stopped machine with copy-on-write RAM into a RAM image
-// plus device state in sdir. QEMU 7.2 always migrates private RAM, so the
-// machine's full state is saved, loaded into a helper QEMU whose RAM is the
-// new image file (mapped shared, so the load writes the image), and the
-// helper saves the device state alone. Both QEMUs exit.
-func (n *Node) rebaseRAM(ctx context.Context, s *Sandbox, m *vmm.Machine, sdir string) error {
-	full := filepath.Join(sdir, "full.vmstate")
-	defer os.Remove(full)
-	if err := m.SaveFullState(ctx, full); err != nil {
-		return err
-	}
-	if err := n.stopMachine(s.ID); err != nil {
-		return err
-	}
-	ep, err := n.endpoint(s)
-	if err != nil {
-		return err
-	}
-	tap, err := n.net.OpenTap(ep)
-	if err != nil {
-		return err
-	}
-	defer tap.Close()
-	img := *s
-	img.MemFile, img.MemPrivate = filepath.Join(sdir, snapMemName), false
-	helper, err := vmm.Start(ctx, n.vmConfig(&img, tap, true))
-	if err != nil {
-		return err
-	}
-	defer helper.Kill()
-	if err := helper.LoadFullState(ctx, full); err != nil {
-		return err
-	}
-	return helper.SaveState(ctx, filepath.Join(sdir, snapStateName))
 }

@@ -278,7 +278,7 @@ func TestRestartMidFork(t *testing.T) {
 	if err := n1.transition(ctx, s.ID, StateForking, StateRunning); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := n1.freeze(ctx, s, true); err != nil {
+	if _, err := n1.freeze(ctx, s); err != nil {
 		t.Fatal(err)
 	}
 	n1.Close() // "crash": the parent is not restored

@@ -48,12 +48,10 @@ func (n *Node) Pause(ctx context.Context, id string) (*Sandbox, error) {
 		_ = n.transition(context.WithoutCancel(ctx), id, StateRunning, StatePausing)
 		return nil, fmt.Errorf("pause %s: %w", id, err)
 	}
-	// A copy-on-write sandbox's RAM went into the state file: it resumes
-	// with private RAM of its own, loaded from that file.
-	if err := n.setFields(ctx, id, "state = ?, pid = 0, mem_file = ''", StatePaused); err != nil {
+	if err := n.setFields(ctx, id, "state = ?, pid = 0", StatePaused); err != nil {
 		return nil, err
 	}
-	s.State, s.PID, s.MemFile = StatePaused, 0, ""
+	s.State, s.PID = StatePaused, 0
 	n.log.Info("sandbox paused", "sandbox", id, "took", time.Since(start).Round(time.Microsecond))
 	return n.withAddr(s), nil
 }
@@ -91,10 +89,21 @@ func (n *Node) pause(ctx context.Context, s *Sandbox) error {
 	phase("stop vcpus")
 	tmp := filepath.Join(dir, stateFileName+".tmp")
 	_ = os.Remove(tmp)
-	if err := m.SaveState(ctx, tmp); err != nil {
-		return err
+	if s.MemPrivate {
+		// Copy-on-write RAM is no file of the sandbox's own: the pages that
+		// differ from the image it maps go into the state.
+		st, err := m.SaveStateDiff(ctx, tmp, n.vmConfig(s, nil, false).MemFile)
+		if err != nil {
+			return err
+		}
+		n.log.Info("incremental memory state", "sandbox", s.ID, "pages", st.PagesKept, "of", st.PagesSent, "bytes", st.Bytes)
+		phase("save state and changed RAM")
+	} else {
+		if err := m.SaveState(ctx, tmp); err != nil {
+			return err
+		}
+		phase("save device state")
 	}
-	phase("save device state")
 	// A completed migration has flushed and released the disk, so QEMU has
 	// nothing left to write: kill it rather than wait for an orderly quit.
 	if err := n.stopMachine(s.ID); err != nil {
@@ -118,7 +127,7 @@ func (n *Node) pause(ctx context.Context, s *Sandbox) error {
 	}
 	// The record is written first, then the state file takes its final
 	// name: a state file under its final name always has a valid record.
-	rec := pauseRecord{StateSHA256: sum, RAMInState: s.MemPrivate, PausedAt: time.Now().UTC()}
+	rec := pauseRecord{StateSHA256: sum, RAMInState: s.MemPrivate, RAMDiff: s.MemPrivate, PausedAt: time.Now().UTC()}
 	if err := writeJSONAtomic(filepath.Join(dir, pauseRecordName), rec); err != nil {
 		return err
 	}
@@ -135,6 +144,9 @@ const pauseRecordName = "paused.json"
 type pauseRecord struct {
 	StateSHA256 string    `json:"stateSHA256"`
 	RAMInState  bool      `json:"ramInState"`
+	// RAMDiff: the RAM in the state is only what differs from the image
+	// the sandbox maps (its mem_file), loaded over that image.
+	RAMDiff bool `json:"ramDiff,omitempty"`
 	PausedAt    time.Time `json:"pausedAt"`
 }
 
@@ -159,15 +171,20 @@ func writeJSONAtomic(path string, v any) error {
 	return storage.WriteFileAtomic(path, append(b, '\n'), 0o600)
 }
 
-// verifyPausedState checks that a paused sandbox's directory holds every
-// file its pause record needs and that the device state matches its checksum.
-func verifyPausedState(dir string) error {
+// verifyPausedState checks that a paused sandbox has every file its pause
+// record needs (its RAM file, or the image its copy-on-write RAM maps) and
+// that the saved state matches its checksum.
+func (n *Node) verifyPausedState(s *Sandbox) error {
+	dir := n.sandboxDir(s.ID)
 	rec, err := readPauseRecord(dir)
 	if err != nil {
 		return err
 	}
 	need := []string{filepath.Join(dir, stateFileName), filepath.Join(dir, overlayName)}
-	if !rec.RAMInState {
+	switch {
+	case s.MemPrivate && s.MemFile != "":
+		need = append(need, s.MemFile)
+	case !rec.RAMInState:
 		need = append(need, filepath.Join(dir, memFileName))
 	}
 	for _, f := range need {
@@ -269,7 +286,7 @@ func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*S
 func (n *Node) resume(ctx context.Context, s *Sandbox) error {
 	dir := n.sandboxDir(s.ID)
 	state := filepath.Join(dir, stateFileName)
-	if err := verifyPausedState(dir); err != nil {
+	if err := n.verifyPausedState(s); err != nil {
 		return err
 	}
 	phase := s.phaseTimer()
@@ -290,10 +307,18 @@ func (n *Node) resume(ctx context.Context, s *Sandbox) error {
 	n.adopt(s.ID, m)
 	s.PID = m.PID()
 	phase("qemu start")
-	if err := m.LoadState(ctx, state); err != nil {
+	rec, err := readPauseRecord(dir)
+	if err != nil {
 		return err
 	}
-	phase("load device state")
+	load := m.LoadState
+	if rec.RAMDiff {
+		load = m.LoadFullState
+	}
+	if err := load(ctx, state); err != nil {
+		return err
+	}
+	phase("load state")
 	if err := m.Resume(ctx); err != nil {
 		return err
 	}

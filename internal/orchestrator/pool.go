@@ -109,11 +109,7 @@ func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) 
 		return nil, err
 	}
 	m, err := func() (*vmm.Machine, error) {
-		if err := os.MkdirAll(n.sandboxDir(s.ID), 0o700); err != nil {
-			return nil, err
-		}
-		// Marks the directory as the pool's, not a user's, for operators.
-		if err := os.WriteFile(filepath.Join(n.sandboxDir(s.ID), PooledMarker), nil, 0o600); err != nil {
+		if err := n.makePooledDir(s.ID); err != nil {
 			return nil, err
 		}
 		if err := n.copySnapshotRAM(ts.SnapshotID, s.ID); err != nil {
@@ -130,6 +126,22 @@ func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) 
 		return nil, err
 	}
 	return &pooledSandbox{s: s, m: m}, nil
+}
+
+// makePooledDir creates the directory of a pooled sandbox with its marker
+// already inside: it is made under a hidden name and renamed into place, so
+// no one listing the sandboxes ever sees it unmarked (a crash leaves only the
+// hidden name, which recovery removes as an orphan).
+func (n *Node) makePooledDir(id string) error {
+	dir := n.sandboxDir(id)
+	tmp := filepath.Join(filepath.Dir(dir), "."+id+".new")
+	if err := os.MkdirAll(tmp, 0o700); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(tmp, PooledMarker), nil, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, dir)
 }
 
 // drainPool kills every pooled sandbox (on close).

@@ -170,10 +170,11 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 		err = n.claimPooled(ctx, s, pooled, ts)
 	case named != nil:
 		how = "snapshot " + named.Name
-		s.SnapshotID = named.SnapshotID
-		err = n.setFields(ctx, s.ID, "snapshot_id = ?", named.SnapshotID)
+		// The sandbox maps the snapshot's RAM image copy-on-write, sharing
+		// its page cache with every other sandbox made from it.
+		err = n.runOnSnapshot(ctx, s, named.SnapshotID)
 		if err == nil {
-			err = n.restoreTemplate(ctx, s, &templateSnapshot{SnapshotID: named.SnapshotID}, named.AccessToken)
+			err = n.restoreFromSnapshot(ctx, s, named.SnapshotID, named.AccessToken, true)
 		}
 	case fromTemplateSnapshot:
 		how = "template snapshot"
@@ -411,7 +412,13 @@ func (n *Node) destroy(ctx context.Context, s *Sandbox) {
 			n.log.Error("tear down network", "sandbox", s.ID, "err", err)
 		}
 	}
-	if err := os.RemoveAll(n.sandboxDir(s.ID)); err != nil {
+	// Renamed out of the way first: the removal is never seen half done.
+	dir := n.sandboxDir(s.ID)
+	gone := filepath.Join(filepath.Dir(dir), "."+s.ID+".gone")
+	if err := os.Rename(dir, gone); err == nil {
+		dir = gone
+	}
+	if err := os.RemoveAll(dir); err != nil {
 		n.log.Error("remove sandbox files", "sandbox", s.ID, "err", err)
 	}
 	if err := n.deleteSandbox(ctx, s.ID); err != nil {

@@ -37,6 +37,9 @@ type NamedSnapshot struct {
 	// TemplateLayer identifies the template build the snapshot was made on
 	// (in repository copies).
 	TemplateLayer string `json:"templateLayer,omitempty"`
+	// StateHasRAM: the state holds the pages that differ from the RAM image
+	// (in repository copies of incremental snapshots).
+	StateHasRAM bool `json:"stateHasRAM,omitempty"`
 }
 
 func (n *Node) namedSnapshotPath(name string) string {

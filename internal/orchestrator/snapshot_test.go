@@ -136,3 +136,100 @@ func TestSnapshotRepository(t *testing.T) {
 		t.Fatalf("sandboxes left after a failed import: %d", len(all))
 	}
 }
+
+// TestIncrementalSnapshot takes a second snapshot of a sandbox that runs on
+// its first: only the pages changed since then are written, the first
+// snapshot's RAM image is kept for as long as the second needs it, a
+// sandbox made from the second has the state of both, and a corrupted
+// state file is refused with a clear error.
+func TestIncrementalSnapshot(t *testing.T) {
+	n := testNode(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	src := create(t, n, CreateRequest{TemplateID: "minimal", Secure: true})
+	c := newEnvdClient(src)
+	r, err := c.run(ctx, "", "/bin/sh", "-c", "echo one > /home/user/one; sleep 1000 >/dev/null 2>&1 & echo $!")
+	if err != nil || r.exit != 0 {
+		t.Fatalf("prepare: %+v %v", r, err)
+	}
+	sleeper := strings.TrimSpace(r.stdout)
+	first, err := n.Snapshot(ctx, src.ID, "first")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The source now runs copy-on-write on the first snapshot's RAM image.
+	cur, _ := n.Get(ctx, src.ID)
+	if !cur.MemPrivate || cur.State != StateRunning {
+		t.Fatalf("source after the first snapshot: %+v", cur)
+	}
+	c = newEnvdClient(cur)
+	// 4 MiB of new data in guest memory (tmpfs) and a file on disk.
+	r, err = c.run(ctx, "", "/bin/sh", "-c", "mkdir -p /dev/shm && mount -t tmpfs tmpfs /dev/shm 2>/dev/null; head -c 4194304 /dev/urandom > /dev/shm/blob && md5sum /dev/shm/blob | cut -c1-32; echo two > /home/user/two")
+	if err != nil || r.exit != 0 {
+		t.Fatalf("write: %+v %v", r, err)
+	}
+	sum := strings.TrimSpace(r.stdout)
+	second, err := n.Snapshot(ctx, src.ID, "second")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var man snapshotManifest
+	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, second.SnapshotID)
+	if err := readJSON(filepath.Join(sdir, snapManifestName), &man); err != nil {
+		t.Fatal(err)
+	}
+	total := int64(src.MemoryMiB) << 20 / 4096
+	if man.MemoryBase != first.SnapshotID || man.DiffPages < 1024 || man.DiffPages > total/4 {
+		t.Fatalf("second snapshot is not incremental over the first: %+v (of %d pages)", man, total)
+	}
+	if _, err := os.Stat(filepath.Join(sdir, snapMemName)); !os.IsNotExist(err) {
+		t.Fatalf("incremental snapshot has a RAM image of its own: %v", err)
+	}
+	st, _ := os.Stat(filepath.Join(sdir, snapStateName))
+	t.Logf("incremental snapshot: %d changed pages of %d, state %d bytes", man.DiffPages, total, st.Size())
+
+	// The first snapshot's name can go; its image stays for the second.
+	if err := n.DeleteSnapshot(ctx, "first"); err != nil {
+		t.Fatal(err)
+	}
+	s := create(t, n, CreateRequest{TemplateID: "second", Secure: true})
+	out, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "kill -0 "+sleeper+" && cat /home/user/one /home/user/two && md5sum /dev/shm/blob | cut -c1-32")
+	if err != nil || out.stdout != "one\ntwo\n"+sum+"\n" {
+		t.Fatalf("sandbox from the incremental snapshot: %+v %v (want blob %s)", out, err, sum)
+	}
+	// A sandbox made from an incremental snapshot pauses and resumes.
+	if _, err := n.Pause(ctx, s.ID); err != nil {
+		t.Fatal(err)
+	}
+	rs, err := n.Resume(ctx, s.ID, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err = newEnvdClient(rs).run(ctx, "", "/bin/sh", "-c", "kill -0 "+sleeper+" && md5sum /dev/shm/blob | cut -c1-32")
+	if err != nil || out.stdout != sum+"\n" {
+		t.Fatalf("after pause and resume: %+v %v", out, err)
+	}
+
+	// A corrupted state: a clear error, nothing created, nothing deleted.
+	state := filepath.Join(sdir, snapStateName)
+	if err := os.Chmod(state, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.OpenFile(state, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.WriteAt([]byte("garbage"), 100)
+	f.Close()
+	before, _ := n.List(ctx)
+	if _, err := n.Create(ctx, CreateRequest{TemplateID: "second"}); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "checksum") {
+		t.Fatalf("create from a corrupted snapshot: %v", err)
+	}
+	after, _ := n.List(ctx)
+	if len(after) != len(before) {
+		t.Fatalf("a failed create left sandboxes: %d -> %d", len(before), len(after))
+	}
+	if _, err := os.Stat(state); err != nil {
+		t.Fatalf("corrupted snapshot was deleted: %v", err)
+	}
+}

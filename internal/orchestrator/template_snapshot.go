@@ -89,7 +89,7 @@ func (n *Node) PrepareTemplateSnapshot(ctx context.Context, name string) error {
 	err = n.transition(ctx, s.ID, StateSnapshotting, StateRunning)
 	var snapID string
 	if err == nil {
-		snapID, err = n.freeze(ctx, s, false)
+		snapID, err = n.freeze(ctx, s)
 	}
 	unlock()
 	// The boot sandbox has served its purpose either way.
@@ -109,8 +109,9 @@ func (n *Node) PrepareTemplateSnapshot(ctx context.Context, name string) error {
 	return nil
 }
 
-// restoreTemplate creates s from a template snapshot or a named snapshot;
-// authToken is the token that snapshot's envd holds.
+// restoreTemplate creates s from a template snapshot, on a RAM file of its
+// own (a copy of the snapshot's image); authToken is the token that
+// snapshot's envd holds.
 func (n *Node) restoreTemplate(ctx context.Context, s *Sandbox, ts *templateSnapshot, authToken string) error {
 	if err := os.MkdirAll(n.sandboxDir(s.ID), 0o700); err != nil {
 		return err
