@@ -142,12 +142,12 @@ const pauseRecordName = "paused.json"
 
 // pauseRecord describes a paused sandbox's saved state.
 type pauseRecord struct {
-	StateSHA256 string    `json:"stateSHA256"`
-	RAMInState  bool      `json:"ramInState"`
+	StateSHA256 string `json:"stateSHA256"`
+	RAMInState  bool   `json:"ramInState"`
 	// RAMDiff: the RAM in the state is only what differs from the image
 	// the sandbox maps (its mem_file), loaded over that image.
-	RAMDiff bool `json:"ramDiff,omitempty"`
-	PausedAt    time.Time `json:"pausedAt"`
+	RAMDiff  bool      `json:"ramDiff,omitempty"`
+	PausedAt time.Time `json:"pausedAt"`
 }
 
 func fileSHA256(path string) (string, error) {

@@ -67,7 +67,7 @@ type RAMDiffStats struct {
 
 // baseImage is the read-only RAM image pages are compared with.
 type baseImage struct {
-	data []byte     // the file, mapped read-only
+	data  []byte     // the file, mapped read-only
 	holes [][2]int64 // sorted [start, end) ranges known to read as zeros
 }
 
