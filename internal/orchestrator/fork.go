@@ -154,7 +154,16 @@ func (n *Node) capture(ctx context.Context, id string, count int, timeout time.D
 		return "", nil, err
 	}
 	start := time.Now()
-	snap, err := n.freeze(ctx, parent)
+	// A copy-on-write parent is captured without a restart; any other has
+	// its RAM file frozen and is restored from the snapshot with the
+	// children.
+	live := n.canSnapshotLive(parent)
+	var snap string
+	if live {
+		snap, err = n.snapshotLive(ctx, parent)
+	} else {
+		snap, err = n.freeze(ctx, parent)
+	}
 	if err != nil {
 		n.log.Error("fork: freezing the parent failed", "sandbox", id, "err", err)
 		if m := n.machine(id); m != nil {
@@ -172,11 +181,13 @@ func (n *Node) capture(ctx context.Context, id string, count int, timeout time.D
 	results := make([]ForkResult, count)
 	var wg sync.WaitGroup
 	var parentErr error
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		parentErr = n.restoreFromSnapshot(ctx, parent, snap, parent.AccessToken, false)
-	}()
+	if !live {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			parentErr = n.restoreFromSnapshot(ctx, parent, snap, parent.AccessToken, false)
+		}()
+	}
 	for i := range results {
 		wg.Add(1)
 		go func(i int) {

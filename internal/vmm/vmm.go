@@ -132,8 +132,8 @@ func (c *Config) Args() []string {
 		"-append", c.Cmdline,
 		"-chardev", "file,id=console,path=" + filepath.Join(c.RunDir, ConsoleName),
 		"-serial", "chardev:console",
-		"-drive", "id=root,file=" + c.RootDisk + ",format=qcow2,if=none,cache=writeback,discard=unmap",
-		"-device", "virtio-blk-device,drive=root",
+		"-drive", "id=" + rootDriveID + ",file=" + c.RootDisk + ",format=qcow2,if=none,cache=writeback,discard=unmap",
+		"-device", "virtio-blk-device,drive=" + rootDriveID,
 		"-object", "rng-random,id=rng,filename=/dev/urandom",
 		"-device", "virtio-rng-device,rng=rng",
 		"-device", "virtio-balloon-device,free-page-reporting=on",
@@ -152,6 +152,9 @@ func (c *Config) Args() []string {
 	}
 	return args
 }
+
+// rootDriveID names the root disk's drive in QEMU.
+const rootDriveID = "root"
 
 // Machine is a running QEMU process.
 type Machine struct {
