@@ -133,13 +133,17 @@ func (n *Node) Fork(ctx context.Context, id string, count int, timeout time.Dura
 	if timeout < 0 || timeout > n.cfg.MaxTimeout {
 		return nil, fmt.Errorf("%w: timeout must be between 1s and %s", ErrInvalid, n.cfg.MaxTimeout)
 	}
-	_, results, err := n.capture(ctx, id, count, timeout, StateForking)
+	snap, results, err := n.capture(ctx, id, count, timeout, StateForking)
+	if snap != "" {
+		n.unpinSnapshot(snap) // the children's records refer to it now
+	}
 	return results, err
 }
 
 // capture freezes a running sandbox into a snapshot, restores it, and
 // restores count children from the same snapshot; op is the state the
-// sandbox shows meanwhile.
+// sandbox shows meanwhile. The snapshot it returns is pinned against garbage
+// collection; the caller unpins it once a record refers to it.
 func (n *Node) capture(ctx context.Context, id string, count int, timeout time.Duration, op State) (string, []ForkResult, error) {
 	unlock := n.lockOp(id)
 	defer unlock()
@@ -161,8 +165,8 @@ func (n *Node) capture(ctx context.Context, id string, count int, timeout time.D
 	var snap string
 	if live {
 		snap, err = n.snapshotLive(ctx, parent)
-	} else {
-		snap, err = n.freeze(ctx, parent)
+	} else if snap, err = n.freeze(ctx, parent); err == nil {
+		n.pinSnapshot(snap)
 	}
 	if err != nil {
 		n.log.Error("fork: freezing the parent failed", "sandbox", id, "err", err)
@@ -484,7 +488,7 @@ func (n *Node) forkChild(ctx context.Context, parent *Sandbox, snapID string, ti
 	if err != nil {
 		return ForkResult{Err: err}
 	}
-	c.MemFile, c.MemPrivate = image, true
+	c.SnapshotID, c.MemFile, c.MemPrivate = snapID, image, true
 	unlock := n.lockOp(c.ID)
 	defer unlock()
 	n.mu.Lock()
@@ -570,6 +574,11 @@ func (n *Node) gcSnapshots(ctx context.Context) {
 		keep(s.SnapshotID)
 		keep(n.memoryBaseOf(s))
 	}
+	n.mu.Lock()
+	for id := range n.pinned {
+		keep(id)
+	}
+	n.mu.Unlock()
 	for _, e := range ents {
 		if strings.HasPrefix(e.Name(), ".") {
 			continue // an export or import being staged

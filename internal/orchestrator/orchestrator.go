@@ -194,7 +194,10 @@ type Node struct {
 	machines map[string]*vmm.Machine
 	opLocks  map[string]*sync.Mutex
 	pool     map[string][]*pooledSandbox // by snapshot id; guarded by mu
-	poolMu   sync.Mutex                  // one pool filler at a time
+	// pinned snapshots are being made and not yet referenced by any record;
+	// garbage collection keeps them. Guarded by mu.
+	pinned map[string]int
+	poolMu sync.Mutex // one pool filler at a time
 
 	stop      chan struct{}
 	closeOnce sync.Once
@@ -239,6 +242,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		machines: map[string]*vmm.Machine{},
 		opLocks:  map[string]*sync.Mutex{},
 		pool:     map[string][]*pooledSandbox{},
+		pinned:   map[string]int{},
 		stop:     make(chan struct{}),
 		lastSlot: -1,
 	}

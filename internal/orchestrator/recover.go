@@ -31,7 +31,6 @@ func (n *Node) recover(ctx context.Context) error {
 		case StateRunning:
 			m, err := vmm.Attach(ctx, n.sandboxDir(s.ID))
 			if err == nil {
-				n.adoptedOverlay(ctx, s.ID, m)
 				n.adopt(s.ID, m)
 				known[s.ID] = true
 				slots[fmt.Sprint(s.Slot)] = true
@@ -139,7 +138,6 @@ func (n *Node) recoverInterrupted(ctx context.Context, s *Sandbox) State {
 
 // finishInterruptedResume continues a live machine and re-initialises envd.
 func (n *Node) finishInterruptedResume(ctx context.Context, s *Sandbox, m *vmm.Machine) bool {
-	n.adoptedOverlay(ctx, s.ID, m)
 	if st, err := m.Status(ctx); err != nil || (st != "running" && st != "paused") {
 		_ = m.Kill()
 		return false

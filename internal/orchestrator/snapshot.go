@@ -71,6 +71,7 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 	if snapID == "" && err != nil {
 		return nil, err
 	}
+	defer n.unpinSnapshot(snapID) // once the record below refers to it
 	ns := &NamedSnapshot{
 		Name: name, SnapshotID: snapID, SandboxID: id, TemplateID: s.TemplateID, VCPUs: s.VCPUs,
 		MemoryMiB: s.MemoryMiB, DiskMiB: s.DiskMiB, DefaultUser: defaultUser,

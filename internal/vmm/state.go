@@ -128,7 +128,10 @@ func (m *Machine) SaveStateDiff(ctx context.Context, path, base string) (RAMDiff
 		return RAMDiffStats{}, ctx.Err()
 	}
 	if merr != nil {
-		return r.stats, merr
+		if r.err != nil {
+			merr = fmt.Errorf("%w (stream: %v)", merr, r.err)
+		}
+		return r.stats, fmt.Errorf("%w%s", merr, m.logTail())
 	}
 	if r.err != nil {
 		return r.stats, fmt.Errorf("write incremental state: %w", r.err)
@@ -232,43 +235,4 @@ func (m *Machine) Quit(ctx context.Context) error {
 		return kerr
 	}
 	return err
-}
-
-// RootDiskFile is the file QEMU currently writes the root disk to (the top
-// of its backing chain), as QEMU names it.
-func (m *Machine) RootDiskFile(ctx context.Context) (string, error) {
-	raw, err := m.qmp.Execute(ctx, "query-block", nil)
-	if err != nil {
-		return "", err
-	}
-	var blocks []struct {
-		Device   string `json:"device"`
-		Inserted *struct {
-			File string `json:"file"`
-		} `json:"inserted"`
-	}
-	if err := json.Unmarshal(raw, &blocks); err != nil {
-		return "", fmt.Errorf("parse query-block: %w", err)
-	}
-	for _, b := range blocks {
-		if b.Device == rootDriveID && b.Inserted != nil {
-			return b.Inserted.File, nil
-		}
-	}
-	return "", fmt.Errorf("no root disk in query-block")
-}
-
-// SwitchRootDisk makes overlay, an existing qcow2 image whose backing file
-// holds the current root disk's contents, the root disk's new top layer:
-// from here on the guest writes go to overlay and the former top is only
-// read. QEMU reopens the former top read-only by the name it opened it
-// with, which must still name that file.
-func (m *Machine) SwitchRootDisk(ctx context.Context, overlay string) error {
-	_, err := m.qmp.Execute(ctx, "blockdev-snapshot-sync", map[string]any{
-		"device": rootDriveID, "snapshot-file": overlay, "format": "qcow2", "mode": "existing",
-	})
-	if err != nil {
-		return fmt.Errorf("switch root disk to %s: %w", filepath.Base(overlay), err)
-	}
-	return nil
 }
