@@ -214,13 +214,11 @@ func (n *Node) capture(ctx context.Context, id string, count int, timeout time.D
 	return snap, results, nil
 }
 
-// freeze stops the parent, saves its state and turns its memory and disk
-// overlay into a read-only snapshot; the parent's QEMU exits. A parent with
-// its own RAM file gives the file to the snapshot (a full snapshot). A parent
-// running copy-on-write on an earlier snapshot's RAM image writes only the
-// pages that differ from that image (an incremental snapshot over it). Either
-// way the parent's record then points at the snapshot: it runs on, and
-// resumes, from it, mapping its RAM image copy-on-write.
+// freeze stops a parent that has a RAM file of its own, saves its device
+// state and turns its RAM file and disk overlay into a read-only (full)
+// snapshot; the parent's QEMU exits. The parent's record then points at the
+// snapshot: it runs on, and resumes, from it, mapping its RAM image
+// copy-on-write. (Copy-on-write sandboxes are captured by snapshotLive.)
 func (n *Node) freeze(ctx context.Context, parent *Sandbox) (string, error) {
 	m := n.machine(parent.ID)
 	if m == nil {
@@ -232,10 +230,9 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox) (string, error) {
 	if err := os.MkdirAll(sdir, 0o700); err != nil {
 		return "", err
 	}
-	base := n.memoryBaseOf(parent)
-	if parent.MemPrivate && base == "" {
+	if parent.MemPrivate {
 		os.RemoveAll(sdir)
-		return "", fmt.Errorf("copy-on-write RAM of %s maps no snapshot image (%q)", parent.ID, parent.MemFile)
+		return "", fmt.Errorf("sandbox %s has no RAM file of its own to freeze", parent.ID)
 	}
 	// Record the snapshot before touching anything: its manifest names the
 	// layer the parent's disk stacks on, and the parent's record names the
@@ -248,8 +245,7 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox) (string, error) {
 		return "", err
 	}
 	early := snapshotManifest{ID: snapID, SandboxID: parent.ID, TemplateID: parent.TemplateID,
-		ParentLayer: before.BackingFilename, MemoryMiB: parent.MemoryMiB, CreatedAt: time.Now().UTC(),
-		MemoryBase: base, StateHasRAM: base != ""}
+		ParentLayer: before.BackingFilename, MemoryMiB: parent.MemoryMiB, CreatedAt: time.Now().UTC()}
 	if err := writeJSONAtomic(filepath.Join(sdir, snapManifestName), early); err != nil {
 		os.RemoveAll(sdir)
 		return "", err
@@ -268,20 +264,13 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox) (string, error) {
 		abandon()
 		return "", err
 	}
-	moves := [][2]string{{filepath.Join(pdir, overlayName), filepath.Join(sdir, snapDiskName)}}
-	if base != "" {
-		st, err := m.SaveStateDiff(ctx, filepath.Join(sdir, snapStateName), parent.MemFile)
-		if err != nil {
-			abandon()
-			return "", fmt.Errorf("write incremental snapshot: %w", err)
-		}
-		early.DiffPages = st.PagesKept
-	} else {
-		if err := m.SaveState(ctx, filepath.Join(sdir, snapStateName)); err != nil {
-			abandon()
-			return "", err
-		}
-		moves = append(moves, [2]string{filepath.Join(pdir, memFileName), filepath.Join(sdir, snapMemName)})
+	if err := m.SaveState(ctx, filepath.Join(sdir, snapStateName)); err != nil {
+		abandon()
+		return "", err
+	}
+	moves := [][2]string{
+		{filepath.Join(pdir, overlayName), filepath.Join(sdir, snapDiskName)},
+		{filepath.Join(pdir, memFileName), filepath.Join(sdir, snapMemName)},
 	}
 	if err := n.stopMachine(parent.ID); err != nil {
 		return "", err

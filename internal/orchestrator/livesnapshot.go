@@ -70,19 +70,14 @@ func (n *Node) snapshotLive(ctx context.Context, s *Sandbox) (string, error) {
 		return "", err
 	}
 	phase("resume vcpus")
-	for _, f := range []string{snapStateName, snapDiskName} {
-		if err := syncFile(filepath.Join(stage, f)); err != nil {
-			return "", err
-		}
+	// (The state file was synced as it was written.)
+	if err := syncFile(filepath.Join(stage, snapDiskName)); err != nil {
+		return "", err
 	}
 	if err := os.Chmod(filepath.Join(stage, snapDiskName), 0o400); err != nil {
 		return "", err
 	}
-	sum, err := fileSHA256(filepath.Join(stage, snapStateName))
-	if err != nil {
-		return "", err
-	}
-	man.StateSHA256, man.DiffPages = sum, st.PagesKept
+	man.StateSHA256, man.DiffPages = st.SHA256, st.PagesKept
 	if err := writeJSONAtomic(filepath.Join(stage, snapManifestName), man); err != nil {
 		return "", err
 	}

@@ -89,6 +89,7 @@ func (n *Node) pause(ctx context.Context, s *Sandbox) error {
 	phase("stop vcpus")
 	tmp := filepath.Join(dir, stateFileName+".tmp")
 	_ = os.Remove(tmp)
+	var sum string // of the state, if known as it was written
 	if s.MemPrivate {
 		// Copy-on-write RAM is no file of the sandbox's own: the pages that
 		// differ from the image it maps go into the state.
@@ -96,6 +97,7 @@ func (n *Node) pause(ctx context.Context, s *Sandbox) error {
 		if err != nil {
 			return err
 		}
+		sum = st.SHA256
 		n.log.Info("incremental memory state", "sandbox", s.ID, "pages", st.PagesKept, "of", st.PagesSent, "bytes", st.Bytes)
 		phase("save state and changed RAM")
 	} else {
@@ -112,18 +114,20 @@ func (n *Node) pause(ctx context.Context, s *Sandbox) error {
 	phase("qemu exit")
 	// QEMU has flushed the disk and RAM file mappings; make them and the
 	// state durable, then publish the state file.
-	files := []string{overlayName, stateFileName + ".tmp"}
+	files := []string{overlayName}
 	if !s.MemPrivate {
-		files = append(files, memFileName)
+		files = append(files, memFileName, stateFileName+".tmp")
 	}
 	for _, f := range files {
 		if err := syncFile(filepath.Join(dir, f)); err != nil {
 			return err
 		}
 	}
-	sum, err := fileSHA256(tmp)
-	if err != nil {
-		return err
+	if sum == "" {
+		var err error
+		if sum, err = fileSHA256(tmp); err != nil {
+			return err
+		}
 	}
 	// The record is written first, then the state file takes its final
 	// name: a state file under its final name always has a valid record.

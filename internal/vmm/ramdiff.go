@@ -3,6 +3,8 @@ package vmm
 import (
 	"bufio"
 	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -61,8 +63,9 @@ type RAMDiffStats struct {
 	// included); PagesKept how many of them differ from the base and were
 	// written.
 	PagesSent, PagesKept int64
-	// Bytes is the size of the written stream.
-	Bytes int64
+	// Bytes is the size of the written stream, SHA256 its checksum (hex).
+	Bytes  int64
+	SHA256 string
 }
 
 // baseImage is the read-only RAM image pages are compared with.
@@ -166,13 +169,14 @@ func streamErr(format string, a ...any) error {
 
 // filterRAMDiff runs the copy; it returns once src is exhausted.
 func filterRAMDiff(dst io.Writer, src io.Reader, block string, base *baseImage) (RAMDiffStats, error) {
-	cw := &countingWriter{w: dst}
+	sum := sha256.New()
+	cw := &countingWriter{w: io.MultiWriter(dst, sum)}
 	w := &ramDiffWriter{src: bufio.NewReaderSize(src, 1<<20), dst: bufio.NewWriterSize(cw, 1<<20), block: block, base: base}
 	err := w.run()
 	if ferr := w.dst.Flush(); err == nil {
 		err = ferr
 	}
-	w.stats.Bytes = cw.n
+	w.stats.Bytes, w.stats.SHA256 = cw.n, hex.EncodeToString(sum.Sum(nil))
 	return w.stats, err
 }
 
