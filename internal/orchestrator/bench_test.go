@@ -97,8 +97,10 @@ func reportPercentiles(b *testing.B, ds []time.Duration) {
 
 // BenchmarkPauseResume pauses and resumes one running `base` sandbox b.N
 // times and reports p50/p90 of each. The resume figure ends when envd has
-// accepted /init (so the sandbox answers requests). Baseline in the same run:
-// the bare QMP stop/cont round trip on the running machine.
+// accepted /init (so the sandbox answers requests), first with a RAM file of
+// its own, then with copy-on-write RAM over a snapshot's image (pause writes
+// the changed pages). Baseline in the same run: the bare QMP stop/cont round
+// trip on the running machine.
 func BenchmarkPauseResume(b *testing.B) {
 	n := testNode(b)
 	ctx := context.Background()
@@ -106,33 +108,50 @@ func BenchmarkPauseResume(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	var stopCont, pause, resume []time.Duration
-	for i := 0; i < b.N; i++ {
-		m := n.machine(s.ID)
-		t0 := time.Now()
-		if err := m.Pause(ctx); err != nil {
-			b.Fatal(err)
-		}
-		if err := m.Resume(ctx); err != nil {
-			b.Fatal(err)
-		}
-		stopCont = append(stopCont, time.Since(t0))
-		t0 = time.Now()
-		if _, err := n.Pause(ctx, s.ID); err != nil {
-			b.Fatal(err)
-		}
-		pause = append(pause, time.Since(t0))
-		t0 = time.Now()
-		if _, err := n.Resume(ctx, s.ID, time.Hour); err != nil {
-			b.Fatal(err)
-		}
-		resume = append(resume, time.Since(t0))
+	type series struct {
+		name string
+		ds   []time.Duration
 	}
-	for name, ds := range map[string][]time.Duration{"baseline-stop-cont": stopCont, "pause": pause, "resume": resume} {
-		fmt.Fprintf(os.Stderr, "%-20s n=%d p50 %8s p90 %8s\n", name, len(ds),
-			percentile(ds, 50).Round(10*time.Microsecond), percentile(ds, 90).Round(10*time.Microsecond))
+	var all []*series
+	cycle := func(kind string) *series {
+		stopCont, pause, resume := &series{name: "baseline-stop-cont"}, &series{name: "pause" + kind}, &series{name: "resume" + kind}
+		all = append(all, stopCont, pause, resume)
+		for i := 0; i < b.N; i++ {
+			m := n.machine(s.ID)
+			t0 := time.Now()
+			if err := m.Pause(ctx); err != nil {
+				b.Fatal(err)
+			}
+			if err := m.Resume(ctx); err != nil {
+				b.Fatal(err)
+			}
+			stopCont.ds = append(stopCont.ds, time.Since(t0))
+			t0 = time.Now()
+			if _, err := n.Pause(ctx, s.ID); err != nil {
+				b.Fatal(err)
+			}
+			pause.ds = append(pause.ds, time.Since(t0))
+			t0 = time.Now()
+			if _, err := n.Resume(ctx, s.ID, time.Hour); err != nil {
+				b.Fatal(err)
+			}
+			resume.ds = append(resume.ds, time.Since(t0))
+		}
+		return resume
 	}
-	reportPercentiles(b, resume)
+	// A sandbox with a RAM file of its own (cold-booted or from a template
+	// snapshot), then the same sandbox once a snapshot has turned its RAM
+	// into a copy-on-write mapping of the snapshot's image.
+	resume := cycle("")
+	if _, err := n.Snapshot(ctx, s.ID, "bench-cow"); err != nil {
+		b.Fatal(err)
+	}
+	cycle("-copy-on-write")
+	for _, sr := range all {
+		fmt.Fprintf(os.Stderr, "%-28s n=%d p50 %8s p90 %8s\n", sr.name, len(sr.ds),
+			percentile(sr.ds, 50).Round(10*time.Microsecond), percentile(sr.ds, 90).Round(10*time.Microsecond))
+	}
+	reportPercentiles(b, resume.ds)
 }
 
 // BenchmarkFork forks a running `base` sandbox (which has a process running)
