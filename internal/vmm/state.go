@@ -139,6 +139,9 @@ func (m *Machine) SaveStateDiff(ctx context.Context, path, base string) (RAMDiff
 	if err := out.Sync(); err != nil {
 		return r.stats, err
 	}
+	if err := releaseHoles(m.pid, base, img.holes); err != nil {
+		return r.stats, fmt.Errorf("release the zero pages the save faulted in: %w", err)
+	}
 	return r.stats, out.Close()
 }
 
