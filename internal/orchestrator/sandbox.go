@@ -115,7 +115,7 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 		TrafficToken:  newToken(),
 		DefaultUser:   t.DefaultUser,
 		Metadata:      req.Metadata,
-		EnvVars:       req.EnvVars,
+		EnvVars:       mergeEnv(t.EnvVars, req.EnvVars),
 		CreatedAt:     now,
 		StartedAt:     now,
 		EndAt:         now.Add(req.Timeout),
@@ -449,4 +449,19 @@ func (n *Node) ConsoleLog(ctx context.Context, id string, maxBytes int64) ([]byt
 		off = st.Size() - maxBytes
 	}
 	return io.ReadAll(io.NewSectionReader(f, off, st.Size()-off))
+}
+
+// mergeEnv is a template's env vars overridden by a create's.
+func mergeEnv(template, request map[string]string) map[string]string {
+	if len(template) == 0 {
+		return request
+	}
+	out := make(map[string]string, len(template)+len(request))
+	for k, v := range template {
+		out[k] = v
+	}
+	for k, v := range request {
+		out[k] = v
+	}
+	return out
 }

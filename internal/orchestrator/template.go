@@ -24,6 +24,11 @@ type Template struct {
 	DefaultUser string `json:"defaultUser"`
 	// EnvdVersion is the envd version inside sandboxes of this template.
 	EnvdVersion string `json:"envdVersion"`
+	// EnvVars are set in every sandbox of the template (a create's own
+	// take precedence).
+	EnvVars map[string]string `json:"envVars,omitempty"`
+	// Image is the OCI image the template was imported from, if any.
+	Image string `json:"image,omitempty"`
 }
 
 var templateNameRE = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)

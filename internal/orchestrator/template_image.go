@@ -1,0 +1,139 @@
+package orchestrator
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/storage"
+	"github.com/agentenv/agentenv/internal/storage/image"
+)
+
+// Templates from OCI images: the image's layers become shared disk layers
+// in <data>/layers (one per chain ID, see internal/storage/image); one more
+// layer adds what E2B sandboxes expect (the user `user` with uid 1000 and a
+// home); the template's root layer is an empty qcow2 overlay on top.
+
+const layersDir = "layers"
+
+// finishLayerID versions the E2B conventions layer: changing what
+// e2bConventions does must change it.
+const finishLayerID = "aenv-user-v1"
+
+// ImportTemplate builds (or rebuilds) template name from an OCI image.
+func ImportTemplate(ctx context.Context, dataDir, name string, src image.Source, sizeMiB int, log func(string, ...any)) (*Template, error) {
+	if !templateNameRE.MatchString(name) {
+		return nil, fmt.Errorf("%w: template name %q must match %s", ErrInvalid, name, templateNameRE)
+	}
+	start := time.Now()
+	res, err := image.Import(ctx, src, image.Options{
+		LayersDir: filepath.Join(dataDir, layersDir), SizeMiB: sizeMiB, Log: log,
+		Finish: e2bConventions, FinishID: finishLayerID,
+	})
+	if err != nil {
+		if errors.Is(err, image.ErrImage) {
+			return nil, fmt.Errorf("%w: %v", ErrInvalid, err)
+		}
+		return nil, fmt.Errorf("import %s: %w", src, err)
+	}
+	dir := TemplateDir(dataDir, name)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	// The template's layer is a thin overlay on the shared layers, put in
+	// place atomically.
+	tmp := filepath.Join(dir, ".rootfs.qcow2.tmp")
+	_ = os.Remove(tmp)
+	if err := storage.CreateOverlay(ctx, res.Top, tmp, 0); err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(tmp, 0o444); err != nil {
+		return nil, err
+	}
+	if err := os.Rename(tmp, TemplateRootLayer(dataDir, name)); err != nil {
+		return nil, err
+	}
+	env := map[string]string{}
+	for _, kv := range res.Env {
+		if k, v, ok := strings.Cut(kv, "="); ok && k != "" {
+			env[k] = v
+		}
+	}
+	t := Template{Name: name, DefaultUser: "user", EnvVars: env, Image: src.String()}
+	if err := RegisterTemplate(dataDir, t); err != nil {
+		return nil, err
+	}
+	reused := 0
+	for _, l := range res.Layers {
+		if l.Reused {
+			reused++
+		}
+	}
+	log("template %s from %s: %d layers (%d reused) in %s", name, src, len(res.Layers), reused, time.Since(start).Round(time.Millisecond))
+	return LoadTemplate(dataDir, name)
+}
+
+// e2bConventions adds the user `user` (uid and gid 1000, home /home/user)
+// that E2B sandboxes run commands as, unless the image has it. Files of the
+// image are read and replaced only through paths resolved inside it.
+func e2bConventions(root string) error {
+	passwd, err := image.ReadFileInRoot(root, "etc/passwd")
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	group, err := image.ReadFileInRoot(root, "etc/group")
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	if len(passwd) == 0 {
+		passwd = []byte("root:x:0:0:root:/root:/bin/sh\n")
+	}
+	if len(group) == 0 {
+		group = []byte("root:x:0:\n")
+	}
+	shell := "/bin/sh"
+	if _, err := image.ReadFileInRoot(root, "bin/bash"); err == nil {
+		shell = "/bin/bash"
+	}
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	now := time.Now()
+	file := func(name string, data []byte, mode int64) {
+		_ = tw.WriteHeader(&tar.Header{Name: name, Typeflag: tar.TypeReg, Mode: mode, Size: int64(len(data)), ModTime: now})
+		_, _ = tw.Write(data)
+	}
+	if !hasEntry(passwd, "user") {
+		file("etc/passwd", append(withNewline(passwd), "user:x:1000:1000:user:/home/user:"+shell+"\n"...), 0o644)
+	}
+	if !hasEntry(group, "user") {
+		file("etc/group", append(withNewline(group), "user:x:1000:\n"...), 0o644)
+	}
+	_ = tw.WriteHeader(&tar.Header{Name: "home/user/", Typeflag: tar.TypeDir, Mode: 0o755, Uid: 1000, Gid: 1000, ModTime: now})
+	if err := tw.Close(); err != nil {
+		return err
+	}
+	return image.ApplyTar(root, &buf)
+}
+
+func hasEntry(db []byte, name string) bool {
+	for _, line := range strings.Split(string(db), "\n") {
+		if strings.HasPrefix(line, name+":") {
+			return true
+		}
+	}
+	return false
+}
+
+func withNewline(b []byte) []byte {
+	if len(b) > 0 && b[len(b)-1] != '\n' {
+		return append(b, '\n')
+	}
+	return b
+}
