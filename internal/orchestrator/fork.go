@@ -224,8 +224,7 @@ func (n *Node) freeze(ctx context.Context, parent *Sandbox) (string, error) {
 	if m == nil {
 		return "", errors.New("no running machine")
 	}
-	snapID := "fork-" + randomHex(8)
-	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, snapID)
+	snapID, sdir := n.newSnapshotID()
 	pdir := n.sandboxDir(parent.ID)
 	if err := os.MkdirAll(sdir, 0o700); err != nil {
 		return "", err
@@ -500,6 +499,12 @@ func (n *Node) forkChild(ctx context.Context, parent *Sandbox, snapID string, ti
 	}
 	c.State = StateRunning
 	return ForkResult{Sandbox: n.withAddr(&c)}
+}
+
+// newSnapshotID names a new snapshot and its directory.
+func (n *Node) newSnapshotID() (id, dir string) {
+	id = "fork-" + randomHex(8)
+	return id, filepath.Join(n.cfg.DataDir, snapshotsDir, id)
 }
 
 func randomHex(n int) string {

@@ -35,8 +35,7 @@ func (n *Node) snapshotLive(ctx context.Context, s *Sandbox) (string, error) {
 	if m == nil {
 		return "", errors.New("no running machine")
 	}
-	snapID := "fork-" + randomHex(8)
-	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, snapID)
+	snapID, sdir := n.newSnapshotID()
 	overlay := filepath.Join(n.sandboxDir(s.ID), overlayName)
 	phase := s.phaseTimer()
 	info, err := storage.Info(ctx, overlay)
