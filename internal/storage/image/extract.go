@@ -125,7 +125,7 @@ func (x *extractor) entry(h *tar.Header, r io.Reader) error {
 		if err := unix.Mkdirat(dfd, base, 0o700); err != nil && !errors.Is(err, unix.EEXIST) {
 			return err
 		}
-	case tar.TypeReg, tar.TypeRegA: //nolint:staticcheck // TypeRegA appears in old layers
+	case tar.TypeReg: // (the reader turns old TypeRegA entries into TypeReg)
 		fd, err := unix.Openat(dfd, base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
 		if err != nil {
 			return err
