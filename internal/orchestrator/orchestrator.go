@@ -146,6 +146,9 @@ type Config struct {
 	PoolSize int
 	// TCGTranslationCacheMiB bounds QEMU's TCG translation cache per sandbox.
 	TCGTranslationCacheMiB int
+	// NoFreePageReporting turns off the balloon's free page reporting (for
+	// measuring what it saves; see vmm.Config).
+	NoFreePageReporting bool
 	Logger                 *slog.Logger
 }
 

@@ -353,6 +353,8 @@ func (n *Node) vmConfig(s *Sandbox, tap *os.File, incoming bool) vmm.Config {
 		TBSizeMiB:     n.cfg.TCGTranslationCacheMiB,
 		Incoming:      incoming,
 		Tap:           tap,
+
+		NoFreePageReporting: n.cfg.NoFreePageReporting,
 	}
 	if s.MemFile != "" {
 		cfg.MemFile = s.MemFile

@@ -52,6 +52,10 @@ type Config struct {
 	// writes stay in this process and the file is never modified, so many
 	// machines can restore from one frozen memory image.
 	PrivateMemory bool
+	// NoFreePageReporting turns off the balloon's free page reporting, by
+	// which the guest hands pages it frees back to the host (on by
+	// default). Saved state only loads into a machine with the same setting.
+	NoFreePageReporting bool
 }
 
 // Paths inside RunDir.
@@ -114,10 +118,6 @@ func (c *Config) Args() []string {
 		cpu = "host"
 	}
 	mem := strconv.Itoa(c.MemoryMiB) + "M"
-	share := "on"
-	if c.PrivateMemory {
-		share = "off"
-	}
 	args := []string{
 		"-name", namePrefix + filepath.Base(c.RunDir),
 		"-M", "microvm,x-option-roms=off,isa-serial=on,rtc=on,memory-backend=mem",
@@ -125,7 +125,7 @@ func (c *Config) Args() []string {
 		"-cpu", cpu,
 		"-smp", strconv.Itoa(c.VCPUs),
 		"-m", mem,
-		"-object", "memory-backend-file,id=mem,size=" + mem + ",mem-path=" + c.MemFile + ",share=" + share,
+		"-object", "memory-backend-file,id=mem,size=" + mem + ",mem-path=" + c.MemFile + ",share=" + onOff(!c.PrivateMemory),
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
 		"-kernel", c.Kernel,
 		"-initrd", c.Initrd,
@@ -136,7 +136,7 @@ func (c *Config) Args() []string {
 		"-device", "virtio-blk-device,drive=" + rootDriveID,
 		"-object", "rng-random,id=rng,filename=/dev/urandom",
 		"-device", "virtio-rng-device,rng=rng",
-		"-device", "virtio-balloon-device,free-page-reporting=on",
+		"-device", "virtio-balloon-device,free-page-reporting=" + onOff(!c.NoFreePageReporting),
 		"-qmp", "unix:" + filepath.Join(c.RunDir, QMPSocketName) + ",server=on,wait=off",
 		"-pidfile", filepath.Join(c.RunDir, PIDFileName),
 	}
@@ -438,4 +438,11 @@ func (m *Machine) Kill() error {
 		_ = m.qmp.Close()
 	}
 	return nil
+}
+
+func onOff(b bool) string {
+	if b {
+		return "on"
+	}
+	return "off"
 }

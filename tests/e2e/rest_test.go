@@ -134,3 +134,43 @@ func TestLogsAndMetricsRealNode(t *testing.T) {
 	}
 	t.Logf("%d console lines; first %q", len(logs.Logs), logs.Logs[0].Line)
 }
+
+// TestNodeMetricsRealNode scrapes the node's Prometheus metrics: memory of
+// the host and of each running sandbox's QEMU, sandboxes by state; the key
+// is required.
+func TestNodeMetricsRealNode(t *testing.T) {
+	s := needServer(t)
+	sb := s.createSandbox(t, map[string]any{"templateID": "minimal"})
+	get := func(key string) (int, string) {
+		req, _ := http.NewRequest("GET", s.url+"/metrics", nil)
+		if key != "" {
+			req.Header.Set("Authorization", "Bearer "+key)
+		}
+		req.Close = true
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	if code, _ := get(""); code != http.StatusUnauthorized {
+		t.Fatalf("metrics without a key: %d", code)
+	}
+	code, body := get(apiKey)
+	if code != 200 {
+		t.Fatalf("metrics: %d %.300s", code, body)
+	}
+	for _, want := range []string{
+		`aenv_sandbox_memory_pss_bytes{sandbox_id="` + sb.SandboxID + `",template_id="minimal"}`,
+		`aenv_sandbox_memory_guest_bytes{sandbox_id="` + sb.SandboxID + `",template_id="minimal"} 2.68435456e+08`,
+		`aenv_sandboxes{state="running"}`,
+		"aenv_node_memory_available_bytes ",
+		"aenv_node_sandbox_memory_pss_bytes ",
+	} {
+		if !strings.Contains(body, want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
+}
