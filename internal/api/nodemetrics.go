@@ -22,7 +22,7 @@ type MemoryReporter interface {
 type memoryCollector struct {
 	node MemoryReporter
 
-	sandboxes, hostTotal, hostAvail          *prometheus.Desc
+	sandboxes, hostTotal, hostAvail         *prometheus.Desc
 	guest, rss, pss, anon, sumPSS, sumGuest *prometheus.Desc
 }
 

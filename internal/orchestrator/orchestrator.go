@@ -149,7 +149,7 @@ type Config struct {
 	// NoFreePageReporting turns off the balloon's free page reporting (for
 	// measuring what it saves; see vmm.Config).
 	NoFreePageReporting bool
-	Logger                 *slog.Logger
+	Logger              *slog.Logger
 }
 
 func (c *Config) setDefaults() {
