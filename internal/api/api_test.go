@@ -617,7 +617,7 @@ func TestOpenAPIServedAndCoversRoutes(t *testing.T) {
 		"/sandboxes/{sandboxID}/refreshes:", "/sandboxes/{sandboxID}/connect:", "/v2/sandboxes/{sandboxID}/connect:",
 		"/sandboxes/{sandboxID}/pause:", "/sandboxes/{sandboxID}/resume:", "/sandboxes/{sandboxID}/metrics:",
 		"/sandboxes/{sandboxID}/logs:", "/sandboxes/{sandboxID}/fork:", "/sandboxes/{sandboxID}/snapshots:",
-		"/snapshots:", "/openapi.yml:", "/health:",
+		"/snapshots:", "/snapshots/{name}:", "/metrics:", "/openapi.yml:", "/health:",
 	} {
 		if !strings.Contains(spec, "\n  "+p+"\n") {
 			t.Errorf("openapi.yml does not document %s", strings.TrimSuffix(p, ":"))
