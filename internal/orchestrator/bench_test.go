@@ -7,8 +7,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"sort"
-	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -224,32 +222,8 @@ func (r rssInfo) String() string {
 }
 
 func rss(pid int) rssInfo {
-	var r rssInfo
-	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps_rollup", pid)); err == nil {
-		for _, line := range strings.Split(string(b), "\n") {
-			if f := strings.Fields(line); len(f) >= 2 && f[0] == "Pss:" {
-				r.pssKB, _ = strconv.ParseInt(f[1], 10, 64)
-			}
-		}
-	}
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		return r
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		f := strings.Fields(line)
-		if len(f) < 2 {
-			continue
-		}
-		v, _ := strconv.ParseInt(f[1], 10, 64)
-		switch f[0] {
-		case "RssAnon:":
-			r.anonKB = v
-		case "RssFile:":
-			r.fileKB = v
-		}
-	}
-	return r
+	m, _ := readProcessMemory(pid)
+	return rssInfo{anonKB: m.AnonBytes >> 10, fileKB: (m.RSSBytes - m.AnonBytes) >> 10, pssKB: m.PSSBytes >> 10}
 }
 
 // BenchmarkCreateFromSnapshot creates `base` sandboxes by restoring the
