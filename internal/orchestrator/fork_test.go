@@ -100,7 +100,7 @@ func TestFork(t *testing.T) {
 		t.Fatal(err)
 	}
 	if st, err := os.Stat(filepath.Join(n.sandboxDir(child.ID), stateFileName)); err == nil {
-		t.Logf("TMPMEASURE pause of a fork child took %v, state %d bytes", time.Since(pt0), st.Size())
+		t.Logf("pause of a fork child took %v; its state (devices + changed pages) is %d bytes", time.Since(pt0), st.Size())
 	}
 	rc, err := n.Resume(ctx, child.ID, time.Minute)
 	if err != nil {
