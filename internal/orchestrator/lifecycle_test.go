@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -64,13 +66,21 @@ func TestRestartReadoptsAndCleansUp(t *testing.T) {
 	n1 := openTestNode(t, dir)
 	keep := create(t, n1, CreateRequest{TemplateID: "minimal", Secure: true})
 	half := create(t, n1, CreateRequest{TemplateID: "minimal"})
-	// Pretend the process died in the middle of creating `half`.
+	// Pretend the process died in the middle of creating `half`, and of
+	// assembling a snapshot.
 	if err := n1.setFields(ctx, half.ID, "state = ?", StateCreating); err != nil {
+		t.Fatal(err)
+	}
+	unfinished := filepath.Join(dir, snapshotsDir, ".fork-unfinished")
+	if err := os.MkdirAll(unfinished, 0o700); err != nil {
 		t.Fatal(err)
 	}
 	n1.Close()
 
 	n2 := openTestNode(t, dir)
+	if _, err := os.Stat(unfinished); !os.IsNotExist(err) {
+		t.Fatalf("an unfinished snapshot survived the restart: %v", err)
+	}
 	defer func() {
 		all, _ := n2.List(ctx)
 		for _, s := range all {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/vishvananda/netlink"
@@ -85,6 +86,16 @@ func (n *Node) recover(ctx context.Context) error {
 			if l, err := netlink.LinkByName(v); err == nil {
 				n.log.Warn("removing orphaned veth", "veth", v)
 				_ = netlink.LinkDel(l)
+			}
+		}
+	}
+	// Snapshots, exports and imports being assembled carry a leading dot;
+	// at start none is, so any left is a crash's debris.
+	if ents, err := os.ReadDir(filepath.Join(n.cfg.DataDir, snapshotsDir)); err == nil {
+		for _, e := range ents {
+			if strings.HasPrefix(e.Name(), ".") {
+				n.log.Warn("removing an unfinished snapshot", "dir", e.Name())
+				_ = os.RemoveAll(filepath.Join(n.cfg.DataDir, snapshotsDir, e.Name()))
 			}
 		}
 	}
