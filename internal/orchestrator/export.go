@@ -58,9 +58,17 @@ func (n *Node) exportSnapshot(ctx context.Context, ns *NamedSnapshot) error {
 		}
 	}
 	// One layer with everything that differs from the template, whatever the
-	// chain of snapshot layers in between.
-	out, err := exec.CommandContext(ctx, "qemu-img", "convert", "-O", "qcow2", "-B", t.RootDisk, "-F", "qcow2",
-		filepath.Join(sdir, snapDiskName), filepath.Join(stage, exportDiskName)).CombinedOutput()
+	// chain of snapshot layers in between: the snapshot's top layer, rebased
+	// (safely, comparing contents) from its chain onto the template's layer.
+	// (`qemu-img convert -B` would copy only the top layer's clusters.)
+	disk := filepath.Join(stage, exportDiskName)
+	if _, err := storage.CloneFile(filepath.Join(sdir, snapDiskName), disk); err != nil {
+		return fmt.Errorf("export snapshot %s: %w", ns.Name, err)
+	}
+	if err := os.Chmod(disk, 0o600); err != nil {
+		return err
+	}
+	out, err := exec.CommandContext(ctx, "qemu-img", "rebase", "-q", "-f", "qcow2", "-b", t.RootDisk, "-F", "qcow2", disk).CombinedOutput()
 	if err != nil {
 		return fmt.Errorf("export snapshot %s: flatten disk: %v: %s", ns.Name, err, strings.TrimSpace(string(out)))
 	}

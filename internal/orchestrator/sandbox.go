@@ -37,6 +37,9 @@ type CreateRequest struct {
 	EnvVars       map[string]string
 	// noSnapshot forces a cold boot even when a template snapshot exists.
 	noSnapshot bool
+	// template, when set, is booted instead of the template TemplateID
+	// names (template builds boot unregistered layers).
+	template *Template
 }
 
 // Files of a sandbox's directory.
@@ -73,7 +76,10 @@ func (n *Node) validate(req *CreateRequest, t *Template) error {
 // Create cold-boots a new sandbox from a template and waits until its envd
 // answers. On failure nothing of it is left behind.
 func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) {
-	t, err := n.Template(req.TemplateID)
+	t, err := req.template, error(nil)
+	if t == nil {
+		t, err = n.Template(req.TemplateID)
+	}
 	var named *NamedSnapshot
 	if errors.Is(err, ErrNotFound) {
 		// Not a template: maybe a named snapshot, whose size is fixed.

@@ -29,6 +29,13 @@ type Template struct {
 	EnvVars map[string]string `json:"envVars,omitempty"`
 	// Image is the OCI image the template was imported from, if any.
 	Image string `json:"image,omitempty"`
+	// StartCmd is started (in the background, as StartUser in StartCwd)
+	// when the template is booted for its snapshot, which is taken once
+	// ReadyCmd exits 0; sandboxes resume with it running.
+	StartCmd  string `json:"startCmd,omitempty"`
+	ReadyCmd  string `json:"readyCmd,omitempty"`
+	StartUser string `json:"startUser,omitempty"`
+	StartCwd  string `json:"startCwd,omitempty"`
 }
 
 var templateNameRE = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)

@@ -85,6 +85,12 @@ func (n *Node) PrepareTemplateSnapshot(ctx context.Context, name string) error {
 	if err != nil {
 		return fmt.Errorf("boot template %s for its snapshot: %w", name, err)
 	}
+	if t.StartCmd != "" {
+		if err := n.startAndWaitReady(ctx, s, t); err != nil {
+			n.destroy(context.WithoutCancel(ctx), s)
+			return fmt.Errorf("template %s: %w", name, err)
+		}
+	}
 	unlock := n.lockOp(s.ID)
 	err = n.transition(ctx, s.ID, StateSnapshotting, StateRunning)
 	var snapID string
@@ -156,5 +162,48 @@ func (n *Node) prepareTemplateSnapshots() {
 			n.fillPool(ctx, t, snap)
 			n.poolMu.Unlock()
 		}
+	}
+}
+
+// readyTimeout bounds how long a template's ready command may keep failing.
+const readyTimeout = 5 * time.Minute
+
+// startAndWaitReady starts a template's start command in the background of
+// its boot sandbox and polls its ready command until it exits 0.
+func (n *Node) startAndWaitReady(ctx context.Context, s *Sandbox, t *Template) error {
+	// Detached from envd's pipes, so the command outlives the shell
+	// (nohup is not in every image; there is no terminal to hang up anyway).
+	script := "/bin/sh -c " + shellQuote(t.StartCmd) + " </dev/null >/tmp/.aenv-start.log 2>&1 &"
+	if code, err := runInGuest(ctx, s, guestCommand{User: t.StartUser, Cwd: t.StartCwd, Env: t.EnvVars, Script: script}); err != nil || code != 0 {
+		return fmt.Errorf("start command: exit %d: %v", code, err)
+	}
+	if t.ReadyCmd == "" {
+		return nil
+	}
+	deadline := time.Now().Add(readyTimeout)
+	for {
+		code, err := runInGuest(ctx, s, guestCommand{User: t.StartUser, Cwd: t.StartCwd, Env: t.EnvVars, Script: t.ReadyCmd})
+		if err == nil && code == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("ready command %q did not succeed within %s (last exit %d, %v)", t.ReadyCmd, readyTimeout, code, err)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(500 * time.Millisecond):
+		}
+	}
+}
+
+// refillTemplatePool fills the pool of a template whose snapshot is new.
+func (n *Node) refillTemplatePool(name string) {
+	t, err := n.Template(name)
+	if err != nil {
+		return
+	}
+	if ts, err := n.currentTemplateSnapshot(t); err == nil {
+		n.refillPool(t, ts)
 	}
 }

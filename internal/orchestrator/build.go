@@ -1,0 +1,338 @@
+package orchestrator
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/storage"
+)
+
+// Template builds: a template is made from another template (or an imported
+// image) by steps run in a builder sandbox. Every step that changes files
+// leaves a disk layer holding what it changed over the layer below, kept in
+// <data>/layers under a key hashed from the layer below and the step (and,
+// for COPY, the copied files), so a rebuild reuses every layer up to the
+// first changed step and runs only the rest. The finished template is booted
+// once, its start command run until its ready command succeeds, and frozen
+// into its template snapshot.
+
+// BuildStep is one instruction of a build.
+type BuildStep struct {
+	Type string   `json:"type"` // RUN, ENV, WORKDIR, USER, COPY
+	Args []string `json:"args"`
+	// FilesHash names the uploaded files of a COPY (see BuildFilesPath).
+	FilesHash string `json:"filesHash,omitempty"`
+	// Force runs the step (and all after it) even if cached.
+	Force bool `json:"force,omitempty"`
+}
+
+// BuildSpec describes a template build.
+type BuildSpec struct {
+	Template     string // the name of the template built
+	FromTemplate string // the template it starts from
+	Steps        []BuildStep
+	StartCmd     string // started in the background before the snapshot
+	ReadyCmd     string // polled until it exits 0 (default: none)
+	VCPUs        int
+	MemoryMiB    int
+	// Force ignores every cached layer.
+	Force bool
+}
+
+// BuildLogger receives a build's log lines.
+type BuildLogger func(level, step, msg string)
+
+// BuildFilesPath is where the files a COPY step uploaded are kept: a tar
+// archive (gzip-compressed or not) named by the hash the client computed.
+func BuildFilesPath(dataDir, hash string) string {
+	return filepath.Join(dataDir, "build-files", hash+".tar")
+}
+
+var filesHashRE = templateNameRE // lowercase hex fits
+
+// buildState is what steps change besides files.
+type buildState struct {
+	env  map[string]string
+	user string
+	cwd  string
+}
+
+// BuildTemplate runs a build to the end: the template is registered (and
+// its template snapshot made) only if every step succeeds.
+func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogger) error {
+	if !templateNameRE.MatchString(spec.Template) {
+		return fmt.Errorf("%w: template name %q must match %s", ErrInvalid, spec.Template, templateNameRE)
+	}
+	from, err := n.Template(spec.FromTemplate)
+	if err != nil {
+		return fmt.Errorf("base template: %w", err)
+	}
+	for i, st := range spec.Steps {
+		if err := checkStep(n.cfg.DataDir, st); err != nil {
+			return fmt.Errorf("%w: step %d: %v", ErrInvalid, i+1, err)
+		}
+	}
+	start := time.Now()
+	layers := filepath.Join(n.cfg.DataDir, layersDir)
+	if err := os.MkdirAll(layers, 0o755); err != nil {
+		return err
+	}
+	state := buildState{env: map[string]string{}, user: "root", cwd: "/"}
+	for k, v := range from.EnvVars {
+		state.env[k] = v
+	}
+	parent := from.RootDisk
+	key := "from:" + from.Name + ":" + layerIdentity(from.RootDisk)
+	var b *builder
+	defer func() {
+		if b != nil {
+			b.close()
+		}
+	}()
+	cached := !spec.Force
+	for i, st := range spec.Steps {
+		name := fmt.Sprintf("%d/%d %s %s", i+1, len(spec.Steps), st.Type, strings.Join(st.Args, " "))
+		if st.Force {
+			cached = false
+		}
+		switch st.Type {
+		case "ENV":
+			for j := 0; j+1 < len(st.Args); j += 2 {
+				state.env[st.Args[j]] = st.Args[j+1]
+			}
+			key = hashKey(key, st)
+			logf("info", name, "environment set")
+			continue
+		case "USER":
+			state.user = st.Args[0]
+			key = hashKey(key, st)
+			logf("info", name, "user set")
+			continue
+		}
+		key = hashKey(key, st)
+		layer := filepath.Join(layers, "build-"+key+".qcow2")
+		if cached {
+			if _, err := os.Stat(layer); err == nil {
+				logf("info", name, "CACHED")
+				parent = layer
+				if st.Type == "WORKDIR" {
+					state.cwd = st.Args[0]
+				}
+				continue
+			}
+		}
+		cached = false
+		if b == nil {
+			if b, err = n.startBuilder(ctx, spec, from, parent); err != nil {
+				return fmt.Errorf("start the builder: %w", err)
+			}
+		}
+		logf("info", name, "running")
+		if err := b.run(ctx, st, &state, func(line string) { logf("info", name, line) }); err != nil {
+			logf("error", name, err.Error())
+			return fmt.Errorf("step %s: %w", name, err)
+		}
+		if err := b.capture(ctx, parent, layer); err != nil {
+			return fmt.Errorf("step %s: save its layer: %w", name, err)
+		}
+		parent = layer
+	}
+	if b != nil {
+		b.close()
+		b = nil
+	}
+	// The template: a thin overlay on the last layer.
+	dir := TemplateDir(n.cfg.DataDir, spec.Template)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	tmp := filepath.Join(dir, ".rootfs.qcow2.tmp")
+	_ = os.Remove(tmp)
+	if err := storage.CreateOverlay(ctx, parent, tmp, 0); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, TemplateRootLayer(n.cfg.DataDir, spec.Template)); err != nil {
+		return err
+	}
+	t := Template{Name: spec.Template, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB, DiskMiB: from.DiskMiB,
+		DefaultUser: from.DefaultUser, EnvVars: state.env, StartCmd: spec.StartCmd, ReadyCmd: spec.ReadyCmd,
+		StartUser: state.user, StartCwd: state.cwd}
+	if t.VCPUs == 0 {
+		t.VCPUs = from.VCPUs
+	}
+	if t.MemoryMiB == 0 {
+		t.MemoryMiB = from.MemoryMiB
+	}
+	if err := RegisterTemplate(n.cfg.DataDir, t); err != nil {
+		return err
+	}
+	logf("info", "", fmt.Sprintf("template %s built in %s; snapshotting it", spec.Template, time.Since(start).Round(time.Millisecond)))
+	if err := n.PrepareTemplateSnapshot(ctx, spec.Template); err != nil {
+		return fmt.Errorf("snapshot the built template: %w", err)
+	}
+	n.refillTemplatePool(spec.Template)
+	logf("info", "", fmt.Sprintf("template %s ready in %s", spec.Template, time.Since(start).Round(time.Millisecond)))
+	return nil
+}
+
+func checkStep(dataDir string, st BuildStep) error {
+	switch st.Type {
+	case "RUN", "WORKDIR", "USER":
+		if len(st.Args) < 1 || st.Args[0] == "" {
+			return fmt.Errorf("%s needs an argument", st.Type)
+		}
+	case "ENV":
+		if len(st.Args) == 0 || len(st.Args)%2 != 0 {
+			return errors.New("ENV needs key/value pairs")
+		}
+	case "COPY":
+		if len(st.Args) < 2 {
+			return errors.New("COPY needs a source and a destination")
+		}
+		if !filesHashRE.MatchString(st.FilesHash) {
+			return fmt.Errorf("COPY files hash %q is not valid", st.FilesHash)
+		}
+		if _, err := os.Stat(BuildFilesPath(dataDir, st.FilesHash)); err != nil {
+			return fmt.Errorf("COPY files %s were not uploaded", st.FilesHash)
+		}
+	default:
+		return fmt.Errorf("unknown step type %q", st.Type)
+	}
+	return nil
+}
+
+// hashKey is the cache key of a step over the key below it.
+func hashKey(below string, st BuildStep) string {
+	b, _ := json.Marshal(struct {
+		Type, FilesHash string
+		Args            []string
+	}{st.Type, st.FilesHash, st.Args})
+	sum := sha256.Sum256([]byte(below + "\n" + string(b)))
+	return hex.EncodeToString(sum[:])
+}
+
+// builder is the sandbox a build's steps run in.
+type builder struct {
+	n *Node
+	s *Sandbox
+}
+
+// startBuilder boots a sandbox on the layer the first uncached step builds
+// on.
+func (n *Node) startBuilder(ctx context.Context, spec BuildSpec, from *Template, layer string) (*builder, error) {
+	t := *from
+	t.RootDisk = layer
+	s, err := n.Create(ctx, CreateRequest{TemplateID: spec.Template, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB,
+		Timeout: time.Hour, noSnapshot: true, template: &t, Metadata: map[string]string{"aenv.build": spec.Template}})
+	if err != nil {
+		return nil, err
+	}
+	return &builder{n: n, s: s}, nil
+}
+
+func (b *builder) close() { _ = b.n.Kill(context.Background(), b.s.ID) }
+
+func (b *builder) sh(ctx context.Context, user, cwd string, env map[string]string, script string, out func(string)) error {
+	code, err := runInGuest(ctx, b.s, guestCommand{User: user, Cwd: cwd, Env: env, Script: script,
+		Output: func(line string, _ bool) { out(line) }})
+	if err != nil {
+		return err
+	}
+	if code != 0 {
+		return fmt.Errorf("exited with code %d", code)
+	}
+	return nil
+}
+
+// run executes one file-changing step.
+func (b *builder) run(ctx context.Context, st BuildStep, state *buildState, out func(string)) error {
+	switch st.Type {
+	case "RUN":
+		return b.sh(ctx, state.user, state.cwd, state.env, st.Args[0], out)
+	case "WORKDIR":
+		dir := st.Args[0]
+		if !path.IsAbs(dir) {
+			dir = path.Join(state.cwd, dir)
+		}
+		if err := b.sh(ctx, state.user, "/", nil, "mkdir -p "+shellQuote(dir), out); err != nil {
+			return err
+		}
+		state.cwd = dir
+		return nil
+	case "COPY":
+		return b.copyFiles(ctx, st, state, out)
+	}
+	return fmt.Errorf("unknown step %s", st.Type)
+}
+
+// copyFiles unpacks a COPY step's uploaded archive into the guest.
+func (b *builder) copyFiles(ctx context.Context, st BuildStep, state *buildState, out func(string)) error {
+	archive := BuildFilesPath(b.n.cfg.DataDir, st.FilesHash)
+	guestTmp := "/tmp/.aenv-copy-" + st.FilesHash + ".tar"
+	if err := uploadToGuest(ctx, b.s, archive, guestTmp); err != nil {
+		return err
+	}
+	dest := st.Args[len(st.Args)-1]
+	if !path.IsAbs(dest) {
+		dest = path.Join(state.cwd, dest)
+	}
+	owner := ""
+	if len(st.Args) >= 3 && st.Args[2] != "" {
+		owner = "chown -R " + shellQuote(st.Args[2]) + " " + shellQuote(dest) + " && "
+	}
+	script := "set -e; mkdir -p " + shellQuote(dest) + " && tar -xf " + guestTmp + " -C " + shellQuote(dest) + " && " + owner + "rm -f " + guestTmp
+	return b.sh(ctx, "root", "/", nil, script, out)
+}
+
+// capture saves what the steps so far changed over parent as layer: the
+// guest's caches are flushed, its vCPUs stopped while its overlay is copied,
+// and the copy is rewritten with only the clusters that differ from parent.
+func (b *builder) capture(ctx context.Context, parent, layer string) error {
+	if err := b.sh(ctx, "root", "/", nil, "sync", func(string) {}); err != nil {
+		return err
+	}
+	m := b.n.machine(b.s.ID)
+	if m == nil {
+		return errors.New("the builder sandbox is gone")
+	}
+	work, err := os.MkdirTemp(filepath.Dir(layer), ".capture-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(work)
+	if err := m.Pause(ctx); err != nil {
+		return err
+	}
+	_, cerr := storage.CloneFile(filepath.Join(b.n.sandboxDir(b.s.ID), overlayName), filepath.Join(work, "overlay.qcow2"))
+	if err := m.Resume(ctx); err != nil {
+		return err
+	}
+	if cerr != nil {
+		return cerr
+	}
+	tmp := filepath.Join(work, "layer.qcow2")
+	out, err := exec.CommandContext(ctx, "qemu-img", "convert", "-q", "-O", "qcow2", "-o", "cluster_size=65536",
+		"-B", parent, "-F", "qcow2", filepath.Join(work, "overlay.qcow2"), tmp).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("qemu-img convert: %v: %s", err, strings.TrimSpace(string(out)))
+	}
+	if err := syncFile(tmp); err != nil {
+		return err
+	}
+	if err := os.Chmod(tmp, 0o444); err != nil {
+		return err
+	}
+	return os.Rename(tmp, layer)
+}
+
+func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }

@@ -1,0 +1,136 @@
+package orchestrator
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// buildLog collects a build's log lines.
+type buildLog struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *buildLog) log(t *testing.T) BuildLogger {
+	return func(level, step, msg string) {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		l.lines = append(l.lines, level+" ["+step+"] "+msg)
+		t.Logf("%s [%s] %s", level, step, msg)
+	}
+}
+
+func (l *buildLog) has(s string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, line := range l.lines {
+		if strings.Contains(line, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// uploadFiles stores a COPY step's archive the way the API does.
+func uploadFiles(t *testing.T, dataDir, hash string, files map[string]string) {
+	t.Helper()
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for name, body := range files {
+		tw.WriteHeader(&tar.Header{Name: name, Typeflag: tar.TypeReg, Mode: 0o644, Size: int64(len(body))})
+		tw.Write([]byte(body))
+	}
+	tw.Close()
+	p := BuildFilesPath(dataDir, hash)
+	os.MkdirAll(filepath.Dir(p), 0o755)
+	if err := os.WriteFile(p, buf.Bytes(), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestBuildTemplate builds a template from `minimal` with ENV, WORKDIR,
+// RUN, COPY, a start and a ready command; sandboxes of it have the files,
+// the env and the started process; a rebuild with a changed last step
+// reuses the layers before it; a failing step fails the build and
+// registers nothing.
+func TestBuildTemplate(t *testing.T) {
+	n := testNode(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	uploadFiles(t, n.cfg.DataDir, "f00d", map[string]string{"conf/app.txt": "copied\n"})
+	steps := []BuildStep{
+		{Type: "ENV", Args: []string{"GREETING", "built-in"}},
+		{Type: "WORKDIR", Args: []string{"/app"}},
+		{Type: "RUN", Args: []string{"echo $GREETING > out.txt && pwd >> out.txt"}},
+		{Type: "COPY", Args: []string{".", "/app/files"}, FilesHash: "f00d"},
+		{Type: "RUN", Args: []string{"echo v1 > /app/version"}},
+	}
+	spec := BuildSpec{Template: "built", FromTemplate: "minimal", Steps: steps,
+		StartCmd: "echo started > /tmp/started; exec sleep 100000", ReadyCmd: "test -f /tmp/started"}
+	var l1 buildLog
+	start := time.Now()
+	if err := n.BuildTemplate(ctx, spec, l1.log(t)); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("first build took %s", time.Since(start))
+	s := create(t, n, CreateRequest{TemplateID: "built"})
+	if !strings.Contains(strings.Join(phaseNames(s), ","), "envd init") {
+		t.Logf("phases %v", s.Phases)
+	}
+	out, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "cat /app/out.txt /app/files/conf/app.txt /app/version /tmp/started; echo $GREETING; ps | grep -q '[s]leep 100000' && echo running")
+	want := "built-in\n/app\ncopied\nv1\nstarted\nbuilt-in\nrunning\n"
+	if err != nil || out.stdout != want {
+		t.Fatalf("sandbox of the built template: %+v %v, want %q", out, err, want)
+	}
+	n.Kill(ctx, s.ID)
+
+	// Change the last step: everything before it comes from the cache.
+	spec.Steps = append(append([]BuildStep{}, steps[:4]...), BuildStep{Type: "RUN", Args: []string{"echo v2 > /app/version"}})
+	var l2 buildLog
+	start = time.Now()
+	if err := n.BuildTemplate(ctx, spec, l2.log(t)); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("rebuild took %s", time.Since(start))
+	for _, cached := range []string{"[3/5 RUN", "[4/5 COPY", "[2/5 WORKDIR"} {
+		if !l2.has(cached) || !l2.has("CACHED") {
+			t.Fatalf("rebuild did not reuse %s", cached)
+		}
+	}
+	if l2.has("[3/5 RUN echo $GREETING > out.txt && pwd >> out.txt] running") {
+		t.Fatal("rebuild ran a cached step again")
+	}
+	s = create(t, n, CreateRequest{TemplateID: "built"})
+	out, err = newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "cat /app/version /app/out.txt")
+	if err != nil || out.stdout != "v2\nbuilt-in\n/app\n" {
+		t.Fatalf("sandbox of the rebuilt template: %+v %v", out, err)
+	}
+
+	// A failing step: an error naming it, no template.
+	var l3 buildLog
+	err = n.BuildTemplate(ctx, BuildSpec{Template: "broken", FromTemplate: "minimal",
+		Steps: []BuildStep{{Type: "RUN", Args: []string{"echo about to fail; exit 3"}}}}, l3.log(t))
+	if err == nil || !strings.Contains(err.Error(), "exited with code 3") || !l3.has("about to fail") {
+		t.Fatalf("failing build: %v", err)
+	}
+	if _, err := n.Template("broken"); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("a failed build registered its template: %v", err)
+	}
+	// Bad input: unknown step, COPY of files never uploaded.
+	for _, st := range []BuildStep{{Type: "FROB"}, {Type: "COPY", Args: []string{"a", "/b"}, FilesHash: "beef"}} {
+		if err := n.BuildTemplate(ctx, BuildSpec{Template: "bad", FromTemplate: "minimal", Steps: []BuildStep{st}}, l3.log(t)); !errors.Is(err, ErrInvalid) {
+			t.Fatalf("step %+v: %v", st, err)
+		}
+	}
+	if all, _ := n.List(ctx); len(all) != 1 {
+		t.Fatalf("builder sandboxes left behind: %d sandboxes", len(all))
+	}
+}

@@ -1,0 +1,136 @@
+package orchestrator
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"connectrpc.com/connect"
+
+	"github.com/agentenv/agentenv/internal/envd/gen/processpb"
+	"github.com/agentenv/agentenv/internal/envd/gen/processpb/processpbconnect"
+)
+
+// guestCommand is a command the node itself runs in a sandbox through its
+// envd (template builds, start and ready commands).
+type guestCommand struct {
+	User string // "" : envd's default
+	Cwd  string
+	Env  map[string]string
+	// Script runs with /bin/sh -c.
+	Script string
+	// Output receives the command's output line by line (stderr marked).
+	Output func(line string, stderr bool)
+}
+
+// runInGuest runs c in sandbox s and returns its exit code.
+func runInGuest(ctx context.Context, s *Sandbox, c guestCommand) (int32, error) {
+	client := processpbconnect.NewProcessClient(envdHTTP, "http://"+s.EnvdAddr, connect.WithProtoJSON())
+	cfg := &processpb.ProcessConfig{Cmd: "/bin/sh", Args: []string{"-c", c.Script}, Envs: c.Env}
+	if c.Cwd != "" {
+		cfg.Cwd = &c.Cwd
+	}
+	req := connect.NewRequest(&processpb.StartRequest{Process: cfg})
+	if s.AccessToken != "" {
+		req.Header().Set("X-Access-Token", s.AccessToken)
+	}
+	if c.User != "" {
+		req.Header().Set("Authorization", "Basic "+base64.StdEncoding.EncodeToString([]byte(c.User+":")))
+	}
+	stream, err := client.Start(ctx, req)
+	if err != nil {
+		return -1, err
+	}
+	defer stream.Close()
+	var out, errOut lineSplitter
+	out.emit = func(l string) {
+		if c.Output != nil {
+			c.Output(l, false)
+		}
+	}
+	errOut.emit = func(l string) {
+		if c.Output != nil {
+			c.Output(l, true)
+		}
+	}
+	for stream.Receive() {
+		ev := stream.Msg().GetEvent()
+		if d := ev.GetData(); d != nil {
+			out.write(d.GetStdout())
+			errOut.write(d.GetStderr())
+		}
+		if e := ev.GetEnd(); e != nil {
+			out.flush()
+			errOut.flush()
+			if e.GetError() != "" && e.GetExitCode() == 0 {
+				return -1, fmt.Errorf("command ended: %s", e.GetError())
+			}
+			return e.GetExitCode(), nil
+		}
+	}
+	if err := stream.Err(); err != nil {
+		return -1, err
+	}
+	return -1, errors.New("the command's stream ended without an exit code")
+}
+
+// lineSplitter cuts a byte stream into lines.
+type lineSplitter struct {
+	buf  bytes.Buffer
+	emit func(string)
+}
+
+func (l *lineSplitter) write(b []byte) {
+	l.buf.Write(b)
+	for {
+		i := bytes.IndexByte(l.buf.Bytes(), '\n')
+		if i < 0 {
+			return
+		}
+		l.emit(string(l.buf.Next(i + 1)[:i]))
+	}
+}
+
+func (l *lineSplitter) flush() {
+	if l.buf.Len() > 0 {
+		l.emit(l.buf.String())
+		l.buf.Reset()
+	}
+}
+
+// uploadToGuest writes a host file into the guest at guestPath (as root)
+// through envd's /files endpoint.
+func uploadToGuest(ctx context.Context, s *Sandbox, hostPath, guestPath string) error {
+	f, err := os.Open(hostPath)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	u := "http://" + s.EnvdAddr + "/files?" + url.Values{"path": {guestPath}, "username": {"root"}}.Encode()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u, f)
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", "application/octet-stream")
+	if s.AccessToken != "" {
+		req.Header.Set("X-Access-Token", s.AccessToken)
+	}
+	resp, err := envdHTTP.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode/100 != 2 {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 2048))
+		return fmt.Errorf("upload %s to the guest: %s: %s", filepath.Base(hostPath), resp.Status, strings.TrimSpace(string(b)))
+	}
+	return nil
+}
