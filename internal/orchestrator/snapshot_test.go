@@ -233,3 +233,53 @@ func TestIncrementalSnapshot(t *testing.T) {
 		t.Fatalf("corrupted snapshot was deleted: %v", err)
 	}
 }
+
+// TestIncrementalSnapshotThroughRepository commits a snapshot whose disk and
+// memory sit on an earlier snapshot (two disk layers over the template, RAM
+// as changed pages over the first image) to the repository, loses every
+// local copy, and creates a sandbox from the repository's: files of both
+// layers and the memory contents are there.
+func TestIncrementalSnapshotThroughRepository(t *testing.T) {
+	n := testNode(t)
+	repo, err := repository.OpenPosixFS(filepath.Join(t.TempDir(), "repo"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.cfg.Repository = repo
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	src := create(t, n, CreateRequest{TemplateID: "minimal"})
+	if r, err := newEnvdClient(src).run(ctx, "", "/bin/sh", "-c", "echo one > /home/user/one; sync"); err != nil || r.exit != 0 {
+		t.Fatalf("prepare: %+v %v", r, err)
+	}
+	if _, err := n.Snapshot(ctx, src.ID, "layer-one"); err != nil {
+		t.Fatal(err)
+	}
+	cur, _ := n.Get(ctx, src.ID)
+	r, err := newEnvdClient(cur).run(ctx, "", "/bin/sh", "-c", "echo two > /home/user/two; mkdir -p /dev/shm && mount -t tmpfs tmpfs /dev/shm 2>/dev/null; head -c 1048576 /dev/urandom > /dev/shm/blob; md5sum /dev/shm/blob | cut -c1-32")
+	if err != nil || r.exit != 0 {
+		t.Fatalf("write: %+v %v", r, err)
+	}
+	sum := strings.TrimSpace(r.stdout)
+	two, err := n.Snapshot(ctx, src.ID, "layer-two")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var man snapshotManifest
+	readJSON(filepath.Join(n.cfg.DataDir, snapshotsDir, two.SnapshotID, snapManifestName), &man)
+	if man.MemoryBase == "" {
+		t.Fatalf("second snapshot is not incremental: %+v", man)
+	}
+	// Lose everything local.
+	all, _ := n.List(ctx)
+	for _, s := range all {
+		n.Kill(ctx, s.ID)
+	}
+	os.RemoveAll(filepath.Join(n.cfg.DataDir, snapshotsDir))
+	os.RemoveAll(filepath.Join(n.cfg.DataDir, namedSnapshotsDir))
+	s := create(t, n, CreateRequest{TemplateID: "layer-two"})
+	out, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "cat /home/user/one /home/user/two; md5sum /dev/shm/blob | cut -c1-32")
+	if err != nil || out.stdout != "one\ntwo\n"+sum+"\n" {
+		t.Fatalf("sandbox from the repository copy of an incremental snapshot: %+v %v", out, err)
+	}
+}
