@@ -140,7 +140,7 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 		logf("info", name, "running")
 		if err := b.run(ctx, st, &state, func(line string) { logf("info", name, line) }); err != nil {
 			logf("error", name, err.Error())
-			return fmt.Errorf("step %s: %w", name, err)
+			return &stepError{index: i + 1, err: fmt.Errorf("step %s: %w", name, err)}
 		}
 		if err := b.capture(ctx, parent, layer); err != nil {
 			return fmt.Errorf("step %s: save its layer: %w", name, err)
@@ -196,7 +196,7 @@ func checkStep(dataDir string, st BuildStep) error {
 			return errors.New("ENV needs key/value pairs")
 		}
 	case "COPY":
-		if len(st.Args) < 2 {
+		if len(st.Args) < 2 || st.Args[1] == "" {
 			return errors.New("COPY needs a source and a destination")
 		}
 		if !filesHashRE.MatchString(st.FilesHash) {
@@ -275,22 +275,53 @@ func (b *builder) run(ctx context.Context, st BuildStep, state *buildState, out 
 	return fmt.Errorf("unknown step %s", st.Type)
 }
 
-// copyFiles unpacks a COPY step's uploaded archive into the guest.
+// copyFiles puts a COPY step's files into the guest with Docker's rules:
+// the uploaded archive holds the source path as it is in the client's
+// build context; a directory's contents go into the destination, a file
+// becomes the destination (or goes into it, if it ends in / or is a
+// directory). Args: source, destination, then optional owner and mode.
 func (b *builder) copyFiles(ctx context.Context, st BuildStep, state *buildState, out func(string)) error {
 	archive := BuildFilesPath(b.n.cfg.DataDir, st.FilesHash)
 	guestTmp := "/tmp/.aenv-copy-" + st.FilesHash + ".tar"
 	if err := uploadToGuest(ctx, b.s, archive, guestTmp); err != nil {
 		return err
 	}
-	dest := st.Args[len(st.Args)-1]
+	src, dest := path.Clean("/"+st.Args[0])[1:], st.Args[1]
 	if !path.IsAbs(dest) {
+		trailing := strings.HasSuffix(dest, "/")
 		dest = path.Join(state.cwd, dest)
+		if trailing {
+			dest += "/"
+		}
 	}
-	owner := ""
-	if len(st.Args) >= 3 && st.Args[2] != "" {
-		owner = "chown -R " + shellQuote(st.Args[2]) + " " + shellQuote(dest) + " && "
+	owner, mode := "", ""
+	if len(st.Args) > 2 {
+		owner = st.Args[2]
 	}
-	script := "set -e; mkdir -p " + shellQuote(dest) + " && tar -xf " + guestTmp + " -C " + shellQuote(dest) + " && " + owner + "rm -f " + guestTmp
+	if len(st.Args) > 3 {
+		mode = st.Args[3]
+	}
+	script := `set -e
+t=$(mktemp -d)
+chmod 755 "$t"
+tar -xf ` + guestTmp + ` -C "$t"
+rm -f ` + guestTmp + `
+s="$t/"` + shellQuote(src) + `
+d=` + shellQuote(dest) + `
+if [ -d "$s" ]; then
+  mkdir -p "$d"; cp -a "$s"/. "$d"/; target="$d"
+else
+  case "$d" in
+  */) mkdir -p "$d"; cp -a "$s" "$d"; target="$d$(basename "$s")" ;;
+  *) if [ -d "$d" ]; then cp -a "$s" "$d"/; target="$d/$(basename "$s")"; else mkdir -p "$(dirname "$d")"; cp -a "$s" "$d"; target="$d"; fi ;;
+  esac
+fi
+rm -rf "$t"
+owner=` + shellQuote(owner) + `
+mode=` + shellQuote(mode) + `
+if [ -n "$owner" ]; then chown -R "$owner" "$target"; fi
+if [ -n "$mode" ]; then chmod "$mode" "$target"; fi
+`
 	return b.sh(ctx, "root", "/", nil, script, out)
 }
 

@@ -66,11 +66,13 @@ func TestBuildTemplate(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	uploadFiles(t, n.cfg.DataDir, "f00d", map[string]string{"conf/app.txt": "copied\n"})
+	uploadFiles(t, n.cfg.DataDir, "cafe", map[string]string{"hello.txt": "hello file\n"})
 	steps := []BuildStep{
 		{Type: "ENV", Args: []string{"GREETING", "built-in"}},
 		{Type: "WORKDIR", Args: []string{"/app"}},
 		{Type: "RUN", Args: []string{"echo $GREETING > out.txt && pwd >> out.txt"}},
 		{Type: "COPY", Args: []string{".", "/app/files"}, FilesHash: "f00d"},
+		{Type: "COPY", Args: []string{"hello.txt", "h.txt", "user", "0600"}, FilesHash: "cafe"},
 		{Type: "RUN", Args: []string{"echo v1 > /app/version"}},
 	}
 	spec := BuildSpec{Template: "built", FromTemplate: "minimal", Steps: steps,
@@ -85,27 +87,27 @@ func TestBuildTemplate(t *testing.T) {
 	if !strings.Contains(strings.Join(phaseNames(s), ","), "envd init") {
 		t.Logf("phases %v", s.Phases)
 	}
-	out, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "cat /app/out.txt /app/files/conf/app.txt /app/version /tmp/started; echo $GREETING; ps | grep -q '[s]leep 100000' && echo running")
-	want := "built-in\n/app\ncopied\nv1\nstarted\nbuilt-in\nrunning\n"
+	out, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "cat /app/out.txt /app/files/conf/app.txt /app/h.txt /app/version /tmp/started; stat -c %a /app/h.txt; echo $GREETING; ps | grep -q '[s]leep 100000' && echo running")
+	want := "built-in\n/app\ncopied\nhello file\nv1\nstarted\n600\nbuilt-in\nrunning\n"
 	if err != nil || out.stdout != want {
 		t.Fatalf("sandbox of the built template: %+v %v, want %q", out, err, want)
 	}
 	n.Kill(ctx, s.ID)
 
 	// Change the last step: everything before it comes from the cache.
-	spec.Steps = append(append([]BuildStep{}, steps[:4]...), BuildStep{Type: "RUN", Args: []string{"echo v2 > /app/version"}})
+	spec.Steps = append(append([]BuildStep{}, steps[:5]...), BuildStep{Type: "RUN", Args: []string{"echo v2 > /app/version"}})
 	var l2 buildLog
 	start = time.Now()
 	if err := n.BuildTemplate(ctx, spec, l2.log(t)); err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("rebuild took %s", time.Since(start))
-	for _, cached := range []string{"[3/5 RUN", "[4/5 COPY", "[2/5 WORKDIR"} {
+	for _, cached := range []string{"[3/6 RUN", "[4/6 COPY", "[5/6 COPY", "[2/6 WORKDIR"} {
 		if !l2.has(cached) || !l2.has("CACHED") {
 			t.Fatalf("rebuild did not reuse %s", cached)
 		}
 	}
-	if l2.has("[3/5 RUN echo $GREETING > out.txt && pwd >> out.txt] running") {
+	if l2.has("[3/6 RUN echo $GREETING > out.txt && pwd >> out.txt] running") {
 		t.Fatal("rebuild ran a cached step again")
 	}
 	s = create(t, n, CreateRequest{TemplateID: "built"})

@@ -1,7 +1,9 @@
 package orchestrator
 
 import (
+	"bufio"
 	"bytes"
+	"compress/gzip"
 	"context"
 	"encoding/base64"
 	"errors"
@@ -114,8 +116,21 @@ func uploadToGuest(ctx context.Context, s *Sandbox, hostPath, guestPath string) 
 		return err
 	}
 	defer f.Close()
+	// A gzip-compressed file goes up uncompressed.
+	var body io.Reader = f
+	br := bufio.NewReader(f)
+	if magic, err := br.Peek(2); err == nil && magic[0] == 0x1f && magic[1] == 0x8b {
+		gz, err := gzip.NewReader(br)
+		if err != nil {
+			return fmt.Errorf("%s: %w", filepath.Base(hostPath), err)
+		}
+		defer gz.Close()
+		body = gz
+	} else {
+		body = br
+	}
 	u := "http://" + s.EnvdAddr + "/files?" + url.Values{"path": {guestPath}, "username": {"root"}}.Encode()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u, f)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u, body)
 	if err != nil {
 		return err
 	}

@@ -200,6 +200,7 @@ type Node struct {
 	// pinned snapshots are being made and not yet referenced by any record;
 	// garbage collection keeps them. Guarded by mu.
 	pinned map[string]int
+	builds buildRegistry
 	poolMu sync.Mutex // one pool filler at a time
 
 	stop      chan struct{}
@@ -246,6 +247,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		opLocks:  map[string]*sync.Mutex{},
 		pool:     map[string][]*pooledSandbox{},
 		pinned:   map[string]int{},
+		builds:   buildRegistry{live: map[string]*BuildRecord{}},
 		stop:     make(chan struct{}),
 		lastSlot: -1,
 	}
@@ -253,6 +255,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		db.Close()
 		return nil, err
 	}
+	n.recoverBuilds()
 	if err := n.recover(ctx); err != nil {
 		db.Close()
 		return nil, fmt.Errorf("recover node state: %w", err)
