@@ -286,7 +286,7 @@ func (b *builder) copyFiles(ctx context.Context, st BuildStep, state *buildState
 	if err := uploadToGuest(ctx, b.s, archive, guestTmp); err != nil {
 		return err
 	}
-	src, dest := path.Clean("/"+st.Args[0])[1:], st.Args[1]
+	src, dest := path.Clean("/" + st.Args[0])[1:], st.Args[1]
 	if !path.IsAbs(dest) {
 		trailing := strings.HasSuffix(dest, "/")
 		dest = path.Join(state.cwd, dest)
