@@ -96,6 +96,7 @@ func (s *Server) routes() {
 	s.mux.Handle("GET /sandboxes/{id}/logs", auth(s.sandboxLogs))
 	s.mux.Handle("GET /snapshots", auth(s.listSnapshots))
 	s.mux.Handle("GET /metrics", s.nodeMetrics())
+	s.templateRoutes()
 	s.mux.Handle("POST /sandboxes/{id}/pause", auth(s.pauseSandbox))
 	s.mux.Handle("POST /sandboxes/{id}/resume", auth(s.resumeSandbox))
 	s.mux.Handle("POST /sandboxes/{id}/fork", auth(s.forkSandbox))

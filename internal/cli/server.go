@@ -159,3 +159,11 @@ func newHTTPServer(h http.Handler) *http.Server {
 		MaxHeaderBytes:    64 << 10,
 	}
 }
+
+// The node implements every optional part of the API.
+var (
+	_ api.TemplateBuilder  = (*orchestrator.Node)(nil)
+	_ api.MemoryReporter   = (*orchestrator.Node)(nil)
+	_ api.Snapshotter      = (*orchestrator.Node)(nil)
+	_ api.ConsoleLogReader = (*orchestrator.Node)(nil)
+)

@@ -11,10 +11,12 @@ import (
 	"os/exec"
 	"path"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/storage"
+	"github.com/agentenv/agentenv/internal/storage/image"
 )
 
 // Template builds: a template is made from another template (or an imported
@@ -39,7 +41,8 @@ type BuildStep struct {
 // BuildSpec describes a template build.
 type BuildSpec struct {
 	Template     string // the name of the template built
-	FromTemplate string // the template it starts from
+	FromTemplate string // the template it starts from, or
+	FromImage    string // an OCI image (registry reference) it starts from
 	Steps        []BuildStep
 	StartCmd     string // started in the background before the snapshot
 	ReadyCmd     string // polled until it exits 0 (default: none)
@@ -58,7 +61,9 @@ func BuildFilesPath(dataDir, hash string) string {
 	return filepath.Join(dataDir, "build-files", hash+".tar")
 }
 
-var filesHashRE = templateNameRE // lowercase hex fits
+// filesHashRE is the form of COPY files hashes (lowercase hex, such as a
+// SHA-256).
+var filesHashRE = regexp.MustCompile(`^[0-9a-f]{4,128}$`)
 
 // buildState is what steps change besides files.
 type buildState struct {
@@ -72,6 +77,17 @@ type buildState struct {
 func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogger) error {
 	if !templateNameRE.MatchString(spec.Template) {
 		return fmt.Errorf("%w: template name %q must match %s", ErrInvalid, spec.Template, templateNameRE)
+	}
+	if spec.FromImage != "" {
+		// The image becomes a template of its own (its layers shared and
+		// cached like any import), which the steps then build on.
+		sum := sha256.Sum256([]byte(spec.FromImage))
+		spec.FromTemplate = "image-" + hex.EncodeToString(sum[:8])
+		logf("info", "", "pulling image "+spec.FromImage)
+		if _, err := ImportTemplate(ctx, n.cfg.DataDir, spec.FromTemplate, image.Source{Ref: spec.FromImage}, 0,
+			func(format string, a ...any) { logf("info", "", fmt.Sprintf(format, a...)) }); err != nil {
+			return fmt.Errorf("base image %s: %w", spec.FromImage, err)
+		}
 	}
 	from, err := n.Template(spec.FromTemplate)
 	if err != nil {
@@ -258,7 +274,11 @@ func (b *builder) sh(ctx context.Context, user, cwd string, env map[string]strin
 func (b *builder) run(ctx context.Context, st BuildStep, state *buildState, out func(string)) error {
 	switch st.Type {
 	case "RUN":
-		return b.sh(ctx, state.user, state.cwd, state.env, st.Args[0], out)
+		user := state.user
+		if len(st.Args) > 1 && st.Args[1] != "" {
+			user = st.Args[1] // RUN's own user, for this step only
+		}
+		return b.sh(ctx, user, state.cwd, state.env, st.Args[0], out)
 	case "WORKDIR":
 		dir := st.Args[0]
 		if !path.IsAbs(dir) {

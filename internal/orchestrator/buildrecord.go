@@ -124,8 +124,10 @@ func (n *Node) StartBuild(templateID, buildID string, spec BuildSpec) error {
 	if spec.MemoryMiB == 0 {
 		spec.MemoryMiB = b.MemoryMiB
 	}
-	if _, err := n.Template(spec.FromTemplate); err != nil {
-		return fmt.Errorf("%w: base template %q: %v", ErrInvalid, spec.FromTemplate, err)
+	if spec.FromImage == "" {
+		if _, err := n.Template(spec.FromTemplate); err != nil {
+			return fmt.Errorf("%w: base template %q: %v", ErrInvalid, spec.FromTemplate, err)
+		}
 	}
 	for i, st := range spec.Steps {
 		if err := checkStep(n.cfg.DataDir, st); err != nil {
@@ -242,3 +244,6 @@ type stepError struct {
 
 func (e *stepError) Error() string { return e.err.Error() }
 func (e *stepError) Unwrap() error { return e.err }
+
+// DataDir is the node's data directory.
+func (n *Node) DataDir() string { return n.cfg.DataDir }

@@ -48,14 +48,24 @@ func testNode(t testing.TB) *Node {
 	return n
 }
 
+// preparedTemplates are the templates scripts/test builds in
+// $AENV_TEST_DATA_DIR.
+var preparedTemplates = []string{"base", "minimal"}
+
 // newTestDataDir returns a fresh node data dir whose templates are the
-// prepared ones in $AENV_TEST_DATA_DIR.
+// prepared ones in $AENV_TEST_DATA_DIR (linked one by one, so templates a
+// test makes stay in its own data dir).
 func newTestDataDir(t testing.TB) string {
 	t.Helper()
 	shared := testData(t)
 	dir := t.TempDir()
-	if err := os.Symlink(filepath.Join(shared, "templates"), filepath.Join(dir, "templates")); err != nil {
+	if err := os.MkdirAll(filepath.Join(dir, "templates"), 0o755); err != nil {
 		t.Fatal(err)
+	}
+	for _, name := range preparedTemplates {
+		if err := os.Symlink(filepath.Join(shared, "templates", name), filepath.Join(dir, "templates", name)); err != nil {
+			t.Fatal(err)
+		}
 	}
 	return dir
 }

@@ -107,7 +107,12 @@ func startServer() (*server, string, error) {
 	if err := os.MkdirAll(dataDir, 0o700); err != nil {
 		return nil, "", err
 	}
-	for _, l := range []string{"templates", "cache"} {
+	// The prepared templates are linked one by one: templates the tests
+	// build stay in this server's data dir.
+	for _, l := range []string{"templates/base", "templates/minimal", "cache"} {
+		if err := os.MkdirAll(filepath.Dir(filepath.Join(dataDir, l)), 0o755); err != nil {
+			return nil, "", err
+		}
 		if err := os.Symlink(filepath.Join(testData, l), filepath.Join(dataDir, l)); err != nil {
 			return nil, "", err
 		}

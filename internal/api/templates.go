@@ -1,0 +1,303 @@
+package api
+
+import (
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"regexp"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/orchestrator"
+)
+
+// TemplateBuilder is implemented by nodes that build templates (the E2B
+// template API: POST /v3/templates, file uploads, POST
+// /v2/templates/{id}/builds/{build}, status polling).
+type TemplateBuilder interface {
+	RequestBuild(name string, vcpus, memMiB int) (*orchestrator.BuildRecord, error)
+	StartBuild(templateID, buildID string, spec orchestrator.BuildSpec) error
+	Build(templateID, buildID string) (*orchestrator.BuildRecord, error)
+	Template(name string) (*orchestrator.Template, error)
+	Templates() ([]*orchestrator.Template, error)
+	DataDir() string
+}
+
+func (s *Server) templateRoutes() {
+	auth := s.requireKey
+	s.mux.Handle("POST /v3/templates", auth(s.requestBuild))
+	s.mux.Handle("POST /v2/templates/{templateID}/builds/{buildID}", auth(s.startBuild))
+	s.mux.Handle("GET /templates/{templateID}/builds/{buildID}/status", auth(s.buildStatus))
+	s.mux.Handle("GET /templates/{templateID}/files/{hash}", auth(s.fileUploadLink))
+	// The upload itself is authorised by the signature in the link.
+	s.mux.HandleFunc("PUT /templates/{templateID}/files/{hash}/upload", s.uploadBuildFiles)
+	s.mux.Handle("GET /templates/aliases/{alias}", auth(s.templateAlias))
+	s.mux.Handle("GET /templates", auth(s.listTemplates))
+	s.mux.Handle("GET /v2/templates", auth(s.listTemplates))
+}
+
+func (s *Server) builder(w http.ResponseWriter) (TemplateBuilder, bool) {
+	b, ok := s.node.(TemplateBuilder)
+	if !ok {
+		writeError(w, http.StatusNotImplemented, "template builds are not supported on this node")
+	}
+	return b, ok
+}
+
+// requestBuild implements POST /v3/templates.
+func (s *Server) requestBuild(w http.ResponseWriter, r *http.Request) {
+	b, ok := s.builder(w)
+	if !ok {
+		return
+	}
+	var req struct {
+		Name          string   `json:"name"`
+		Alias         string   `json:"alias"`
+		Tags          []string `json:"tags"`
+		CPUCount      *int     `json:"cpuCount"`
+		MemoryMB      *int     `json:"memoryMB"`
+		MinFreeDiskMB *int     `json:"minFreeDiskMb"`
+	}
+	if err := decodeBody(r, &req); err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	name := req.Name
+	if name == "" {
+		name = req.Alias
+	}
+	if name == "" {
+		writeError(w, http.StatusBadRequest, "name is required")
+		return
+	}
+	cpu, mem := 0, 0
+	if req.CPUCount != nil {
+		cpu = *req.CPUCount
+	}
+	if req.MemoryMB != nil {
+		mem = *req.MemoryMB
+	}
+	rec, err := b.RequestBuild(name, cpu, mem)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	tags := req.Tags
+	if tags == nil {
+		tags = []string{}
+	}
+	writeJSON(w, http.StatusAccepted, map[string]any{
+		"templateID": rec.TemplateID, "buildID": rec.BuildID, "public": false,
+		"aliases": []string{rec.TemplateID}, "names": []string{rec.TemplateID}, "tags": tags,
+	})
+}
+
+// buildStepJSON is a build step as the SDK sends it.
+type buildStepJSON struct {
+	Type      string   `json:"type"`
+	Args      []string `json:"args"`
+	Force     bool     `json:"force"`
+	FilesHash string   `json:"filesHash"`
+}
+
+// startBuild implements POST /v2/templates/{templateID}/builds/{buildID}.
+func (s *Server) startBuild(w http.ResponseWriter, r *http.Request) {
+	b, ok := s.builder(w)
+	if !ok {
+		return
+	}
+	var req struct {
+		FromTemplate string          `json:"fromTemplate"`
+		FromImage    string          `json:"fromImage"`
+		StartCmd     string          `json:"startCmd"`
+		ReadyCmd     string          `json:"readyCmd"`
+		Force        bool            `json:"force"`
+		Steps        []buildStepJSON `json:"steps"`
+		// fromImageRegistry (credentials) is accepted and not used: images
+		// come from the node's docker config.
+		FromImageRegistry any `json:"fromImageRegistry"`
+	}
+	if err := decodeBody(r, &req); err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	if (req.FromTemplate == "") == (req.FromImage == "") {
+		writeError(w, http.StatusBadRequest, "give exactly one of fromTemplate and fromImage")
+		return
+	}
+	spec := orchestrator.BuildSpec{FromTemplate: req.FromTemplate, FromImage: req.FromImage,
+		StartCmd: req.StartCmd, ReadyCmd: req.ReadyCmd, Force: req.Force}
+	for _, st := range req.Steps {
+		spec.Steps = append(spec.Steps, orchestrator.BuildStep{Type: st.Type, Args: st.Args, FilesHash: st.FilesHash, Force: st.Force})
+	}
+	if err := b.StartBuild(r.PathValue("templateID"), r.PathValue("buildID"), spec); err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	w.WriteHeader(http.StatusAccepted)
+}
+
+type buildLogJSON struct {
+	Timestamp time.Time `json:"timestamp"`
+	Level     string    `json:"level"`
+	Message   string    `json:"message"`
+	Step      string    `json:"step,omitempty"`
+}
+
+// buildStatus implements GET /templates/{templateID}/builds/{buildID}/status.
+func (s *Server) buildStatus(w http.ResponseWriter, r *http.Request) {
+	b, ok := s.builder(w)
+	if !ok {
+		return
+	}
+	offset, err := queryInt(r, "logsOffset", 0, 1<<31)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	rec, err := b.Build(r.PathValue("templateID"), r.PathValue("buildID"))
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	entries, lines := []buildLogJSON{}, []string{}
+	for i, e := range rec.Logs {
+		if int64(i) < offset {
+			continue
+		}
+		entries = append(entries, buildLogJSON(e))
+		lines = append(lines, e.Timestamp.Format(time.RFC3339)+" "+e.Message)
+	}
+	status := rec.Status
+	body := map[string]any{"templateID": rec.TemplateID, "buildID": rec.BuildID, "status": status,
+		"logEntries": entries, "logs": lines}
+	if status == orchestrator.BuildError {
+		reason := map[string]any{"message": rec.Reason, "logEntries": []buildLogJSON{}}
+		if rec.ReasonStep != "" {
+			reason["step"] = rec.ReasonStep
+		}
+		body["reason"] = reason
+	}
+	writeJSON(w, http.StatusOK, body)
+}
+
+var filesHashRE = regexp.MustCompile(`^[0-9a-f]{16,128}$`)
+
+// uploadSignature authorises a build-file upload link.
+func (s *Server) uploadSignature(templateID, hash string) string {
+	m := hmac.New(sha256.New, []byte(s.cfg.APIKey))
+	fmt.Fprintf(m, "build-files\n%s\n%s", templateID, hash)
+	return hex.EncodeToString(m.Sum(nil))
+}
+
+// fileUploadLink implements GET /templates/{templateID}/files/{hash}.
+func (s *Server) fileUploadLink(w http.ResponseWriter, r *http.Request) {
+	b, ok := s.builder(w)
+	if !ok {
+		return
+	}
+	id, hash := r.PathValue("templateID"), r.PathValue("hash")
+	if !filesHashRE.MatchString(hash) {
+		writeError(w, http.StatusBadRequest, "files hash must be lowercase hex")
+		return
+	}
+	_, err := os.Stat(orchestrator.BuildFilesPath(b.DataDir(), hash))
+	present := err == nil
+	scheme := "http"
+	if r.TLS != nil || r.Header.Get("X-Forwarded-Proto") == "https" {
+		scheme = "https"
+	}
+	link := url.URL{Scheme: scheme, Host: r.Host, Path: "/templates/" + url.PathEscape(id) + "/files/" + hash + "/upload",
+		RawQuery: url.Values{"signature": {s.uploadSignature(id, hash)}}.Encode()}
+	writeJSON(w, http.StatusCreated, map[string]any{"present": present, "url": link.String()})
+}
+
+// maxBuildFiles bounds one COPY upload.
+const maxBuildFiles = 8 << 30
+
+// uploadBuildFiles implements the upload link: the body (a tar archive,
+// gzip-compressed or not) is stored under its hash.
+func (s *Server) uploadBuildFiles(w http.ResponseWriter, r *http.Request) {
+	b, ok := s.builder(w)
+	if !ok {
+		return
+	}
+	id, hash := r.PathValue("templateID"), r.PathValue("hash")
+	if !filesHashRE.MatchString(hash) {
+		writeError(w, http.StatusBadRequest, "files hash must be lowercase hex")
+		return
+	}
+	if !hmac.Equal([]byte(r.URL.Query().Get("signature")), []byte(s.uploadSignature(id, hash))) {
+		writeError(w, http.StatusUnauthorized, "invalid upload signature")
+		return
+	}
+	dst := orchestrator.BuildFilesPath(b.DataDir(), hash)
+	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	tmp, err := os.CreateTemp(filepath.Dir(dst), ".upload-")
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	defer os.Remove(tmp.Name())
+	n, err := io.Copy(tmp, io.LimitReader(r.Body, maxBuildFiles+1))
+	if err == nil && n > maxBuildFiles {
+		err = errors.New("upload larger than 8 GiB")
+	}
+	if err == nil {
+		err = tmp.Sync()
+	}
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		writeError(w, http.StatusBadRequest, "upload: "+err.Error())
+		return
+	}
+	if err := os.Rename(tmp.Name(), dst); err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	w.WriteHeader(http.StatusOK)
+}
+
+// templateAlias implements GET /templates/aliases/{alias}.
+func (s *Server) templateAlias(w http.ResponseWriter, r *http.Request) {
+	b, ok := s.builder(w)
+	if !ok {
+		return
+	}
+	t, err := b.Template(r.PathValue("alias"))
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"templateID": t.Name, "public": false})
+}
+
+// listTemplates implements GET /templates and GET /v2/templates.
+func (s *Server) listTemplates(w http.ResponseWriter, r *http.Request) {
+	b, ok := s.builder(w)
+	if !ok {
+		return
+	}
+	all, err := b.Templates()
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	out := []map[string]any{}
+	for _, t := range all {
+		out = append(out, map[string]any{"templateID": t.Name, "buildID": "", "aliases": []string{t.Name}, "names": []string{t.Name},
+			"cpuCount": t.VCPUs, "memoryMB": t.MemoryMiB, "public": false, "envdVersion": t.EnvdVersion, "buildStatus": "ready"})
+	}
+	writeJSON(w, http.StatusOK, out)
+}
