@@ -618,6 +618,8 @@ func TestOpenAPIServedAndCoversRoutes(t *testing.T) {
 		"/sandboxes/{sandboxID}/pause:", "/sandboxes/{sandboxID}/resume:", "/sandboxes/{sandboxID}/metrics:",
 		"/sandboxes/{sandboxID}/logs:", "/sandboxes/{sandboxID}/fork:", "/sandboxes/{sandboxID}/snapshots:",
 		"/snapshots:", "/snapshots/{name}:", "/metrics:", "/openapi.yml:", "/health:",
+		"/v3/templates:", "/v2/templates/{templateID}/builds/{buildID}:", "/templates/{templateID}/builds/{buildID}/status:",
+		"/templates/{templateID}/files/{hash}:", "/templates:", "/templates/aliases/{alias}:",
 	} {
 		if !strings.Contains(spec, "\n  "+p+"\n") {
 			t.Errorf("openapi.yml does not document %s", strings.TrimSuffix(p, ":"))
