@@ -18,7 +18,7 @@ func templateCmd() *cobra.Command {
 		Use:   "template",
 		Short: "Build and manage the templates sandboxes are created from",
 	}
-	cmd.AddCommand(templateImportCmd())
+	cmd.AddCommand(templateImportCmd(), templateBuildCmd())
 	return cmd
 }
 

@@ -39,6 +39,7 @@ const (
 // server is a running `aenv server`.
 type server struct {
 	url     string // http://127.0.0.1:port
+	bin     string // the aenv binary it runs
 	dataDir string
 	cmd     *exec.Cmd
 	logPath string
@@ -123,7 +124,7 @@ func startServer() (*server, string, error) {
 	}
 	addr := ln.Addr().String()
 	ln.Close()
-	s := &server{url: "http://" + addr, dataDir: dataDir, logPath: filepath.Join(tmpRoot, "server.log")}
+	s := &server{url: "http://" + addr, bin: bin, dataDir: dataDir, logPath: filepath.Join(tmpRoot, "server.log")}
 	logf, err := os.Create(s.logPath)
 	if err != nil {
 		return nil, "", err
