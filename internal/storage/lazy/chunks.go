@@ -1,0 +1,342 @@
+package lazy
+
+import (
+	"bytes"
+	"container/list"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"sync"
+
+	"github.com/agentenv/agentenv/internal/storage/repository"
+)
+
+// A layer file is stored in the repository as content-addressed chunks
+// (kind "chunk", id = the chunk's SHA-256, one file "data"; chunks of zeros
+// are not stored) and a chunk list (kind "layer", file "layer.json"). A
+// chunk shared by several layers is stored once.
+
+const (
+	repoKindChunk = "chunk"
+	repoKindLayer = "layer"
+	chunkFileName = "data"
+	layerFileName = "layer.json"
+
+	// DefaultChunkSize is the chunk size of pushed layers.
+	DefaultChunkSize = 1 << 20
+)
+
+// ErrCorruptChunk marks a fetched chunk whose content does not match its
+// hash; it is never cached.
+var ErrCorruptChunk = errors.New("chunk does not match its hash")
+
+var sumRE = regexp.MustCompile(`^[0-9a-f]{64}$`)
+
+// Layer is a layer file as a list of chunks.
+type Layer struct {
+	Size      int64    `json:"size"`
+	ChunkSize int64    `json:"chunkSize"`
+	Chunks    []string `json:"chunks"` // SHA-256 hex; "" for a chunk of zeros
+}
+
+// PushLayer stores the file at path in the repository as layer id.
+// Chunks already there are not uploaded again.
+func PushLayer(ctx context.Context, repo repository.Repository, id, path string, chunkSize int64) (*Layer, error) {
+	if chunkSize <= 0 {
+		chunkSize = DefaultChunkSize
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	l := &Layer{Size: st.Size(), ChunkSize: chunkSize}
+	stage, err := os.MkdirTemp("", "aenv-chunk-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(stage)
+	buf := make([]byte, chunkSize)
+	zero := make([]byte, chunkSize)
+	for off := int64(0); off < l.Size; off += chunkSize {
+		n, err := f.ReadAt(buf, off)
+		if err != nil && !errors.Is(err, io.EOF) {
+			return nil, err
+		}
+		chunk := buf[:n]
+		if bytes.Equal(chunk, zero[:n]) {
+			l.Chunks = append(l.Chunks, "")
+			continue
+		}
+		sum := sha256.Sum256(chunk)
+		id := hex.EncodeToString(sum[:])
+		l.Chunks = append(l.Chunks, id)
+		if _, err := repo.Stat(ctx, repoKindChunk, id); err == nil {
+			continue
+		}
+		dir := filepath.Join(stage, id)
+		if err := os.Mkdir(dir, 0o700); err != nil {
+			return nil, err
+		}
+		if err := os.WriteFile(filepath.Join(dir, chunkFileName), chunk, 0o600); err != nil {
+			return nil, err
+		}
+		if _, err := repo.Put(ctx, repoKindChunk, id, dir); err != nil && !errors.Is(err, repository.ErrExists) {
+			return nil, fmt.Errorf("push chunk %s: %w", id[:12], err)
+		}
+		os.RemoveAll(dir)
+	}
+	dir := filepath.Join(stage, "layer")
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return nil, err
+	}
+	b, _ := json.Marshal(l)
+	if err := os.WriteFile(filepath.Join(dir, layerFileName), b, 0o600); err != nil {
+		return nil, err
+	}
+	if _, err := repo.Put(ctx, repoKindLayer, id, dir); err != nil && !errors.Is(err, repository.ErrExists) {
+		return nil, fmt.Errorf("push layer %s: %w", id, err)
+	}
+	return l, nil
+}
+
+// FetchLayer reads layer id's chunk list from the repository.
+func FetchLayer(ctx context.Context, repo repository.Repository, id string) (*Layer, error) {
+	dir, err := os.MkdirTemp("", "aenv-layer-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(dir)
+	if _, err := repo.Get(ctx, repoKindLayer, id, dir); err != nil {
+		return nil, fmt.Errorf("layer %s: %w", id, err)
+	}
+	var l Layer
+	b, err := os.ReadFile(filepath.Join(dir, layerFileName))
+	if err != nil {
+		return nil, err
+	}
+	if err := json.Unmarshal(b, &l); err != nil || l.ChunkSize <= 0 || int64(len(l.Chunks)) != (l.Size+l.ChunkSize-1)/l.ChunkSize {
+		return nil, fmt.Errorf("%w: layer %s chunk list", repository.ErrCorrupt, id)
+	}
+	for _, c := range l.Chunks {
+		if c != "" && !sumRE.MatchString(c) {
+			return nil, fmt.Errorf("%w: layer %s: bad chunk id %q", repository.ErrCorrupt, id, c)
+		}
+	}
+	return &l, nil
+}
+
+// CacheStats counts a cache's work.
+type CacheStats struct {
+	Hits, Misses, Evictions int64
+	FetchedBytes            int64
+	UsedBytes, LimitBytes   int64
+}
+
+// Cache keeps chunks on local disk, at most limit bytes, evicting the least
+// recently used; missing chunks come from the repository and are verified.
+type Cache struct {
+	dir   string
+	limit int64
+	repo  repository.Repository
+
+	mu       sync.Mutex
+	lru      *list.List // of *cached, most recent first
+	items    map[string]*list.Element
+	inflight map[string]*fetch
+	stats    CacheStats
+}
+
+type cached struct {
+	sum  string
+	size int64
+}
+
+type fetch struct {
+	done chan struct{}
+	data []byte
+	err  error
+}
+
+// OpenCache opens (or creates) a chunk cache in dir; chunks already there
+// are kept, oldest first to go.
+func OpenCache(dir string, limit int64, repo repository.Repository) (*Cache, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	c := &Cache{dir: dir, limit: limit, repo: repo, lru: list.New(), items: map[string]*list.Element{}, inflight: map[string]*fetch{}}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	type old struct {
+		sum  string
+		size int64
+		mod  int64
+	}
+	var have []old
+	for _, e := range ents {
+		info, err := e.Info()
+		if err != nil || !sumRE.MatchString(e.Name()) || !info.Mode().IsRegular() {
+			os.Remove(filepath.Join(dir, e.Name())) // temporary files of an interrupted fetch
+			continue
+		}
+		have = append(have, old{e.Name(), info.Size(), info.ModTime().UnixNano()})
+	}
+	sort.Slice(have, func(i, j int) bool { return have[i].mod > have[j].mod })
+	for _, h := range have {
+		c.items[h.sum] = c.lru.PushBack(&cached{h.sum, h.size})
+		c.stats.UsedBytes += h.size
+	}
+	c.mu.Lock()
+	c.evict("")
+	c.mu.Unlock()
+	return c, nil
+}
+
+// Stats reports the cache's counters.
+func (c *Cache) Stats() CacheStats {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	s := c.stats
+	s.LimitBytes = c.limit
+	return s
+}
+
+// evict drops least recently used chunks (never keep) until the cache fits
+// its limit. Called with mu held.
+func (c *Cache) evict(keep string) {
+	for c.stats.UsedBytes > c.limit {
+		el := c.lru.Back()
+		if el == nil {
+			return
+		}
+		it := el.Value.(*cached)
+		if it.sum == keep {
+			if el.Prev() == nil {
+				return
+			}
+			el = el.Prev()
+			it = el.Value.(*cached)
+		}
+		c.lru.Remove(el)
+		delete(c.items, it.sum)
+		c.stats.UsedBytes -= it.size
+		c.stats.Evictions++
+		os.Remove(filepath.Join(c.dir, it.sum))
+	}
+}
+
+// Chunk returns a chunk's content.
+func (c *Cache) Chunk(ctx context.Context, sum string) ([]byte, error) {
+	c.mu.Lock()
+	if el, ok := c.items[sum]; ok {
+		c.lru.MoveToFront(el)
+		c.stats.Hits++
+		c.mu.Unlock()
+		b, err := os.ReadFile(filepath.Join(c.dir, sum))
+		if err == nil {
+			return b, nil
+		}
+		// Lost meanwhile (evicted by another reader): fetch it again.
+		c.mu.Lock()
+		c.stats.Hits--
+	}
+	if f, ok := c.inflight[sum]; ok {
+		c.mu.Unlock()
+		<-f.done
+		return f.data, f.err
+	}
+	c.stats.Misses++
+	f := &fetch{done: make(chan struct{})}
+	c.inflight[sum] = f
+	c.mu.Unlock()
+
+	f.data, f.err = c.fetch(ctx, sum)
+	c.mu.Lock()
+	delete(c.inflight, sum)
+	if f.err == nil {
+		if _, ok := c.items[sum]; !ok {
+			c.items[sum] = c.lru.PushFront(&cached{sum, int64(len(f.data))})
+			c.stats.UsedBytes += int64(len(f.data))
+		}
+		c.stats.FetchedBytes += int64(len(f.data))
+		c.evict(sum)
+	}
+	c.mu.Unlock()
+	close(f.done)
+	return f.data, f.err
+}
+
+// fetch downloads and verifies a chunk and stores it in the cache dir.
+func (c *Cache) fetch(ctx context.Context, sum string) ([]byte, error) {
+	tmp, err := os.MkdirTemp(c.dir, ".fetch-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(tmp)
+	if _, err := c.repo.Get(ctx, repoKindChunk, sum, tmp); err != nil {
+		return nil, fmt.Errorf("fetch chunk %s: %w", sum[:12], err)
+	}
+	data, err := os.ReadFile(filepath.Join(tmp, chunkFileName))
+	if err != nil {
+		return nil, err
+	}
+	got := sha256.Sum256(data)
+	if hex.EncodeToString(got[:]) != sum {
+		return nil, fmt.Errorf("%w: chunk %s", ErrCorruptChunk, sum[:12])
+	}
+	if err := os.Rename(filepath.Join(tmp, chunkFileName), filepath.Join(c.dir, sum)); err != nil {
+		return nil, err
+	}
+	return data, nil
+}
+
+// LayerExport serves a layer's bytes from the cache (an NBD Export).
+type LayerExport struct {
+	Layer *Layer
+	Cache *Cache
+}
+
+// Size is the layer's size.
+func (e *LayerExport) Size() int64 { return e.Layer.Size }
+
+// ReadAt assembles p from the chunks it spans.
+func (e *LayerExport) ReadAt(ctx context.Context, p []byte, off int64) error {
+	cs := e.Layer.ChunkSize
+	for len(p) > 0 {
+		idx := off / cs
+		if idx >= int64(len(e.Layer.Chunks)) {
+			return io.ErrUnexpectedEOF
+		}
+		within := off - idx*cs
+		n := min(int64(len(p)), cs-within)
+		sum := e.Layer.Chunks[idx]
+		if sum == "" {
+			clear(p[:n])
+		} else {
+			data, err := e.Cache.Chunk(ctx, sum)
+			if err != nil {
+				return err
+			}
+			if within+n > int64(len(data)) {
+				return fmt.Errorf("%w: chunk %s is %d bytes, read needs %d", ErrCorruptChunk, sum[:12], len(data), within+n)
+			}
+			copy(p[:n], data[within:within+n])
+		}
+		p, off = p[n:], off+n
+	}
+	return nil
+}
