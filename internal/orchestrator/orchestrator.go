@@ -146,6 +146,9 @@ type Config struct {
 	PoolSize int
 	// TCGTranslationCacheMiB bounds QEMU's TCG translation cache per sandbox.
 	TCGTranslationCacheMiB int
+	// LayerCacheMiB bounds the local cache of chunks of templates loaded
+	// lazily from the repository (default 10 GiB).
+	LayerCacheMiB int
 	// NoFreePageReporting turns off the balloon's free page reporting (for
 	// measuring what it saves; see vmm.Config).
 	NoFreePageReporting bool
@@ -177,6 +180,9 @@ func (c *Config) setDefaults() {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	if c.LayerCacheMiB == 0 {
+		c.LayerCacheMiB = 10 << 10
+	}
 	if c.TCGTranslationCacheMiB == 0 {
 		c.TCGTranslationCacheMiB = 64
 	}
@@ -201,7 +207,8 @@ type Node struct {
 	// garbage collection keeps them. Guarded by mu.
 	pinned map[string]int
 	builds buildRegistry
-	poolMu sync.Mutex // one pool filler at a time
+	lazy   *lazyLayers // started on first use; guarded by mu
+	poolMu sync.Mutex  // one pool filler at a time
 
 	stop      chan struct{}
 	closeOnce sync.Once
@@ -256,6 +263,9 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	n.recoverBuilds()
+	if n.cfg.Repository != nil {
+		n.exportLazyTemplates(ctx)
+	}
 	if err := n.recover(ctx); err != nil {
 		db.Close()
 		return nil, fmt.Errorf("recover node state: %w", err)
@@ -280,6 +290,11 @@ func (n *Node) Close() error {
 	close(n.stop)
 	n.wg.Wait()
 	n.drainPool(context.Background())
+	n.mu.Lock()
+	if n.lazy != nil {
+		n.lazy.srv.Close()
+	}
+	n.mu.Unlock()
 	n.mu.Lock()
 	for _, m := range n.machines {
 		if q := m.QMP(); q != nil {

@@ -36,6 +36,9 @@ type Template struct {
 	ReadyCmd  string `json:"readyCmd,omitempty"`
 	StartUser string `json:"startUser,omitempty"`
 	StartCwd  string `json:"startCwd,omitempty"`
+	// LazyLayers are the repository layers (bottom first) a template loaded
+	// lazily boots from, served by the node's NBD server.
+	LazyLayers []string `json:"lazyLayers,omitempty"`
 }
 
 var templateNameRE = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)

@@ -308,6 +308,9 @@ func (c *Cache) fetch(ctx context.Context, sum string) ([]byte, error) {
 type LayerExport struct {
 	Layer *Layer
 	Cache *Cache
+	// Header, if set, replaces the layer's first bytes (see
+	// QcowBackingHeader).
+	Header []byte
 }
 
 // Size is the layer's size.
@@ -315,6 +318,14 @@ func (e *LayerExport) Size() int64 { return e.Layer.Size }
 
 // ReadAt assembles p from the chunks it spans.
 func (e *LayerExport) ReadAt(ctx context.Context, p []byte, off int64) error {
+	if err := e.readChunks(ctx, p, off); err != nil {
+		return err
+	}
+	e.patch(p, off)
+	return nil
+}
+
+func (e *LayerExport) readChunks(ctx context.Context, p []byte, off int64) error {
 	cs := e.Layer.ChunkSize
 	for len(p) > 0 {
 		idx := off / cs
@@ -339,4 +350,12 @@ func (e *LayerExport) ReadAt(ctx context.Context, p []byte, off int64) error {
 		p, off = p[n:], off+n
 	}
 	return nil
+}
+
+// Patch overlays bytes on an export's content (from offset 0): a layer's
+// qcow2 header is served with its backing file name replaced.
+func (e *LayerExport) patch(p []byte, off int64) {
+	if off < int64(len(e.Header)) {
+		copy(p, e.Header[off:])
+	}
 }
