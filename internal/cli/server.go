@@ -43,6 +43,7 @@ type serverOptions struct {
 	networkCIDR string
 	instance    string
 	poolSize    int
+	layerCache  int
 	repository  string
 	logLevel    string
 }
@@ -67,6 +68,7 @@ func serverCmd() *cobra.Command {
 	cmd.Flags().StringVar(&o.networkCIDR, "network-cidr", "", "IPv4 range for sandbox veth pairs (default 10.213.0.0/16)")
 	cmd.Flags().StringVar(&o.instance, "instance", "aenv", "prefix of host objects (netns, veth, nftables); nodes sharing a host need distinct ones")
 	cmd.Flags().IntVar(&o.poolSize, "pool-size", 2, "pre-started sandboxes kept waiting per template snapshot")
+	cmd.Flags().IntVar(&o.layerCache, "layer-cache-mib", 10240, "local cache for chunks of templates run lazily from the repository, in MiB")
 	cmd.Flags().StringVar(&o.repository, "repository", "", "snapshot repository: /path, posix_fs:///path or oss://bucket/prefix?endpoint=…&region=… (default: <data-dir>/repository)")
 	cmd.Flags().StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 	return cmd
@@ -114,6 +116,7 @@ func runServer(ctx context.Context, o serverOptions) error {
 		Instance:          o.instance,
 		TemplateSnapshots: true,
 		PoolSize:          o.poolSize,
+		LayerCacheMiB:     o.layerCache,
 		Repository:        repo,
 		Logger:            log,
 	})

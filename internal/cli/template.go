@@ -6,11 +6,14 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"path/filepath"
+	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/storage/image"
+	"github.com/agentenv/agentenv/internal/storage/repository"
 )
 
 func templateCmd() *cobra.Command {
@@ -18,7 +21,7 @@ func templateCmd() *cobra.Command {
 		Use:   "template",
 		Short: "Build and manage the templates sandboxes are created from",
 	}
-	cmd.AddCommand(templateImportCmd(), templateBuildCmd())
+	cmd.AddCommand(templateImportCmd(), templateBuildCmd(), templatePushCmd())
 	return cmd
 }
 
@@ -65,5 +68,38 @@ func templateImportCmd() *cobra.Command {
 	cmd.Flags().StringVar(&src.Archive, "docker-archive", "", "a `docker save` tarball")
 	cmd.Flags().StringVar(&src.Ref, "image", "", "a registry reference (credentials from ~/.docker/config.json)")
 	cmd.Flags().IntVar(&sizeMiB, "size-mib", 4096, "size of the template's root file system")
+	return cmd
+}
+
+func templatePushCmd() *cobra.Command {
+	var dataDir, repoURL string
+	cmd := &cobra.Command{
+		Use:   "push NAME",
+		Short: "Store a template in the repository; nodes sharing it run the template without downloading it first",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if repoURL == "" {
+				repoURL = filepath.Join(dataDir, "repository")
+			}
+			cfg, err := repository.ParseURL(repoURL)
+			if err != nil {
+				return err
+			}
+			repo, err := repository.Open(cfg)
+			if err != nil {
+				return err
+			}
+			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+			defer stop()
+			start := time.Now()
+			if err := orchestrator.PushTemplate(ctx, dataDir, repo, args[0]); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "template %s stored in %s in %s\n", args[0], repoURL, time.Since(start).Round(time.Millisecond))
+			return nil
+		},
+	}
+	dataDirFlag(cmd, &dataDir)
+	cmd.Flags().StringVar(&repoURL, "repository", "", "repository: /path, posix_fs:///path or oss://bucket/prefix?endpoint=…&region=… (default: <data-dir>/repository)")
 	return cmd
 }

@@ -74,12 +74,20 @@ func contentID(path string) (string, error) {
 	return "l-" + hex.EncodeToString(h.Sum(nil))[:40], nil
 }
 
-// PushTemplate stores template name (all its layers) in the repository.
+// PushTemplate stores template name (all its layers) in the node's
+// repository.
 func (n *Node) PushTemplate(ctx context.Context, name string) error {
 	if n.cfg.Repository == nil {
 		return errors.New("the node has no repository")
 	}
-	t, err := n.Template(name)
+	return PushTemplate(ctx, n.cfg.DataDir, n.cfg.Repository, name)
+}
+
+// PushTemplate stores template name of the data dir (all its layers) in
+// repo, from where any node can run it without downloading it first.
+// Layers already there (same content) are not uploaded again.
+func PushTemplate(ctx context.Context, dataDir string, repo repository.Repository, name string) error {
+	t, err := LoadTemplate(dataDir, name)
 	if err != nil {
 		return err
 	}
@@ -94,8 +102,8 @@ func (n *Node) PushTemplate(ctx context.Context, name string) error {
 		if err != nil {
 			return err
 		}
-		if _, err := n.cfg.Repository.Stat(ctx, "layer", id); err != nil {
-			if _, err := lazy.PushLayer(ctx, n.cfg.Repository, id, p, 0); err != nil {
+		if _, err := repo.Stat(ctx, "layer", id); err != nil {
+			if _, err := lazy.PushLayer(ctx, repo, id, p, 0); err != nil {
 				return fmt.Errorf("push layer %s: %w", filepath.Base(p), err)
 			}
 		}
@@ -110,10 +118,10 @@ func (n *Node) PushTemplate(ctx context.Context, name string) error {
 	if err := os.WriteFile(filepath.Join(stage, templateRecordFile), b, 0o600); err != nil {
 		return err
 	}
-	if err := n.cfg.Repository.Delete(ctx, repoKindTemplate, name); err != nil && !errors.Is(err, repository.ErrNotFound) {
+	if err := repo.Delete(ctx, repoKindTemplate, name); err != nil && !errors.Is(err, repository.ErrNotFound) {
 		return err
 	}
-	_, err = n.cfg.Repository.Put(ctx, repoKindTemplate, name, stage)
+	_, err = repo.Put(ctx, repoKindTemplate, name, stage)
 	return err
 }
 
