@@ -168,16 +168,7 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 		b = nil
 	}
 	// The template: a thin overlay on the last layer.
-	dir := TemplateDir(n.cfg.DataDir, spec.Template)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	tmp := filepath.Join(dir, ".rootfs.qcow2.tmp")
-	_ = os.Remove(tmp)
-	if err := storage.CreateOverlay(ctx, parent, tmp, 0); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, TemplateRootLayer(n.cfg.DataDir, spec.Template)); err != nil {
+	if err := installTemplateLayer(ctx, n.cfg.DataDir, spec.Template, parent); err != nil {
 		return err
 	}
 	t := Template{Name: spec.Template, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB, DiskMiB: from.DiskMiB,

@@ -1,7 +1,6 @@
 package orchestrator
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -151,15 +150,8 @@ func (n *Node) StartBuild(templateID, buildID string, spec BuildSpec) error {
 	n.wg.Add(1)
 	go func() {
 		defer n.wg.Done()
-		ctx, cancel := context.WithCancel(context.Background())
+		ctx, cancel := n.stopContext()
 		defer cancel()
-		go func() {
-			select {
-			case <-n.stop:
-				cancel()
-			case <-ctx.Done():
-			}
-		}()
 		lastSave := time.Now()
 		logf := func(level, step, msg string) {
 			n.builds.mu.Lock()

@@ -378,6 +378,20 @@ func (n *Node) SetTimeout(ctx context.Context, id string, d time.Duration) (*San
 	return n.withAddr(s), nil
 }
 
+// stopContext is a context cancelled when the node closes, for background
+// work; the caller releases it with cancel.
+func (n *Node) stopContext() (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		select {
+		case <-n.stop:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	return ctx, cancel
+}
+
 // expiryLoop ends sandboxes whose time to live has run out: paused when they
 // were created with autoPause (the default), killed otherwise.
 func (n *Node) expiryLoop() {

@@ -93,7 +93,7 @@ func (n *Node) pause(ctx context.Context, s *Sandbox) error {
 	if s.MemPrivate {
 		// Copy-on-write RAM is no file of the sandbox's own: the pages that
 		// differ from the image it maps go into the state.
-		st, err := m.SaveStateDiff(ctx, tmp, n.vmConfig(s, nil, false).MemFile)
+		st, err := m.SaveStateDiff(ctx, tmp, n.ramFile(s))
 		if err != nil {
 			return err
 		}
@@ -346,7 +346,7 @@ func (n *Node) vmConfig(s *Sandbox, tap *os.File, incoming bool) vmm.Config {
 		Initrd:        n.cfg.Initrd,
 		Cmdline:       kernelCmdline(n.cfg.KernelArgs),
 		RootDisk:      filepath.Join(dir, overlayName),
-		MemFile:       filepath.Join(dir, memFileName),
+		MemFile:       n.ramFile(s),
 		MAC:           network.GuestMAC,
 		PrivateMemory: s.MemPrivate,
 		RunDir:        dir,
@@ -356,8 +356,14 @@ func (n *Node) vmConfig(s *Sandbox, tap *os.File, incoming bool) vmm.Config {
 
 		NoFreePageReporting: n.cfg.NoFreePageReporting,
 	}
-	if s.MemFile != "" {
-		cfg.MemFile = s.MemFile
-	}
 	return cfg
+}
+
+// ramFile is the file a sandbox's RAM maps: the snapshot image it runs on
+// copy-on-write, or its own RAM file.
+func (n *Node) ramFile(s *Sandbox) string {
+	if s.MemFile != "" {
+		return s.MemFile
+	}
+	return filepath.Join(n.sandboxDir(s.ID), memFileName)
 }

@@ -76,15 +76,8 @@ func (n *Node) refillPool(t *Template, ts *templateSnapshot) {
 	n.wg.Add(1)
 	go func() {
 		defer n.wg.Done()
-		ctx, cancel := context.WithCancel(context.Background())
+		ctx, cancel := n.stopContext()
 		defer cancel()
-		go func() {
-			select {
-			case <-n.stop:
-				cancel()
-			case <-ctx.Done():
-			}
-		}()
 		n.poolMu.Lock()
 		defer n.poolMu.Unlock()
 		n.fillPool(ctx, t, ts)

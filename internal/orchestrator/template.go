@@ -1,6 +1,7 @@
 package orchestrator
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -58,6 +59,25 @@ func TemplateDir(dataDir, name string) string { return filepath.Join(dataDir, te
 // TemplateRootLayer is the path of a template's root disk layer.
 func TemplateRootLayer(dataDir, name string) string {
 	return filepath.Join(TemplateDir(dataDir, name), rootLayerName)
+}
+
+// installTemplateLayer gives template name a root layer that is a thin,
+// read-only qcow2 overlay on layer (shared layers of imports and builds),
+// put in place atomically.
+func installTemplateLayer(ctx context.Context, dataDir, name, layer string) error {
+	dir := TemplateDir(dataDir, name)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	tmp := filepath.Join(dir, ".rootfs.qcow2.tmp")
+	_ = os.Remove(tmp)
+	if err := storage.CreateOverlay(ctx, layer, tmp, 0); err != nil {
+		return err
+	}
+	if err := os.Chmod(tmp, 0o444); err != nil {
+		return err
+	}
+	return os.Rename(tmp, TemplateRootLayer(dataDir, name))
 }
 
 // RegisterTemplate records a template whose root layer is already in place

@@ -7,12 +7,10 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
 	"path/filepath"
 	"strings"
 	"time"
 
-	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/storage/image"
 )
 
@@ -43,21 +41,7 @@ func ImportTemplate(ctx context.Context, dataDir, name string, src image.Source,
 		}
 		return nil, fmt.Errorf("import %s: %w", src, err)
 	}
-	dir := TemplateDir(dataDir, name)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return nil, err
-	}
-	// The template's layer is a thin overlay on the shared layers, put in
-	// place atomically.
-	tmp := filepath.Join(dir, ".rootfs.qcow2.tmp")
-	_ = os.Remove(tmp)
-	if err := storage.CreateOverlay(ctx, res.Top, tmp, 0); err != nil {
-		return nil, err
-	}
-	if err := os.Chmod(tmp, 0o444); err != nil {
-		return nil, err
-	}
-	if err := os.Rename(tmp, TemplateRootLayer(dataDir, name)); err != nil {
+	if err := installTemplateLayer(ctx, dataDir, name, res.Top); err != nil {
 		return nil, err
 	}
 	env := map[string]string{}

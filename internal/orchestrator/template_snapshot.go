@@ -143,15 +143,8 @@ func (n *Node) prepareTemplateSnapshots() {
 		n.log.Error("list templates", "err", err)
 		return
 	}
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := n.stopContext()
 	defer cancel()
-	go func() {
-		select {
-		case <-n.stop:
-			cancel()
-		case <-ctx.Done():
-		}
-	}()
 	for _, t := range ts {
 		if err := n.PrepareTemplateSnapshot(ctx, t.Name); err != nil && !errors.Is(err, context.Canceled) {
 			n.log.Error("template snapshot", "template", t.Name, "err", err)
