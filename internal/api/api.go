@@ -51,7 +51,10 @@ type Config struct {
 	// SandboxProxy serves sandbox traffic; requests are routed to it by the
 	// sandbox headers or host form.
 	SandboxProxy http.Handler
-	Logger       *slog.Logger
+	// PeerChunks, when set, serves cached layer chunks to neighbour nodes
+	// (GET /v1/chunks/{sum}; it checks the peer token itself).
+	PeerChunks http.Handler
+	Logger     *slog.Logger
 }
 
 // Server is the HTTP handler of a node's API.
@@ -96,6 +99,9 @@ func (s *Server) routes() {
 	s.mux.Handle("GET /sandboxes/{id}/logs", auth(s.sandboxLogs))
 	s.mux.Handle("GET /snapshots", auth(s.listSnapshots))
 	s.mux.Handle("GET /metrics", s.nodeMetrics())
+	if s.cfg.PeerChunks != nil {
+		s.mux.Handle("GET /v1/chunks/{sum}", s.cfg.PeerChunks)
+	}
 	s.templateRoutes()
 	s.mux.Handle("POST /sandboxes/{id}/pause", auth(s.pauseSandbox))
 	s.mux.Handle("POST /sandboxes/{id}/resume", auth(s.resumeSandbox))

@@ -9,6 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/agentenv/agentenv/internal/orchestrator"
+	"github.com/agentenv/agentenv/internal/storage/lazy"
 )
 
 // MemoryReporter is implemented by nodes that report their memory use;
@@ -77,6 +78,59 @@ func (c *memoryCollector) Collect(ch chan<- prometheus.Metric) {
 	gauge(c.sumGuest, guest)
 }
 
+// LayerCacheReporter is implemented by nodes with a chunk cache for lazily
+// loaded layers; its counters join /metrics.
+type LayerCacheReporter interface {
+	LayerCacheStats() lazy.CacheStats
+}
+
+// layerCacheCollector reads the chunk cache's counters at each scrape.
+type layerCacheCollector struct {
+	node  LayerCacheReporter
+	descs map[string]*prometheus.Desc
+}
+
+var layerCacheMetrics = []struct {
+	name, help string
+	counter    bool
+	value      func(lazy.CacheStats) int64
+}{
+	{"aenv_layer_cache_hits_total", "Chunk reads served from the local layer cache.", true, func(s lazy.CacheStats) int64 { return s.Hits }},
+	{"aenv_layer_cache_misses_total", "Chunk reads that had to fetch the chunk.", true, func(s lazy.CacheStats) int64 { return s.Misses }},
+	{"aenv_layer_cache_evictions_total", "Chunks dropped from the cache to respect its limit or a full disk.", true, func(s lazy.CacheStats) int64 { return s.Evictions }},
+	{"aenv_layer_cache_fetched_bytes_total", "Bytes of chunks fetched (repository and neighbours).", true, func(s lazy.CacheStats) int64 { return s.FetchedBytes }},
+	{"aenv_layer_cache_peer_bytes_total", "Bytes of chunks fetched from neighbour nodes.", true, func(s lazy.CacheStats) int64 { return s.PeerBytes }},
+	{"aenv_layer_cache_peer_served_bytes_total", "Bytes of chunks this node served to neighbours.", true, func(s lazy.CacheStats) int64 { return s.PeerServedBytes }},
+	{"aenv_layer_cache_store_errors_total", "Chunks that could not be kept in the cache (full disk).", true, func(s lazy.CacheStats) int64 { return s.StoreErrors }},
+	{"aenv_layer_cache_used_bytes", "Bytes the layer cache holds on disk.", false, func(s lazy.CacheStats) int64 { return s.UsedBytes }},
+	{"aenv_layer_cache_limit_bytes", "The layer cache's configured limit.", false, func(s lazy.CacheStats) int64 { return s.LimitBytes }},
+}
+
+func newLayerCacheCollector(node LayerCacheReporter) *layerCacheCollector {
+	c := &layerCacheCollector{node: node, descs: map[string]*prometheus.Desc{}}
+	for _, m := range layerCacheMetrics {
+		c.descs[m.name] = prometheus.NewDesc(m.name, m.help, nil, nil)
+	}
+	return c
+}
+
+func (c *layerCacheCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range c.descs {
+		ch <- d
+	}
+}
+
+func (c *layerCacheCollector) Collect(ch chan<- prometheus.Metric) {
+	st := c.node.LayerCacheStats()
+	for _, m := range layerCacheMetrics {
+		kind := prometheus.GaugeValue
+		if m.counter {
+			kind = prometheus.CounterValue
+		}
+		ch <- prometheus.MustNewConstMetric(c.descs[m.name], kind, float64(m.value(st)))
+	}
+}
+
 // nodeMetrics serves the node's Prometheus metrics, or 501 for nodes that
 // do not report memory.
 func (s *Server) nodeMetrics() http.Handler {
@@ -88,6 +142,9 @@ func (s *Server) nodeMetrics() http.Handler {
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(newMemoryCollector(mr))
+	if lr, ok := s.node.(LayerCacheReporter); ok {
+		reg.MustRegister(newLayerCacheCollector(lr))
+	}
 	h := promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 	return s.requireKey(h.ServeHTTP)
 }

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -37,15 +38,17 @@ func pathsOf(dataDir string) nodePaths {
 }
 
 type serverOptions struct {
-	dataDir     string
-	listen      string
-	domain      string
-	networkCIDR string
-	instance    string
-	poolSize    int
-	layerCache  int
-	repository  string
-	logLevel    string
+	dataDir       string
+	listen        string
+	domain        string
+	networkCIDR   string
+	instance      string
+	poolSize      int
+	layerCache    int
+	peers         []string
+	peerTokenFile string
+	repository    string
+	logLevel      string
 }
 
 func serverCmd() *cobra.Command {
@@ -69,6 +72,8 @@ func serverCmd() *cobra.Command {
 	cmd.Flags().StringVar(&o.instance, "instance", "aenv", "prefix of host objects (netns, veth, nftables); nodes sharing a host need distinct ones")
 	cmd.Flags().IntVar(&o.poolSize, "pool-size", 2, "pre-started sandboxes kept waiting per template snapshot")
 	cmd.Flags().IntVar(&o.layerCache, "layer-cache-mib", 10240, "local cache for chunks of templates run lazily from the repository, in MiB")
+	cmd.Flags().StringSliceVar(&o.peers, "p2p-peers", nil, "neighbour nodes' API URLs asked for layer chunks before the repository (peer exchange is off unless set, with a token)")
+	cmd.Flags().StringVar(&o.peerTokenFile, "p2p-token-file", "", "file holding the secret token the nodes of a peer group share (env AENV_P2P_TOKEN also works)")
 	cmd.Flags().StringVar(&o.repository, "repository", "", "snapshot repository: /path, posix_fs:///path or oss://bucket/prefix?endpoint=…&region=… (default: <data-dir>/repository)")
 	cmd.Flags().StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 	return cmd
@@ -100,6 +105,13 @@ func runServer(ctx context.Context, o serverOptions) error {
 	if err != nil {
 		return err
 	}
+	peerToken, err := loadPeerToken(o.peerTokenFile)
+	if err != nil {
+		return err
+	}
+	if len(o.peers) > 0 && peerToken == "" {
+		return errors.New("--p2p-peers needs the peer group's token: --p2p-token-file or AENV_P2P_TOKEN")
+	}
 	probe := vmm.ProbeAccel()
 	if w := probe.Warning(); w != "" {
 		log.Warn(w)
@@ -117,6 +129,8 @@ func runServer(ctx context.Context, o serverOptions) error {
 		TemplateSnapshots: true,
 		PoolSize:          o.poolSize,
 		LayerCacheMiB:     o.layerCache,
+		Peers:             o.peers,
+		PeerToken:         peerToken,
 		Repository:        repo,
 		Logger:            log,
 	})
@@ -125,7 +139,7 @@ func runServer(ctx context.Context, o serverOptions) error {
 	}
 	defer node.Close()
 	px := proxy.New(api.Resolver{Node: node}, o.domain, orchestrator.EnvdPort, log)
-	handler, err := api.New(node, api.Config{APIKey: key, Domain: o.domain, SandboxProxy: px, Logger: log})
+	handler, err := api.New(node, api.Config{APIKey: key, Domain: o.domain, SandboxProxy: px, PeerChunks: node.PeerChunks(), Logger: log})
 	if err != nil {
 		return err
 	}
@@ -165,8 +179,26 @@ func newHTTPServer(h http.Handler) *http.Server {
 
 // The node implements every optional part of the API.
 var (
-	_ api.TemplateBuilder  = (*orchestrator.Node)(nil)
-	_ api.MemoryReporter   = (*orchestrator.Node)(nil)
-	_ api.Snapshotter      = (*orchestrator.Node)(nil)
-	_ api.ConsoleLogReader = (*orchestrator.Node)(nil)
+	_ api.TemplateBuilder    = (*orchestrator.Node)(nil)
+	_ api.MemoryReporter     = (*orchestrator.Node)(nil)
+	_ api.Snapshotter        = (*orchestrator.Node)(nil)
+	_ api.ConsoleLogReader   = (*orchestrator.Node)(nil)
+	_ api.LayerCacheReporter = (*orchestrator.Node)(nil)
 )
+
+// loadPeerToken reads the peer group's token from file, else from
+// AENV_P2P_TOKEN ("" when neither is set: peer exchange off).
+func loadPeerToken(file string) (string, error) {
+	if file == "" {
+		return os.Getenv("AENV_P2P_TOKEN"), nil
+	}
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return "", fmt.Errorf("p2p token: %w", err)
+	}
+	tok := strings.TrimSpace(string(b))
+	if len(tok) < 16 {
+		return "", fmt.Errorf("p2p token in %s is shorter than 16 characters", file)
+	}
+	return tok, nil
+}

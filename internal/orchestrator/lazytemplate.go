@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -149,7 +150,7 @@ func (n *Node) lazyServer() (*lazyLayers, error) {
 	sock := filepath.Join(run, nbdSocketName)
 	_ = os.Remove(sock)
 	limit := int64(n.cfg.LayerCacheMiB) << 20
-	cache, err := lazy.OpenCache(filepath.Join(n.cfg.DataDir, "cache", "chunks"), limit, n.cfg.Repository)
+	cache, err := lazy.OpenCache(filepath.Join(n.cfg.DataDir, "cache", "chunks"), limit, n.cfg.Repository, n.peers())
 	if err != nil {
 		return nil, err
 	}
@@ -249,4 +250,37 @@ func (n *Node) exportLazyTemplates(ctx context.Context) {
 			n.log.Error("serve the layers of a lazily loaded template", "template", t.Name, "err", err)
 		}
 	}
+}
+
+// peers returns the neighbours the chunk cache asks first (nil: none).
+func (n *Node) peers() *lazy.Peers {
+	if len(n.cfg.Peers) == 0 || n.cfg.PeerToken == "" {
+		return nil
+	}
+	return &lazy.Peers{URLs: n.cfg.Peers, Token: n.cfg.PeerToken}
+}
+
+// PeerChunks serves the chunks this node has cached to neighbours that
+// present the shared peer token (route lazy.PeerChunkPath). Without a
+// token it refuses everything.
+func (n *Node) PeerChunks() http.Handler {
+	return lazy.PeerHandler(n.cfg.PeerToken, func() *lazy.Cache {
+		n.mu.Lock()
+		defer n.mu.Unlock()
+		if n.lazy == nil {
+			return nil
+		}
+		return n.lazy.cache
+	})
+}
+
+// LayerCacheStats reports the lazy layer cache's counters (zero before the
+// node first loads a template lazily).
+func (n *Node) LayerCacheStats() lazy.CacheStats {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.lazy == nil {
+		return lazy.CacheStats{LimitBytes: int64(n.cfg.LayerCacheMiB) << 20}
+	}
+	return n.lazy.cache.Stats()
 }

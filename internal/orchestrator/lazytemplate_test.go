@@ -3,12 +3,15 @@ package orchestrator
 import (
 	"context"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/storage"
+	"github.com/agentenv/agentenv/internal/storage/lazy"
 	"github.com/agentenv/agentenv/internal/storage/repository"
 )
 
@@ -57,6 +60,28 @@ func TestLazyTemplateFromRepository(t *testing.T) {
 	t.Logf("chunk cache: %+v (layers: 300 MB)", st)
 	if st.UsedBytes > 32<<20 || st.FetchedBytes == 0 || st.FetchedBytes > 250<<20 {
 		t.Fatalf("lazy loading: %+v", st)
+	}
+
+	// Peer exchange: node c asks b (over loopback HTTP) before the
+	// repository; b holds the chunks its last boot read.
+	const token = "peer-token-for-the-test"
+	b.cfg.PeerToken = token
+	mux := http.NewServeMux()
+	mux.Handle("GET "+lazy.PeerChunkPath, b.PeerChunks())
+	peer := httptest.NewServer(mux)
+	defer peer.Close()
+	c := testNode(t)
+	c.cfg.Repository = repo
+	c.cfg.LayerCacheMiB = 64
+	c.cfg.Peers, c.cfg.PeerToken = []string{peer.URL}, token
+	s = create(t, c, CreateRequest{TemplateID: "lazy-base"})
+	if out, err := newEnvdClient(s).run(ctx, "", "bash", "-c", "echo $FROM_REPO"); err != nil || out.stdout != "yes\n" {
+		t.Fatalf("sandbox on the third node: %+v %v", out, err)
+	}
+	cst, bst := c.LayerCacheStats(), b.LayerCacheStats()
+	t.Logf("third node's chunk cache: %+v; served by its neighbour: %d bytes", cst, bst.PeerServedBytes)
+	if cst.PeerBytes == 0 || bst.PeerServedBytes != cst.PeerBytes {
+		t.Fatalf("peer exchange: node c %+v, node b %+v", cst, bst)
 	}
 }
 

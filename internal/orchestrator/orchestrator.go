@@ -149,6 +149,11 @@ type Config struct {
 	// LayerCacheMiB bounds the local cache of chunks of templates loaded
 	// lazily from the repository (default 10 GiB).
 	LayerCacheMiB int
+	// Peers are neighbour nodes' API URLs, asked for a chunk of a lazily
+	// loaded layer before the repository, and PeerToken is the secret the
+	// nodes share for it. Both empty: peer exchange off (the default).
+	Peers     []string
+	PeerToken string
 	// NoFreePageReporting turns off the balloon's free page reporting (for
 	// measuring what it saves; see vmm.Config).
 	NoFreePageReporting bool

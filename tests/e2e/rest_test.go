@@ -168,6 +168,8 @@ func TestNodeMetricsRealNode(t *testing.T) {
 		`aenv_sandboxes{state="running"}`,
 		"aenv_node_memory_available_bytes ",
 		"aenv_node_sandbox_memory_pss_bytes ",
+		"aenv_layer_cache_limit_bytes ",
+		"aenv_layer_cache_hits_total ",
 	} {
 		if !strings.Contains(body, want) {
 			t.Errorf("metrics lack %q", want)

@@ -15,6 +15,9 @@ import (
 	"regexp"
 	"sort"
 	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/agentenv/agentenv/internal/storage/repository"
 )
@@ -141,8 +144,14 @@ func FetchLayer(ctx context.Context, repo repository.Repository, id string) (*La
 // CacheStats counts a cache's work.
 type CacheStats struct {
 	Hits, Misses, Evictions int64
-	FetchedBytes            int64
-	UsedBytes, LimitBytes   int64
+	// FetchedBytes counts bytes downloaded (from the repository or a
+	// neighbour), PeerBytes the part of it that came from neighbours, and
+	// PeerServedBytes what neighbours read from this cache.
+	FetchedBytes, PeerBytes, PeerServedBytes int64
+	UsedBytes, LimitBytes                    int64
+	// StoreErrors counts chunks that could not be written to the cache
+	// (a full disk): they were served without being kept.
+	StoreErrors int64
 }
 
 // Cache keeps chunks on local disk, at most limit bytes, evicting the least
@@ -151,6 +160,7 @@ type Cache struct {
 	dir   string
 	limit int64
 	repo  repository.Repository
+	peers *Peers
 
 	mu       sync.Mutex
 	lru      *list.List // of *cached, most recent first
@@ -171,12 +181,13 @@ type fetch struct {
 }
 
 // OpenCache opens (or creates) a chunk cache in dir; chunks already there
-// are kept, oldest first to go.
-func OpenCache(dir string, limit int64, repo repository.Repository) (*Cache, error) {
+// are kept, oldest first to go. Missing chunks are asked of peers (nil: no
+// peers), then fetched from repo.
+func OpenCache(dir string, limit int64, repo repository.Repository, peers *Peers) (*Cache, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
-	c := &Cache{dir: dir, limit: limit, repo: repo, lru: list.New(), items: map[string]*list.Element{}, inflight: map[string]*fetch{}}
+	c := &Cache{dir: dir, limit: limit, repo: repo, peers: peers, lru: list.New(), items: map[string]*list.Element{}, inflight: map[string]*fetch{}}
 	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, err
@@ -264,15 +275,22 @@ func (c *Cache) Chunk(ctx context.Context, sum string) ([]byte, error) {
 	c.inflight[sum] = f
 	c.mu.Unlock()
 
-	f.data, f.err = c.fetch(ctx, sum)
+	var fromPeer, stored bool
+	f.data, fromPeer, f.err = c.download(ctx, sum)
+	if f.err == nil {
+		stored = c.store(sum, f.data)
+	}
 	c.mu.Lock()
 	delete(c.inflight, sum)
 	if f.err == nil {
-		if _, ok := c.items[sum]; !ok {
+		if _, ok := c.items[sum]; !ok && stored {
 			c.items[sum] = c.lru.PushFront(&cached{sum, int64(len(f.data))})
 			c.stats.UsedBytes += int64(len(f.data))
 		}
 		c.stats.FetchedBytes += int64(len(f.data))
+		if fromPeer {
+			c.stats.PeerBytes += int64(len(f.data))
+		}
 		c.evict(sum)
 	}
 	c.mu.Unlock()
@@ -280,28 +298,118 @@ func (c *Cache) Chunk(ctx context.Context, sum string) ([]byte, error) {
 	return f.data, f.err
 }
 
-// fetch downloads and verifies a chunk and stores it in the cache dir.
-func (c *Cache) fetch(ctx context.Context, sum string) ([]byte, error) {
-	tmp, err := os.MkdirTemp(c.dir, ".fetch-")
+// download gets a chunk from a neighbour that has it or else from the
+// repository, and verifies it.
+func (c *Cache) download(ctx context.Context, sum string) (data []byte, fromPeer bool, err error) {
+	if c.peers != nil {
+		if data, err := c.peers.fetch(ctx, sum); err == nil {
+			return data, true, nil
+		}
+	}
+	tmp, err := os.MkdirTemp("", "aenv-chunk-")
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	defer os.RemoveAll(tmp)
 	if _, err := c.repo.Get(ctx, repoKindChunk, sum, tmp); err != nil {
-		return nil, fmt.Errorf("fetch chunk %s: %w", sum[:12], err)
+		return nil, false, fmt.Errorf("fetch chunk %s: %w", sum[:12], err)
 	}
-	data, err := os.ReadFile(filepath.Join(tmp, chunkFileName))
+	data, err = os.ReadFile(filepath.Join(tmp, chunkFileName))
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
+	if err := verifyChunk(sum, data); err != nil {
+		return nil, false, err
+	}
+	return data, false, nil
+}
+
+func verifyChunk(sum string, data []byte) error {
 	got := sha256.Sum256(data)
 	if hex.EncodeToString(got[:]) != sum {
-		return nil, fmt.Errorf("%w: chunk %s", ErrCorruptChunk, sum[:12])
+		return fmt.Errorf("%w: chunk %s", ErrCorruptChunk, sum[:12])
 	}
-	if err := os.Rename(filepath.Join(tmp, chunkFileName), filepath.Join(c.dir, sum)); err != nil {
-		return nil, err
+	return nil
+}
+
+// store writes a verified chunk into the cache dir. When the disk under it
+// is full the coldest chunks are dropped to make room; if that is not
+// enough the chunk is served without being kept (reads go on working, the
+// next read fetches it again). It reports whether the chunk was kept.
+func (c *Cache) store(sum string, data []byte) bool {
+	for attempt := 0; ; attempt++ {
+		err := writeFileAtomic(filepath.Join(c.dir, sum), data)
+		if err == nil {
+			return true
+		}
+		c.mu.Lock()
+		c.stats.StoreErrors++
+		c.mu.Unlock()
+		if !errors.Is(err, syscall.ENOSPC) && !errors.Is(err, syscall.EDQUOT) || attempt > 0 {
+			return false
+		}
+		c.makeRoom(int64(len(data)))
 	}
-	return data, nil
+}
+
+// makeRoom evicts least recently used chunks until the file system under
+// the cache has room for need more bytes (twice over), or nothing is left.
+func (c *Cache) makeRoom(need int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for {
+		var st unix.Statfs_t
+		if err := unix.Statfs(c.dir, &st); err == nil && int64(st.Bavail)*int64(st.Bsize) >= 2*need {
+			return
+		}
+		el := c.lru.Back()
+		if el == nil {
+			return
+		}
+		it := el.Value.(*cached)
+		c.lru.Remove(el)
+		delete(c.items, it.sum)
+		c.stats.UsedBytes -= it.size
+		c.stats.Evictions++
+		os.Remove(filepath.Join(c.dir, it.sum))
+	}
+}
+
+func writeFileAtomic(path string, data []byte) error {
+	f, err := os.CreateTemp(filepath.Dir(path), ".fetch-")
+	if err != nil {
+		return err
+	}
+	_, err = f.Write(data)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(f.Name(), path)
+	}
+	if err != nil {
+		os.Remove(f.Name())
+	}
+	return err
+}
+
+// cachedChunk returns a chunk only if the cache holds it (what a neighbour
+// is served: never fetched on its behalf).
+func (c *Cache) cachedChunk(sum string) ([]byte, bool) {
+	c.mu.Lock()
+	_, ok := c.items[sum]
+	c.mu.Unlock()
+	if !ok {
+		return nil, false
+	}
+	b, err := os.ReadFile(filepath.Join(c.dir, sum))
+	if err != nil {
+		return nil, false
+	}
+	c.mu.Lock()
+	c.stats.PeerServedBytes += int64(len(b))
+	c.mu.Unlock()
+	return b, true
 }
 
 // LayerExport serves a layer's bytes from the cache (an NBD Export).

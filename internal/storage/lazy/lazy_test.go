@@ -53,7 +53,7 @@ func serve(t *testing.T, file string, limit int64) (string, *Cache, string, *Lay
 	if err != nil {
 		t.Fatal(err)
 	}
-	cache, err := OpenCache(filepath.Join(t.TempDir(), "cache"), limit, repo)
+	cache, err := OpenCache(filepath.Join(t.TempDir(), "cache"), limit, repo, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
