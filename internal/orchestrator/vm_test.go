@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -37,15 +38,52 @@ import (
 func testNode(t testing.TB) *Node {
 	t.Helper()
 	dir := newTestDataDir(t)
-	n := openTestNode(t, dir)
+	slot := takeTestSlot()
+	n := openTestNodeIn(t, dir, slot)
 	t.Cleanup(func() {
 		all, _ := n.List(context.Background())
 		for _, s := range all {
 			_ = n.Kill(context.Background(), s.ID)
 		}
 		n.Close()
+		releaseTestSlot(slot)
 	})
 	return n
+}
+
+// Test nodes open at the same time need their own host object names and
+// address ranges: a node's start removes network namespaces and veths of
+// its instance that it does not know. Slot 0 is the usual single node.
+var (
+	testSlotsMu sync.Mutex
+	testSlots   = map[int]bool{}
+)
+
+func takeTestSlot() int {
+	testSlotsMu.Lock()
+	defer testSlotsMu.Unlock()
+	for i := 0; ; i++ {
+		if !testSlots[i] {
+			testSlots[i] = true
+			return i
+		}
+	}
+}
+
+func releaseTestSlot(i int) {
+	testSlotsMu.Lock()
+	defer testSlotsMu.Unlock()
+	delete(testSlots, i)
+}
+
+// testInstance names slot i's host objects and address range (slots up to
+// 15: 10.214.0.0/20, 10.214.16.0/20, ...).
+func testInstance(slot int) (instance, cidr string) {
+	instance = "aetst"
+	if slot > 0 {
+		instance = fmt.Sprintf("aets%d", slot)
+	}
+	return instance, fmt.Sprintf("10.214.%d.0/20", 16*slot)
 }
 
 // preparedTemplates are the templates scripts/test builds in
@@ -85,6 +123,12 @@ func testData(t testing.TB) string {
 // openTestNode opens a node on dir (which must hold the templates link).
 func openTestNode(t testing.TB, dir string) *Node {
 	t.Helper()
+	return openTestNodeIn(t, dir, 0)
+}
+
+func openTestNodeIn(t testing.TB, dir string, slot int) *Node {
+	t.Helper()
+	instance, cidr := testInstance(slot)
 	shared := testData(t)
 	k, err := guest.LoadKernel(filepath.Join(shared, "cache", "kernel"))
 	if err != nil {
@@ -101,8 +145,8 @@ func openTestNode(t testing.TB, dir string) *Node {
 		KernelArgs:  k.BootArgs(accel == vmm.AccelTCG),
 		Initrd:      filepath.Join(shared, "cache", "initramfs.img"),
 		Accel:       accel,
-		NetworkCIDR: "10.214.0.0/16",
-		Instance:    "aetst",
+		NetworkCIDR: cidr,
+		Instance:    instance,
 		BootTimeout: 60 * time.Second,
 		Logger:      slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})),
 	})
