@@ -155,7 +155,13 @@ func (s *Server) signedFile(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) requireKey(h func(http.ResponseWriter, *http.Request)) http.Handler {
-	want := []byte(s.cfg.APIKey)
+	return RequireKey(s.cfg.APIKey, h)
+}
+
+// RequireKey wraps h with the API key check (X-API-Key or a bearer token;
+// 401 {code, message} without it), compared in constant time.
+func RequireKey(key string, h func(http.ResponseWriter, *http.Request)) http.Handler {
+	want := []byte(key)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		got := r.Header.Get("X-API-Key")
 		if got == "" {
@@ -216,6 +222,9 @@ type Error struct {
 	Code    int    `json:"code"`
 	Message string `json:"message"`
 }
+
+// WriteError answers with the API's error body, {code, message}.
+func WriteError(w http.ResponseWriter, status int, msg string) { writeError(w, status, msg) }
 
 func writeError(w http.ResponseWriter, status int, msg string) {
 	writeJSON(w, status, Error{Code: status, Message: msg})

@@ -562,13 +562,16 @@ func (s *Server) listSandboxesV2(w http.ResponseWriter, r *http.Request) {
 		last = sb
 	}
 	if more && last != nil {
-		w.Header().Set("X-Next-Token", base64.RawURLEncoding.EncodeToString([]byte(cursorKey(last))))
+		w.Header().Set("X-Next-Token", ListCursor(last.StartedAt, last.ID))
 	}
 	writeJSON(w, http.StatusOK, out)
 }
 
-func cursorKey(sb *orchestrator.Sandbox) string {
-	return fmt.Sprintf("%020d|%s", sb.StartedAt.UnixNano(), sb.ID)
+// ListCursor is the nextToken of a GET /v2/sandboxes page whose last
+// sandbox started at startedAt and has id: the same on every node, so a
+// gateway merging the nodes' pages hands out tokens the nodes accept.
+func ListCursor(startedAt time.Time, id string) string {
+	return base64.RawURLEncoding.EncodeToString(fmt.Appendf(nil, "%020d|%s", startedAt.UnixNano(), id))
 }
 
 func validCursor(c string) bool {

@@ -25,7 +25,7 @@ func Execute() int {
 		SilenceErrors: true,
 		Version:       Version,
 	}
-	root.AddCommand(serverCmd(), setupCmd(), keyCmd(), templateCmd())
+	root.AddCommand(serverCmd(), nodeCmd(), schedulerCmd(), gatewayCmd(), setupCmd(), keyCmd(), templateCmd())
 	if err := root.Execute(); err != nil {
 		fmt.Fprintln(os.Stderr, "aenv:", err)
 		return 1

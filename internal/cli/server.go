@@ -62,9 +62,16 @@ func serverCmd() *cobra.Command {
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
-			return runServer(ctx, o)
+			return runServer(ctx, o, nil)
 		},
 	}
+	serverFlags(cmd, &o)
+	return cmd
+}
+
+// serverFlags are the flags of a node, standalone (server) or in a cluster
+// (node).
+func serverFlags(cmd *cobra.Command, o *serverOptions) {
 	dataDirFlag(cmd, &o.dataDir)
 	cmd.Flags().StringVar(&o.listen, "listen", "127.0.0.1:8000", "address of the REST API and sandbox proxy")
 	cmd.Flags().StringVar(&o.domain, "domain", "", "sandbox domain for {port}-{sandboxID}.{domain} hosts (empty: any)")
@@ -76,10 +83,9 @@ func serverCmd() *cobra.Command {
 	cmd.Flags().StringVar(&o.peerTokenFile, "p2p-token-file", "", "file holding the secret token the nodes of a peer group share (env AENV_P2P_TOKEN also works)")
 	cmd.Flags().StringVar(&o.repository, "repository", "", "snapshot repository: /path, posix_fs:///path or oss://bucket/prefix?endpoint=…&region=… (default: <data-dir>/repository)")
 	cmd.Flags().StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
-	return cmd
 }
 
-func runServer(ctx context.Context, o serverOptions) error {
+func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error {
 	log := newLogger(o.logLevel)
 	if os.Geteuid() != 0 {
 		return errors.New("aenv server must run as root (it creates network namespaces and tap devices)")
@@ -151,6 +157,9 @@ func runServer(ctx context.Context, o serverOptions) error {
 	log.Info("aenv server listening", "addr", ln.Addr().String(), "data_dir", o.dataDir)
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
+	if cluster != nil {
+		go reportNode(ctx, node, cluster, key, log.Info)
+	}
 	select {
 	case err := <-errc:
 		return err

@@ -1,0 +1,214 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/signal"
+	"regexp"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/agentenv/agentenv/internal/api"
+	"github.com/agentenv/agentenv/internal/gateway"
+	"github.com/agentenv/agentenv/internal/orchestrator"
+	"github.com/agentenv/agentenv/internal/scheduler"
+	pb "github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb"
+)
+
+// nodeOptions make a server a cluster node.
+type nodeOptions struct {
+	scheduler    string
+	nodeID       string
+	advertise    string
+	maxSandboxes int
+}
+
+func nodeCmd() *cobra.Command {
+	var o serverOptions
+	var n nodeOptions
+	cmd := &cobra.Command{
+		Use:   "node",
+		Short: "Run a cluster node: a server that reports to a scheduler and serves the gateway",
+		Long: `A node is a server (same flags) that joins a cluster: it reports its capacity, templates and
+sandboxes to the scheduler every few seconds, and the gateway routes requests to it. All nodes and the
+gateway share one API key (AENV_API_KEY, or the same <data-dir>/api-key file), which also authenticates
+them to the scheduler. Paused sandboxes resume on another node when the nodes share a repository.`,
+		Example: `  AENV_API_KEY=e2b_... aenv node --scheduler http://10.0.0.1:9090 --listen 0.0.0.0:8000 \
+      --advertise-url http://10.0.0.5:8000 --repository oss://aenv/cluster?endpoint=http://10.0.0.2:7070`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			if n.scheduler == "" {
+				return errors.New("--scheduler is required (the scheduler's URL, e.g. http://10.0.0.1:9090)")
+			}
+			if err := n.complete(o.listen); err != nil {
+				return err
+			}
+			return runServer(ctx, o, &n)
+		},
+	}
+	serverFlags(cmd, &o)
+	cmd.Flags().StringVar(&n.scheduler, "scheduler", os.Getenv("AENV_SCHEDULER_URL"), "the scheduler's URL (env AENV_SCHEDULER_URL)")
+	cmd.Flags().StringVar(&n.nodeID, "node-id", "", "this node's name in the cluster (default: the host name)")
+	cmd.Flags().StringVar(&n.advertise, "advertise-url", "", "URL the gateway and other nodes reach this node's API at (default: http://<listen address>)")
+	cmd.Flags().IntVar(&n.maxSandboxes, "max-sandboxes", 0, "running sandboxes this node accepts from the scheduler (0: bounded by memory only)")
+	return cmd
+}
+
+var nodeIDRE = regexp.MustCompile(`[^a-z0-9._-]+`)
+
+// complete fills in the node id and advertised URL.
+func (n *nodeOptions) complete(listen string) error {
+	if n.nodeID == "" {
+		h, err := os.Hostname()
+		if err != nil {
+			return err
+		}
+		n.nodeID = strings.Trim(nodeIDRE.ReplaceAllString(strings.ToLower(h), "-"), "-")
+	}
+	if n.advertise == "" {
+		host, port, err := net.SplitHostPort(listen)
+		if err != nil {
+			return fmt.Errorf("--listen %q: %w", listen, err)
+		}
+		if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
+			return fmt.Errorf("listening on all addresses (%s): say where the gateway reaches this node with --advertise-url", listen)
+		}
+		n.advertise = "http://" + net.JoinHostPort(host, port)
+	}
+	if u, err := url.Parse(n.advertise); err != nil || u.Host == "" || (u.Scheme != "http" && u.Scheme != "https") {
+		return fmt.Errorf("--advertise-url %q: want http(s)://host:port", n.advertise)
+	}
+	return nil
+}
+
+// reportNode runs the node's heartbeats to the scheduler until ctx ends.
+func reportNode(ctx context.Context, node *orchestrator.Node, n *nodeOptions, key string, logf func(string, ...any)) {
+	client := scheduler.NewClient(&http.Client{Timeout: 10 * time.Second}, n.scheduler, key)
+	r := &scheduler.Reporter{Client: client, Report: func(ctx context.Context) (*pb.NodeReport, error) {
+		c, err := node.Capacity(ctx)
+		if err != nil {
+			return nil, err
+		}
+		rep := &pb.NodeReport{NodeId: n.nodeID, Url: n.advertise, Cpus: int32(c.CPUs), MemoryTotalBytes: c.MemoryTotalBytes,
+			MemoryAvailableBytes: c.MemoryAvailableBytes, SandboxMemoryBytes: c.SandboxMemoryBytes, DiskFreeBytes: c.DiskFreeBytes,
+			Running: int32(c.Running), Paused: int32(c.Paused), Templates: c.Templates, Version: Version,
+			MaxSandboxes: int32(n.maxSandboxes)}
+		for _, s := range c.Sandboxes {
+			rep.Sandboxes = append(rep.Sandboxes, &pb.SandboxReport{SandboxId: s.ID, State: string(s.State), TemplateId: s.TemplateID})
+		}
+		return rep, nil
+	}}
+	logf("reporting to the scheduler", "scheduler", n.scheduler, "node", n.nodeID, "url", n.advertise)
+	r.Run(ctx)
+}
+
+func schedulerCmd() *cobra.Command {
+	var listen, logLevel string
+	var interval, lostAfter time.Duration
+	cmd := &cobra.Command{
+		Use:   "scheduler",
+		Short: "Run the cluster scheduler (Connect/gRPC): node heartbeats, placement, sandbox location",
+		Long: `The scheduler keeps the latest report of every node in memory and nothing else: restarting it
+loses nothing, the nodes report again within one interval. Nodes and the gateway authenticate with the
+cluster's API key (AENV_API_KEY).`,
+		Example: `  AENV_API_KEY=e2b_... aenv scheduler --listen :9090`,
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			key, err := clusterKey()
+			if err != nil {
+				return err
+			}
+			log := newLogger(logLevel)
+			s := scheduler.New(scheduler.Config{Token: key, Interval: interval, LostAfter: lostAfter, Logger: log})
+			mux := http.NewServeMux()
+			mux.Handle(s.Handler())
+			mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
+			return serve(ctx, listen, mux, log.Info, "aenv scheduler listening")
+		},
+	}
+	cmd.Flags().StringVar(&listen, "listen", ":9090", "address of the scheduler's Connect/gRPC service")
+	cmd.Flags().DurationVar(&interval, "heartbeat-interval", 2*time.Second, "how often nodes report")
+	cmd.Flags().DurationVar(&lostAfter, "lost-after", 10*time.Second, "silence after which a node is lost")
+	cmd.Flags().StringVar(&logLevel, "log-level", "info", "debug, info, warn or error")
+	return cmd
+}
+
+// clusterKey is the API key a cluster shares, from AENV_API_KEY.
+func clusterKey() (string, error) {
+	k := os.Getenv("AENV_API_KEY")
+	if k == "" {
+		return "", errors.New("set AENV_API_KEY to the cluster's API key (the nodes' key; `aenv key` on a node prints it)")
+	}
+	if !api.APIKeyPattern.MatchString(k) {
+		return "", errors.New("AENV_API_KEY must look like e2b_<hex>")
+	}
+	return k, nil
+}
+
+// serve runs an HTTP server on listen until ctx ends.
+func serve(ctx context.Context, listen string, h http.Handler, logf func(string, ...any), msg string) error {
+	ln, err := net.Listen("tcp", listen)
+	if err != nil {
+		return fmt.Errorf("listen on %s: %w", listen, err)
+	}
+	srv := newHTTPServer(h)
+	logf(msg, "addr", ln.Addr().String())
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	return srv.Shutdown(sctx)
+}
+
+func gatewayCmd() *cobra.Command {
+	var listen, sched, domain, logLevel string
+	cmd := &cobra.Command{
+		Use:   "gateway",
+		Short: "Run the cluster gateway: one E2B-compatible endpoint (REST + sandbox proxy) in front of all nodes",
+		Long: `The gateway serves the same API as a node. It places new sandboxes through the scheduler, sends
+every request about a sandbox to the node that holds it, and gathers lists from all nodes. While the
+scheduler is down it keeps routing from what it remembers. Clients use the cluster's API key.`,
+		Example: `  AENV_API_KEY=e2b_... aenv gateway --scheduler http://10.0.0.1:9090 --listen :8080
+  E2B_API_URL=http://10.0.0.1:8080 E2B_SANDBOX_URL=http://10.0.0.1:8080 E2B_API_KEY=e2b_... node app.js`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			key, err := clusterKey()
+			if err != nil {
+				return err
+			}
+			if sched == "" {
+				return errors.New("--scheduler is required (the scheduler's URL, e.g. http://10.0.0.1:9090)")
+			}
+			log := newLogger(logLevel)
+			g := gateway.New(gateway.Config{
+				Scheduler: scheduler.NewClient(&http.Client{Timeout: 10 * time.Second}, sched, key),
+				APIKey:    key, Domain: domain, Logger: log,
+			})
+			return serve(ctx, listen, g, log.Info, "aenv gateway listening")
+		},
+	}
+	cmd.Flags().StringVar(&listen, "listen", ":8080", "address of the REST API and sandbox proxy")
+	cmd.Flags().StringVar(&sched, "scheduler", os.Getenv("AENV_SCHEDULER_URL"), "the scheduler's URL (env AENV_SCHEDULER_URL)")
+	cmd.Flags().StringVar(&domain, "domain", "", "sandbox domain for {port}-{sandboxID}.{domain} hosts (empty: any)")
+	cmd.Flags().StringVar(&logLevel, "log-level", "info", "debug, info, warn or error")
+	return cmd
+}

@@ -1,0 +1,704 @@
+// Package gateway owns a cluster's single endpoint: the E2B REST surface
+// and the sandbox proxy of a node, in front of many nodes. New sandboxes go
+// where the scheduler places them; requests for a sandbox go to the node
+// that holds it (asked of the scheduler, remembered for a while); lists are
+// gathered from every node and paginated as one. When the scheduler is
+// down, routing goes on from what the gateway remembers and by asking the
+// nodes it knows.
+package gateway
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"sort"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/agentenv/agentenv/internal/api"
+	"github.com/agentenv/agentenv/internal/proxy"
+	pb "github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb"
+	"github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb/schedulerpbconnect"
+)
+
+// Config configures a gateway.
+type Config struct {
+	Scheduler schedulerpbconnect.SchedulerClient
+	// APIKey is the cluster's key: clients present it to the gateway, the
+	// gateway to the nodes.
+	APIKey string
+	// Domain is the sandbox domain of `{port}-{id}.{domain}` hosts (empty:
+	// any).
+	Domain string
+	// RouteTTL is how long a sandbox's node is trusted without asking the
+	// scheduler again (default 10 s).
+	RouteTTL time.Duration
+	Logger   *slog.Logger
+}
+
+// Gateway is the cluster endpoint's HTTP handler.
+type Gateway struct {
+	cfg    Config
+	log    *slog.Logger
+	client *http.Client
+	proxy  *httputil.ReverseProxy
+	mux    *http.ServeMux
+
+	mu     sync.Mutex
+	routes map[string]route
+	nodes  []*pb.Node // the scheduler's last list
+}
+
+// route is where a sandbox was last seen.
+type route struct {
+	nodeID, url string
+	at          time.Time
+}
+
+type targetKey struct{}
+
+// New returns a gateway.
+func New(cfg Config) *Gateway {
+	if cfg.RouteTTL <= 0 {
+		cfg.RouteTTL = 10 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	g := &Gateway{cfg: cfg, log: cfg.Logger, routes: map[string]route{}, mux: http.NewServeMux(),
+		client: &http.Client{Timeout: 5 * time.Minute, Transport: &http.Transport{MaxIdleConnsPerHost: 32, IdleConnTimeout: 30 * time.Second}}}
+	g.proxy = &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.SetURL(pr.In.Context().Value(targetKey{}).(*url.URL))
+			pr.Out.Host = pr.In.Host // sandbox hosts ({port}-{id}.{domain}) route on the node too
+			pr.SetXForwarded()
+		},
+		FlushInterval: -1, // streams (Connect, SSE) pass through at once
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			api.WriteError(w, http.StatusBadGateway, fmt.Sprintf("the sandbox's node did not answer: %v", err))
+		},
+	}
+	g.registerRoutes()
+	return g
+}
+
+func (g *Gateway) registerRoutes() {
+	key := func(h func(http.ResponseWriter, *http.Request)) http.Handler { return api.RequireKey(g.cfg.APIKey, h) }
+	g.mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
+	g.mux.Handle("GET /nodes", key(g.listNodes))
+	g.mux.Handle("POST /sandboxes", key(g.create))
+	g.mux.Handle("POST /v2/sandboxes", key(g.create))
+	g.mux.Handle("GET /sandboxes", key(g.listV1))
+	g.mux.Handle("GET /v2/sandboxes", key(g.listV2))
+	g.mux.Handle("/sandboxes/{id}", key(g.toSandboxNode))
+	g.mux.Handle("/sandboxes/{id}/{rest...}", key(g.toSandboxNode))
+	g.mux.Handle("/v2/sandboxes/{id}/{rest...}", key(g.toSandboxNode))
+	g.mux.Handle("GET /snapshots", key(g.listSnapshots))
+	g.mux.Handle("DELETE /snapshots/{name}", key(g.deleteSnapshot))
+	for _, p := range []string{"/templates", "/v2/templates", "/v3/templates"} {
+		g.mux.Handle(p, key(g.toTemplateNode))
+		g.mux.Handle(p+"/", key(g.toTemplateNode))
+	}
+	g.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		api.WriteError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
+	})
+}
+
+// ServeHTTP sends sandbox traffic to the sandbox's node and the REST API to
+// its handlers.
+func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if t, ok := proxy.ParseTarget(r, g.cfg.Domain); ok {
+		g.toNodeOf(w, r, t.SandboxID)
+		return
+	}
+	g.mux.ServeHTTP(w, r)
+}
+
+// nodeList returns the scheduler's nodes, or the last list when the
+// scheduler does not answer.
+func (g *Gateway) nodeList(ctx context.Context) ([]*pb.Node, error) {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	resp, err := g.cfg.Scheduler.ListNodes(ctx, connect.NewRequest(&pb.ListNodesRequest{}))
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if err != nil {
+		if g.nodes == nil {
+			return nil, fmt.Errorf("the scheduler does not answer and no node is known yet: %w", err)
+		}
+		g.log.Warn("scheduler unreachable; using the last node list", "err", err)
+		return g.nodes, nil
+	}
+	g.nodes = resp.Msg.Nodes
+	return g.nodes, nil
+}
+
+// readyNodes are the nodes that report.
+func (g *Gateway) readyNodes(ctx context.Context) ([]*pb.Node, error) {
+	all, err := g.nodeList(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var out []*pb.Node
+	for _, n := range all {
+		if n.Status == "ready" {
+			out = append(out, n)
+		}
+	}
+	return out, nil
+}
+
+// errUnknownSandbox: no node holds the sandbox.
+var errUnknownSandbox = errors.New("sandbox not found")
+
+// errNodeLost: the sandbox's node stopped reporting.
+type errNodeLost struct{ node, state string }
+
+func (e errNodeLost) Error() string {
+	return fmt.Sprintf("the sandbox's node %s is lost (the sandbox was %s there)", e.node, e.state)
+}
+
+// locate finds the node holding sandbox id.
+func (g *Gateway) locate(ctx context.Context, id string) (route, error) {
+	g.mu.Lock()
+	cached, ok := g.routes[id]
+	g.mu.Unlock()
+	if ok && time.Since(cached.at) < g.cfg.RouteTTL {
+		return cached, nil
+	}
+	lctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	resp, err := g.cfg.Scheduler.Locate(lctx, connect.NewRequest(&pb.LocateRequest{SandboxId: id}))
+	cancel()
+	switch {
+	case err == nil:
+		n := resp.Msg.Node
+		if n.Status != "ready" {
+			return route{}, errNodeLost{n.NodeId, resp.Msg.State}
+		}
+		r := route{nodeID: n.NodeId, url: n.Url, at: time.Now()}
+		g.remember(id, r)
+		return r, nil
+	case connect.CodeOf(err) == connect.CodeNotFound || connect.CodeOf(err) == connect.CodeInvalidArgument:
+		// Not reported (yet): a sandbox created or resumed since the
+		// node's last report is still where the gateway saw it.
+		if ok && g.holds(ctx, cached.url, id) {
+			g.remember(id, route{cached.nodeID, cached.url, time.Now()})
+			return cached, nil
+		}
+		g.forget(id)
+		return route{}, errUnknownSandbox
+	}
+	// The scheduler is down: what the gateway remembers, else the nodes it
+	// knows, asked one by one.
+	if ok {
+		return cached, nil
+	}
+	g.mu.Lock()
+	nodes := g.nodes
+	g.mu.Unlock()
+	for _, n := range nodes {
+		if g.holds(ctx, n.Url, id) {
+			r := route{nodeID: n.NodeId, url: n.Url, at: time.Now()}
+			g.remember(id, r)
+			return r, nil
+		}
+	}
+	return route{}, fmt.Errorf("the scheduler does not answer (%v) and no known node holds the sandbox: %w", err, errUnknownSandbox)
+}
+
+// holds asks a node whether it has a sandbox.
+func (g *Gateway) holds(ctx context.Context, nodeURL, id string) bool {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, nodeURL+"/sandboxes/"+url.PathEscape(id), nil)
+	if err != nil {
+		return false
+	}
+	req.Header.Set("X-API-Key", g.cfg.APIKey)
+	resp, err := g.client.Do(req)
+	if err != nil {
+		return false
+	}
+	resp.Body.Close()
+	return resp.StatusCode == http.StatusOK
+}
+
+func (g *Gateway) remember(id string, r route) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.routes[id] = r
+	if len(g.routes) > 200000 { // bound the cache: drop the stale half
+		for k, v := range g.routes {
+			if time.Since(v.at) > g.cfg.RouteTTL {
+				delete(g.routes, k)
+			}
+		}
+	}
+}
+
+func (g *Gateway) forget(id string) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	delete(g.routes, id)
+}
+
+// toNodeOf proxies a request to the node holding sandbox id.
+func (g *Gateway) toNodeOf(w http.ResponseWriter, r *http.Request, id string) {
+	rt, err := g.locate(r.Context(), id)
+	if err != nil {
+		g.writeLocateError(w, id, err)
+		return
+	}
+	g.proxyTo(w, r, rt.url)
+}
+
+func (g *Gateway) writeLocateError(w http.ResponseWriter, id string, err error) {
+	var lost errNodeLost
+	switch {
+	case errors.As(err, &lost):
+		api.WriteError(w, http.StatusServiceUnavailable, fmt.Sprintf("sandbox %s: %v", id, err))
+	case errors.Is(err, errUnknownSandbox):
+		api.WriteError(w, http.StatusNotFound, fmt.Sprintf("sandbox %q not found", id))
+	default:
+		api.WriteError(w, http.StatusBadGateway, err.Error())
+	}
+}
+
+func (g *Gateway) proxyTo(w http.ResponseWriter, r *http.Request, nodeURL string) {
+	u, err := url.Parse(nodeURL)
+	if err != nil {
+		api.WriteError(w, http.StatusBadGateway, fmt.Sprintf("node URL %q: %v", nodeURL, err))
+		return
+	}
+	g.proxy.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), targetKey{}, u)))
+}
+
+// toSandboxNode proxies a REST call about one sandbox. Answers that name
+// sandboxes (resume, connect, fork) teach the gateway where they are.
+func (g *Gateway) toSandboxNode(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	rt, err := g.locate(r.Context(), id)
+	if err != nil {
+		g.writeLocateError(w, id, err)
+		return
+	}
+	if r.Method == http.MethodPost {
+		body, err := readBody(r)
+		if err != nil {
+			api.WriteError(w, http.StatusRequestEntityTooLarge, err.Error())
+			return
+		}
+		status, hdr, resp, err := g.call(r, rt.url, body)
+		if err != nil {
+			api.WriteError(w, http.StatusBadGateway, fmt.Sprintf("node %s: %v", rt.nodeID, err))
+			return
+		}
+		if status/100 == 2 {
+			g.learn(resp, rt)
+		}
+		copyResponse(w, status, hdr, resp)
+		return
+	}
+	if r.Method == http.MethodDelete {
+		defer g.forget(id)
+	}
+	g.proxyTo(w, r, rt.url)
+}
+
+// toTemplateNode sends the template API to one node (the first ready one
+// by id), so a template's build, files and status live in one place.
+func (g *Gateway) toTemplateNode(w http.ResponseWriter, r *http.Request) {
+	nodes, err := g.readyNodes(r.Context())
+	if err != nil || len(nodes) == 0 {
+		api.WriteError(w, http.StatusServiceUnavailable, fmt.Sprintf("no ready node for the template API (%v)", err))
+		return
+	}
+	g.proxyTo(w, r, nodes[0].Url)
+}
+
+// maxBody bounds the request bodies the gateway reads itself.
+const maxBody = 1 << 20
+
+func readBody(r *http.Request) ([]byte, error) {
+	b, err := io.ReadAll(io.LimitReader(r.Body, maxBody+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(b) > maxBody {
+		return nil, fmt.Errorf("request body larger than %d bytes", maxBody)
+	}
+	return b, nil
+}
+
+// call sends r (with body) to a node and reads the whole answer.
+func (g *Gateway) call(r *http.Request, nodeURL string, body []byte) (int, http.Header, []byte, error) {
+	req, err := http.NewRequestWithContext(r.Context(), r.Method, nodeURL+r.URL.RequestURI(), bytes.NewReader(body))
+	if err != nil {
+		return 0, nil, nil, err
+	}
+	for _, h := range []string{"X-API-Key", "Authorization", "Content-Type", "User-Agent"} {
+		if v := r.Header.Get(h); v != "" {
+			req.Header.Set(h, v)
+		}
+	}
+	resp, err := g.client.Do(req)
+	if err != nil {
+		return 0, nil, nil, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return 0, nil, nil, err
+	}
+	return resp.StatusCode, resp.Header, b, nil
+}
+
+func copyResponse(w http.ResponseWriter, status int, hdr http.Header, body []byte) {
+	for _, h := range []string{"Content-Type", "X-Next-Token"} {
+		if v := hdr.Get(h); v != "" {
+			w.Header().Set(h, v)
+		}
+	}
+	w.WriteHeader(status)
+	w.Write(body)
+}
+
+// learn remembers the node of every sandbox an answer names.
+func (g *Gateway) learn(body []byte, rt route) {
+	var v any
+	if json.Unmarshal(body, &v) != nil {
+		return
+	}
+	var walk func(any)
+	walk = func(v any) {
+		switch x := v.(type) {
+		case map[string]any:
+			if id, ok := x["sandboxID"].(string); ok && id != "" {
+				g.remember(id, route{rt.nodeID, rt.url, time.Now()})
+			}
+			for _, e := range x {
+				walk(e)
+			}
+		case []any:
+			for _, e := range x {
+				walk(e)
+			}
+		}
+	}
+	walk(v)
+}
+
+// create places a new sandbox and sends the request there; a node that
+// fails it for lack of room (or does not answer) is skipped and the next
+// placement tried.
+func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
+	body, err := readBody(r)
+	if err != nil {
+		api.WriteError(w, http.StatusRequestEntityTooLarge, err.Error())
+		return
+	}
+	var req struct {
+		TemplateID string `json:"templateID"`
+		CPUCount   int32  `json:"cpuCount"`
+		MemoryMB   int64  `json:"memoryMB"`
+	}
+	if err := json.Unmarshal(body, &req); err != nil {
+		api.WriteError(w, http.StatusBadRequest, "invalid JSON body: "+err.Error())
+		return
+	}
+	if req.TemplateID == "" {
+		api.WriteError(w, http.StatusBadRequest, "templateID is required")
+		return
+	}
+	mem := req.MemoryMB << 20
+	if mem <= 0 {
+		mem = 512 << 20 // the usual template's; nodes apply the real default
+	}
+	var excluded []string
+	var lastErr string
+	for attempt := 0; attempt < 3; attempt++ {
+		pctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
+		resp, err := g.cfg.Scheduler.Place(pctx, connect.NewRequest(&pb.PlaceRequest{TemplateId: req.TemplateID,
+			Cpus: req.CPUCount, MemoryBytes: mem, ExcludeNodes: excluded}))
+		cancel()
+		if err != nil {
+			if attempt > 0 {
+				break
+			}
+			status := http.StatusServiceUnavailable
+			if connect.CodeOf(err) == connect.CodeResourceExhausted {
+				status = http.StatusTooManyRequests
+			}
+			api.WriteError(w, status, "no node can take the sandbox now: "+err.Error())
+			return
+		}
+		n := resp.Msg.Node
+		status, hdr, out, err := g.call(r, n.Url, body)
+		if err == nil && status != http.StatusServiceUnavailable && status != http.StatusInsufficientStorage &&
+			status != http.StatusTooManyRequests && status < 500 {
+			if status/100 == 2 {
+				g.learn(out, route{nodeID: n.NodeId, url: n.Url})
+			}
+			copyResponse(w, status, hdr, out)
+			return
+		}
+		if err != nil {
+			lastErr = fmt.Sprintf("node %s: %v", n.NodeId, err)
+		} else {
+			lastErr = fmt.Sprintf("node %s: %d %s", n.NodeId, status, bytes.TrimSpace(out))
+		}
+		g.log.Warn("create failed on a node; trying another", "node", n.NodeId, "err", lastErr)
+		excluded = append(excluded, n.NodeId)
+	}
+	api.WriteError(w, http.StatusServiceUnavailable, "the sandbox could not be created on any node: "+lastErr)
+}
+
+// fanOut sends a GET to every ready node and returns their answers.
+func (g *Gateway) fanOut(w http.ResponseWriter, r *http.Request) ([][]byte, []http.Header, bool) {
+	nodes, err := g.readyNodes(r.Context())
+	if err != nil {
+		api.WriteError(w, http.StatusServiceUnavailable, err.Error())
+		return nil, nil, false
+	}
+	bodies := make([][]byte, len(nodes))
+	hdrs := make([]http.Header, len(nodes))
+	errs := make([]error, len(nodes))
+	var wg sync.WaitGroup
+	for i, n := range nodes {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			status, hdr, b, err := g.call(r, n.Url, nil)
+			if err == nil && status != http.StatusOK {
+				// A 4xx is the same on every node: pass the first on.
+				if status/100 == 4 {
+					err = &nodeAnswer{status, hdr, b}
+				} else {
+					err = fmt.Errorf("%d %s", status, bytes.TrimSpace(b))
+				}
+			}
+			bodies[i], hdrs[i], errs[i] = b, hdr, err
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		var na *nodeAnswer
+		if errors.As(err, &na) {
+			copyResponse(w, na.status, na.hdr, na.body)
+			return nil, nil, false
+		}
+		if err != nil {
+			api.WriteError(w, http.StatusBadGateway, fmt.Sprintf("node %s: %v", nodes[i].NodeId, err))
+			return nil, nil, false
+		}
+	}
+	return bodies, hdrs, true
+}
+
+type nodeAnswer struct {
+	status int
+	hdr    http.Header
+	body   []byte
+}
+
+func (a *nodeAnswer) Error() string { return fmt.Sprintf("%d %s", a.status, a.body) }
+
+// listed is the part of a listed sandbox the gateway sorts by.
+type listed struct {
+	raw       json.RawMessage
+	SandboxID string    `json:"sandboxID"`
+	StartedAt time.Time `json:"startedAt"`
+}
+
+func gather(bodies [][]byte) ([]listed, error) {
+	var all []listed
+	for _, b := range bodies {
+		var items []json.RawMessage
+		if err := json.Unmarshal(b, &items); err != nil {
+			return nil, fmt.Errorf("a node's list: %w", err)
+		}
+		for _, it := range items {
+			l := listed{raw: it}
+			if err := json.Unmarshal(it, &l); err != nil {
+				return nil, err
+			}
+			all = append(all, l)
+		}
+	}
+	return all, nil
+}
+
+func writeRaw(w http.ResponseWriter, items []listed) {
+	out := make([]json.RawMessage, 0, len(items))
+	for _, it := range items {
+		out = append(out, it.raw)
+	}
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(out)
+}
+
+// listV1 gathers GET /sandboxes from every node (oldest first).
+func (g *Gateway) listV1(w http.ResponseWriter, r *http.Request) {
+	bodies, _, ok := g.fanOut(w, r)
+	if !ok {
+		return
+	}
+	all, err := gather(bodies)
+	if err != nil {
+		api.WriteError(w, http.StatusBadGateway, err.Error())
+		return
+	}
+	sort.SliceStable(all, func(i, j int) bool {
+		if !all[i].StartedAt.Equal(all[j].StartedAt) {
+			return all[i].StartedAt.Before(all[j].StartedAt)
+		}
+		return all[i].SandboxID < all[j].SandboxID
+	})
+	writeRaw(w, all)
+}
+
+// listV2 gathers GET /v2/sandboxes: every node answers the same query
+// (filters, limit, cursor); the gateway merges the pages in the nodes'
+// order (newest first, ties by id) and cuts at the limit. The cursor is
+// the nodes' own ("<startedAt ns>|<id>"), so the next page works the same.
+func (g *Gateway) listV2(w http.ResponseWriter, r *http.Request) {
+	bodies, hdrs, ok := g.fanOut(w, r)
+	if !ok {
+		return
+	}
+	all, err := gather(bodies)
+	if err != nil {
+		api.WriteError(w, http.StatusBadGateway, err.Error())
+		return
+	}
+	sort.SliceStable(all, func(i, j int) bool {
+		if !all[i].StartedAt.Equal(all[j].StartedAt) {
+			return all[i].StartedAt.After(all[j].StartedAt)
+		}
+		return all[i].SandboxID < all[j].SandboxID
+	})
+	limit := 100
+	fmt.Sscan(r.URL.Query().Get("limit"), &limit) // validated by the nodes
+	more := false
+	for _, h := range hdrs {
+		if h.Get("X-Next-Token") != "" {
+			more = true
+		}
+	}
+	if len(all) > limit {
+		all, more = all[:limit], true
+	}
+	if more && len(all) > 0 {
+		last := all[len(all)-1]
+		w.Header().Set("X-Next-Token", api.ListCursor(last.StartedAt, last.SandboxID))
+	}
+	writeRaw(w, all)
+}
+
+// listSnapshots gathers the nodes' named snapshots (one entry per name).
+func (g *Gateway) listSnapshots(w http.ResponseWriter, r *http.Request) {
+	bodies, _, ok := g.fanOut(w, r)
+	if !ok {
+		return
+	}
+	seen := map[string]bool{}
+	out := []json.RawMessage{}
+	for _, b := range bodies {
+		var items []json.RawMessage
+		if err := json.Unmarshal(b, &items); err != nil {
+			api.WriteError(w, http.StatusBadGateway, "a node's snapshot list: "+err.Error())
+			return
+		}
+		for _, it := range items {
+			var s struct {
+				Name string `json:"name"`
+			}
+			json.Unmarshal(it, &s)
+			if s.Name != "" && seen[s.Name] {
+				continue
+			}
+			seen[s.Name] = true
+			out = append(out, it)
+		}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(out)
+}
+
+// deleteSnapshot deletes a named snapshot on every node that has it.
+func (g *Gateway) deleteSnapshot(w http.ResponseWriter, r *http.Request) {
+	nodes, err := g.readyNodes(r.Context())
+	if err != nil {
+		api.WriteError(w, http.StatusServiceUnavailable, err.Error())
+		return
+	}
+	deleted := false
+	var last []byte
+	lastStatus := http.StatusNotFound
+	for _, n := range nodes {
+		status, _, b, err := g.call(r, n.Url, nil)
+		if err != nil {
+			api.WriteError(w, http.StatusBadGateway, fmt.Sprintf("node %s: %v", n.NodeId, err))
+			return
+		}
+		if status/100 == 2 {
+			deleted = true
+		} else if status != http.StatusNotFound {
+			last, lastStatus = b, status
+		}
+	}
+	switch {
+	case deleted:
+		w.WriteHeader(http.StatusNoContent)
+	case last != nil:
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(lastStatus)
+		w.Write(last)
+	default:
+		api.WriteError(w, http.StatusNotFound, fmt.Sprintf("snapshot %q not found", r.PathValue("name")))
+	}
+}
+
+// nodeJSON is a node in GET /nodes.
+type nodeJSON struct {
+	NodeID               string    `json:"nodeID"`
+	URL                  string    `json:"url"`
+	Status               string    `json:"status"`
+	LastSeen             time.Time `json:"lastSeen"`
+	CPUs                 int32     `json:"cpuCount"`
+	MemoryTotalBytes     int64     `json:"memoryTotalBytes"`
+	MemoryAvailableBytes int64     `json:"memoryAvailableBytes"`
+	SandboxMemoryBytes   int64     `json:"sandboxMemoryBytes"`
+	DiskFreeBytes        int64     `json:"diskFreeBytes"`
+	Running              int32     `json:"running"`
+	Paused               int32     `json:"paused"`
+	Templates            []string  `json:"templates"`
+	Version              string    `json:"version"`
+}
+
+func (g *Gateway) listNodes(w http.ResponseWriter, r *http.Request) {
+	nodes, err := g.nodeList(r.Context())
+	if err != nil {
+		api.WriteError(w, http.StatusServiceUnavailable, err.Error())
+		return
+	}
+	out := []nodeJSON{}
+	for _, n := range nodes {
+		rep := n.Report
+		out = append(out, nodeJSON{NodeID: n.NodeId, URL: n.Url, Status: n.Status, LastSeen: time.UnixMilli(n.LastSeenUnixMs).UTC(),
+			CPUs: rep.Cpus, MemoryTotalBytes: rep.MemoryTotalBytes, MemoryAvailableBytes: rep.MemoryAvailableBytes,
+			SandboxMemoryBytes: rep.SandboxMemoryBytes, DiskFreeBytes: rep.DiskFreeBytes, Running: rep.Running,
+			Paused: rep.Paused, Templates: append([]string{}, rep.Templates...), Version: rep.Version})
+	}
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(out)
+}

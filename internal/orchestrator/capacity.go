@@ -1,0 +1,71 @@
+package orchestrator
+
+import (
+	"context"
+	"runtime"
+	"sort"
+
+	"golang.org/x/sys/unix"
+)
+
+// Capacity is what a node tells a scheduler about itself.
+type Capacity struct {
+	CPUs                                   int
+	MemoryTotalBytes, MemoryAvailableBytes int64
+	// SandboxMemoryBytes is the guest RAM of the running sandboxes.
+	SandboxMemoryBytes int64
+	// DiskFreeBytes is free space under the data dir.
+	DiskFreeBytes   int64
+	Running, Paused int
+	// Templates can start here without fetching anything.
+	Templates []string
+	Sandboxes []SandboxState
+}
+
+// SandboxState is one sandbox in a capacity report.
+type SandboxState struct {
+	ID, TemplateID string
+	State          State
+}
+
+// Capacity reports the node's resources and sandboxes (cheap enough to
+// call every few seconds: no per-process accounting).
+func (n *Node) Capacity(ctx context.Context) (*Capacity, error) {
+	all, err := n.List(ctx)
+	if err != nil {
+		return nil, err
+	}
+	c := &Capacity{CPUs: runtime.NumCPU()}
+	if c.MemoryTotalBytes, c.MemoryAvailableBytes, err = hostMemory(); err != nil {
+		return nil, err
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(n.cfg.DataDir, &st); err == nil {
+		c.DiskFreeBytes = int64(st.Bavail) * int64(st.Bsize)
+	}
+	for _, s := range all {
+		// A sandbox in the middle of a snapshot, fork, pause or resume
+		// still holds its memory here.
+		state := StateRunning
+		switch s.State {
+		case StateRunning, StateSnapshotting, StateForking, StatePausing, StateResuming:
+			c.Running++
+			c.SandboxMemoryBytes += int64(s.MemoryMiB) << 20
+		case StatePaused:
+			state = StatePaused
+			c.Paused++
+		default:
+			continue
+		}
+		c.Sandboxes = append(c.Sandboxes, SandboxState{ID: s.ID, TemplateID: s.TemplateID, State: state})
+	}
+	ts, err := n.Templates()
+	if err != nil {
+		return nil, err
+	}
+	for _, t := range ts {
+		c.Templates = append(c.Templates, t.Name)
+	}
+	sort.Strings(c.Templates)
+	return c, nil
+}
