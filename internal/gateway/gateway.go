@@ -117,7 +117,25 @@ func (g *Gateway) registerRoutes() {
 // its handlers.
 func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if t, ok := proxy.ParseTarget(r, g.cfg.Domain); ok {
-		g.toNodeOf(w, r, t.SandboxID)
+		// Answered as a node's proxy answers: 400 for a malformed target,
+		// 502 for a sandbox no node holds.
+		switch {
+		case !proxy.ValidSandboxID(t.SandboxID):
+			api.WriteError(w, http.StatusBadRequest, "invalid sandbox id in "+proxy.HeaderSandboxID)
+		case t.Port == 0:
+			api.WriteError(w, http.StatusBadRequest, "invalid "+proxy.HeaderSandboxPort+" header")
+		default:
+			rt, err := g.locate(r.Context(), t.SandboxID)
+			if errors.Is(err, errUnknownSandbox) {
+				api.WriteError(w, http.StatusBadGateway, fmt.Sprintf("sandbox %q not found", t.SandboxID))
+				return
+			}
+			if err != nil {
+				g.writeLocateError(w, t.SandboxID, err)
+				return
+			}
+			g.proxyTo(w, r, rt.url)
+		}
 		return
 	}
 	g.mux.ServeHTTP(w, r)
@@ -249,16 +267,6 @@ func (g *Gateway) forget(id string) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	delete(g.routes, id)
-}
-
-// toNodeOf proxies a request to the node holding sandbox id.
-func (g *Gateway) toNodeOf(w http.ResponseWriter, r *http.Request, id string) {
-	rt, err := g.locate(r.Context(), id)
-	if err != nil {
-		g.writeLocateError(w, id, err)
-		return
-	}
-	g.proxyTo(w, r, rt.url)
 }
 
 func (g *Gateway) writeLocateError(w http.ResponseWriter, id string, err error) {

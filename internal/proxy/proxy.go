@@ -112,6 +112,9 @@ type Resumer interface {
 	Resume(ctx context.Context, sandboxID string) (Route, error)
 }
 
+// ValidSandboxID reports whether id can name a sandbox.
+func ValidSandboxID(id string) bool { return validSandboxID(id) }
+
 // ErrUnknownSandbox is returned by resolvers for ids they do not know.
 var ErrUnknownSandbox = errors.New("unknown sandbox")
 

@@ -106,25 +106,30 @@ func TestOfficialJSSDK(t *testing.T) {
 	}
 	for _, f := range files {
 		name := strings.TrimSuffix(filepath.Base(f), ".test.cjs")
-		t.Run(name, func(t *testing.T) {
-			abs, _ := filepath.Abs(f)
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-			defer cancel()
-			start := time.Now()
-			cmd := exec.CommandContext(ctx, node, "--test", "--test-reporter=spec", abs)
-			cmd.Env = append(os.Environ(),
-				"E2B_API_URL="+s.url,
-				"E2B_SANDBOX_URL="+s.url,
-				"E2B_API_KEY="+apiKey,
-				"E2B_SDK_DIR="+sdkDir,
-				"NO_COLOR=1",
-				fmt.Sprintf("UV_THREADPOOL_SIZE=%d", max(4, runtime.NumCPU())),
-			)
-			out, err := cmd.CombinedOutput()
-			t.Logf("node --test %s (%s):\n%s", filepath.Base(f), time.Since(start).Round(time.Millisecond), out)
-			if err != nil {
-				t.Fatalf("SDK tests in %s failed: %v\nserver log tail:\n%s", f, err, s.log())
-			}
-		})
+		t.Run(name, func(t *testing.T) { runSDKFile(t, node, sdkDir, f, s.url, s.log) })
+	}
+}
+
+// runSDKFile runs one SDK test file with node's test runner against the
+// endpoint at url (a server or a gateway); serverLog is shown on failure.
+func runSDKFile(t *testing.T, node, sdkDir, file, url string, serverLog func() string) {
+	t.Helper()
+	abs, _ := filepath.Abs(file)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	start := time.Now()
+	cmd := exec.CommandContext(ctx, node, "--test", "--test-reporter=spec", abs)
+	cmd.Env = append(os.Environ(),
+		"E2B_API_URL="+url,
+		"E2B_SANDBOX_URL="+url,
+		"E2B_API_KEY="+apiKey,
+		"E2B_SDK_DIR="+sdkDir,
+		"NO_COLOR=1",
+		fmt.Sprintf("UV_THREADPOOL_SIZE=%d", max(4, runtime.NumCPU())),
+	)
+	out, err := cmd.CombinedOutput()
+	t.Logf("node --test %s (%s):\n%s", filepath.Base(file), time.Since(start).Round(time.Millisecond), out)
+	if err != nil {
+		t.Fatalf("SDK tests in %s failed: %v\nserver log tail:\n%s", file, err, serverLog())
 	}
 }
