@@ -102,7 +102,7 @@ func reportNode(ctx context.Context, node *orchestrator.Node, n *nodeOptions, ke
 		rep := &pb.NodeReport{NodeId: n.nodeID, Url: n.advertise, Cpus: int32(c.CPUs), MemoryTotalBytes: c.MemoryTotalBytes,
 			MemoryAvailableBytes: c.MemoryAvailableBytes, SandboxMemoryBytes: c.SandboxMemoryBytes, DiskFreeBytes: c.DiskFreeBytes,
 			Running: int32(c.Running), Paused: int32(c.Paused), Templates: c.Templates, Version: Version,
-			MaxSandboxes: int32(n.maxSandboxes)}
+			MaxSandboxes: int32(n.maxSandboxes), SharedPaused: c.SharedPaused}
 		for _, s := range c.Sandboxes {
 			rep.Sandboxes = append(rep.Sandboxes, &pb.SandboxReport{SandboxId: s.ID, State: string(s.State), TemplateId: s.TemplateID})
 		}

@@ -135,6 +135,7 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		TemplateSnapshots: true,
 		PoolSize:          o.poolSize,
 		LayerCacheMiB:     o.layerCache,
+		SharePaused:       cluster != nil && o.repository != "",
 		Peers:             o.peers,
 		PeerToken:         peerToken,
 		Repository:        repo,

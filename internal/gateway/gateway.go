@@ -178,10 +178,17 @@ func (g *Gateway) readyNodes(ctx context.Context) ([]*pb.Node, error) {
 // errUnknownSandbox: no node holds the sandbox.
 var errUnknownSandbox = errors.New("sandbox not found")
 
-// errNodeLost: the sandbox's node stopped reporting.
-type errNodeLost struct{ node, state string }
+// errNodeLost: the sandbox's node stopped reporting. A paused sandbox
+// whose state is in shared storage (shared) can move to another node.
+type errNodeLost struct {
+	node, state, template string
+	shared                bool
+}
 
 func (e errNodeLost) Error() string {
+	if e.shared {
+		return fmt.Sprintf("the sandbox's node %s is lost; the sandbox is paused in shared storage: resume or connect to move it to another node", e.node)
+	}
 	return fmt.Sprintf("the sandbox's node %s is lost (the sandbox was %s there)", e.node, e.state)
 }
 
@@ -200,7 +207,7 @@ func (g *Gateway) locate(ctx context.Context, id string) (route, error) {
 	case err == nil:
 		n := resp.Msg.Node
 		if n.Status != "ready" {
-			return route{}, errNodeLost{n.NodeId, resp.Msg.State}
+			return route{}, errNodeLost{node: n.NodeId, state: resp.Msg.State, template: resp.Msg.TemplateId, shared: resp.Msg.Shared}
 		}
 		r := route{nodeID: n.NodeId, url: n.Url, at: time.Now()}
 		g.remember(id, r)
@@ -296,6 +303,14 @@ func (g *Gateway) toSandboxNode(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
 	rt, err := g.locate(r.Context(), id)
 	if err != nil {
+		// A paused sandbox no ready node holds may be in shared storage
+		// (its node may have died before reporting it so): resuming,
+		// connecting or killing it works from any node.
+		var lost errNodeLost
+		if (errors.As(err, &lost) || errors.Is(err, errUnknownSandbox)) && takesShared(r) {
+			g.onAnyNode(w, r, lost.template, err)
+			return
+		}
 		g.writeLocateError(w, id, err)
 		return
 	}
@@ -320,6 +335,52 @@ func (g *Gateway) toSandboxNode(w http.ResponseWriter, r *http.Request) {
 		defer g.forget(id)
 	}
 	g.proxyTo(w, r, rt.url)
+}
+
+// takesShared: the request can take a paused sandbox from shared storage.
+func takesShared(r *http.Request) bool {
+	if r.Method == http.MethodDelete {
+		return r.PathValue("rest") == ""
+	}
+	rest := r.PathValue("rest")
+	return r.Method == http.MethodPost && (rest == "resume" || rest == "connect")
+}
+
+// onAnyNode sends a request about a sandbox no ready node holds to a node
+// the scheduler places it on, which takes it from shared storage or answers
+// 404 (then locateErr, why no node held it, is the answer).
+func (g *Gateway) onAnyNode(w http.ResponseWriter, r *http.Request, template string, locateErr error) {
+	body, err := readBody(r)
+	if err != nil {
+		api.WriteError(w, http.StatusRequestEntityTooLarge, err.Error())
+		return
+	}
+	pctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
+	resp, err := g.cfg.Scheduler.Place(pctx, connect.NewRequest(&pb.PlaceRequest{TemplateId: template, MemoryBytes: 512 << 20}))
+	cancel()
+	if err != nil {
+		api.WriteError(w, http.StatusServiceUnavailable, "no node can take the sandbox now: "+err.Error())
+		return
+	}
+	n := resp.Msg.Node
+	status, hdr, out, err := g.call(r, n.Url, body)
+	if err != nil {
+		api.WriteError(w, http.StatusBadGateway, fmt.Sprintf("node %s: %v", n.NodeId, err))
+		return
+	}
+	if status/100 == 2 {
+		rt := route{nodeID: n.NodeId, url: n.Url, at: time.Now()}
+		g.remember(r.PathValue("id"), rt)
+		g.learn(out, rt)
+	}
+	if r.Method == http.MethodDelete {
+		g.forget(r.PathValue("id"))
+	}
+	if status == http.StatusNotFound {
+		g.writeLocateError(w, r.PathValue("id"), locateErr)
+		return
+	}
+	copyResponse(w, status, hdr, out)
 }
 
 // toTemplateNode sends the template API to one node (the first ready one

@@ -20,6 +20,8 @@ type Capacity struct {
 	// Templates can start here without fetching anything.
 	Templates []string
 	Sandboxes []SandboxState
+	// SharedPaused are paused sandboxes in shared storage.
+	SharedPaused []string
 }
 
 // SandboxState is one sandbox in a capacity report.
@@ -58,6 +60,9 @@ func (n *Node) Capacity(ctx context.Context) (*Capacity, error) {
 			continue
 		}
 		c.Sandboxes = append(c.Sandboxes, SandboxState{ID: s.ID, TemplateID: s.TemplateID, State: state})
+	}
+	if c.SharedPaused, err = n.SharedPaused(ctx); err != nil {
+		return nil, err
 	}
 	ts, err := n.Templates()
 	if err != nil {

@@ -154,6 +154,9 @@ type Config struct {
 	// nodes share for it. Both empty: peer exchange off (the default).
 	Peers     []string
 	PeerToken string
+	// SharePaused uploads every paused sandbox to the Repository (which the
+	// nodes of a cluster share), so that any node can resume it.
+	SharePaused bool
 	// NoFreePageReporting turns off the balloon's free page reporting (for
 	// measuring what it saves; see vmm.Config).
 	NoFreePageReporting bool
@@ -280,6 +283,10 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if cfg.TemplateSnapshots {
 		n.wg.Add(1)
 		go n.prepareTemplateSnapshots()
+	}
+	if n.sharesPaused() {
+		n.wg.Add(1)
+		go n.reapMovedLoop()
 	}
 	return n, nil
 }
@@ -431,6 +438,19 @@ func (n *Node) expiryLoop() {
 }
 
 // NewSandboxID returns a fresh 20-character [a-z0-9] identifier.
+// validSandboxID reports whether id has the form of NewSandboxID's ids.
+func validSandboxID(id string) bool {
+	if id == "" || len(id) > 64 {
+		return false
+	}
+	for _, c := range id {
+		if (c < 'a' || c > 'z') && (c < '0' || c > '9') {
+			return false
+		}
+	}
+	return true
+}
+
 func NewSandboxID() string {
 	const alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
 	out := make([]byte, 0, 20)

@@ -53,6 +53,9 @@ func (n *Node) Pause(ctx context.Context, id string) (*Sandbox, error) {
 	}
 	s.State, s.PID = StatePaused, 0
 	n.log.Info("sandbox paused", "sandbox", id, "took", time.Since(start).Round(time.Microsecond))
+	if n.sharesPaused() {
+		n.sharePausedLater(id)
+	}
 	return n.withAddr(s), nil
 }
 
@@ -261,11 +264,19 @@ func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*S
 	unlock := n.lockOp(id)
 	defer unlock()
 	s, err := n.loadSandbox(ctx, id)
+	if errors.Is(err, ErrNotFound) && n.sharesPaused() {
+		s, err = n.adoptShared(ctx, id) // paused on another node, in shared storage
+	}
 	if err != nil {
 		return nil, err
 	}
 	if s.State == StateRunning {
 		return nil, fmt.Errorf("%w: sandbox %s is already running", ErrConflict, id)
+	}
+	if s.State == StatePaused {
+		if err := n.takeBackShared(ctx, s); err != nil {
+			return nil, err
+		}
 	}
 	if err := n.transition(ctx, id, StateResuming, StatePaused); err != nil {
 		return nil, err

@@ -397,11 +397,17 @@ func (n *Node) Kill(ctx context.Context, id string) error {
 	unlock := n.lockOp(id)
 	defer unlock()
 	s, err := n.loadSandbox(ctx, id)
+	if errors.Is(err, ErrNotFound) && n.sharesPaused() {
+		return n.killShared(ctx, id) // paused on another node, in shared storage
+	}
 	if err != nil {
 		return err
 	}
 	if err := n.transition(ctx, id, StateKilling, StateRunning, StatePaused); err != nil {
 		return err
+	}
+	if m, ok := n.readSharedMark(id); ok {
+		n.forgetShared(ctx, id, m.Generation)
 	}
 	n.destroy(ctx, s)
 	n.mu.Lock()

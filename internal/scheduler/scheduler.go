@@ -319,8 +319,9 @@ func (s *Scheduler) score(n *nodeState, m *pb.PlaceRequest) (float64, string) {
 
 // locate finds the node holding a sandbox: a ready node before a lost one,
 // a running sandbox before a paused record of it. Called with mu held.
-func (s *Scheduler) locate(id string, now time.Time) (*nodeState, string, bool) {
+func (s *Scheduler) locate(id string, now time.Time) (*nodeState, *pb.SandboxReport, bool) {
 	var best *nodeState
+	var bestSB *pb.SandboxReport
 	var bestState string
 	var bestShared bool
 	rank := func(n *nodeState, state string) int {
@@ -339,7 +340,7 @@ func (s *Scheduler) locate(id string, now time.Time) (*nodeState, string, bool) 
 				continue
 			}
 			if best == nil || rank(n, sb.State) > rank(best, bestState) {
-				best, bestState = n, sb.State
+				best, bestState, bestSB = n, sb.State, sb
 				bestShared = false
 				for _, p := range n.report.SharedPaused {
 					if p == id {
@@ -349,7 +350,7 @@ func (s *Scheduler) locate(id string, now time.Time) (*nodeState, string, bool) 
 			}
 		}
 	}
-	return best, bestState, bestShared
+	return best, bestSB, bestShared
 }
 
 // Locate tells which node holds a sandbox.
@@ -361,11 +362,11 @@ func (s *Scheduler) Locate(_ context.Context, req *connect.Request[pb.LocateRequ
 	now := s.cfg.Now()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	n, state, shared := s.locate(id, now)
+	n, sb, shared := s.locate(id, now)
 	if n == nil {
 		return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("sandbox %s is on no node", id))
 	}
-	return connect.NewResponse(&pb.LocateResponse{Node: s.nodeMsg(n, now), State: state, Shared: shared}), nil
+	return connect.NewResponse(&pb.LocateResponse{Node: s.nodeMsg(n, now), State: sb.State, Shared: shared, TemplateId: sb.TemplateId}), nil
 }
 
 // ListNodes lists the nodes by id.

@@ -107,6 +107,7 @@ func (p *proc) tail() string {
 
 type cluster struct {
 	bin   string
+	repo  string // the nodes' shared posix_fs repository
 	sched *proc
 	gw    *proc
 	nodes []*proc
@@ -125,7 +126,7 @@ func startCluster(t *testing.T, bin string) *cluster {
 	testData := os.Getenv("AENV_TEST_DATA_DIR")
 	root := t.TempDir()
 	repo := filepath.Join(root, "repository")
-	c := &cluster{bin: bin}
+	c := &cluster{bin: bin, repo: repo}
 	schedAddr := freeAddr(t)
 	c.sched = &proc{name: "scheduler", url: "http://" + schedAddr, log: filepath.Join(root, "scheduler.log"),
 		args: []string{"scheduler", "--listen", schedAddr, "--heartbeat-interval", "1s", "--lost-after", "4s", "--log-level", "debug"}}
@@ -407,6 +408,73 @@ func TestCluster(t *testing.T) {
 			if err := call(c.gw.url, "GET", "/sandboxes/"+id, nil, nil); err != nil {
 				t.Fatalf("after the scheduler restart: %v", err)
 			}
+		}
+	})
+
+	t.Run("cross-node resume", func(t *testing.T) {
+		gw := &server{url: c.gw.url, logPath: c.gw.log}
+		var sb sandbox
+		if err := call(c.gw.url, "POST", "/sandboxes", map[string]any{"templateID": "minimal", "timeout": 600}, &sb); err != nil {
+			t.Fatal(err)
+		}
+		// State in RAM (/dev/shm is tmpfs) and on disk.
+		if out, code := gw.run(t, &sb, "/bin/sh", "-c", "echo in-ram > /dev/shm/r; echo on-disk > /home/user/d; sync; cat /dev/shm/r /home/user/d"); code != 0 || out != "in-ram\non-disk\n" {
+			t.Fatalf("write state: %q %d", out, code)
+		}
+		home := c.holder(t, sb.SandboxID)
+		start := time.Now()
+		if err := call(c.gw.url, "POST", "/sandboxes/"+sb.SandboxID+"/pause", nil, nil); err != nil {
+			t.Fatalf("pause: %v", err)
+		}
+		paused := time.Since(start)
+		manifest := filepath.Join(c.repo, "paused", sb.SandboxID, "manifest.json")
+		for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(100 * time.Millisecond) {
+			if _, err := os.Stat(manifest); err == nil {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the paused sandbox never reached shared storage\n%s", c.logs())
+			}
+		}
+		t.Logf("paused on %s in %s, in shared storage after %s", home, paused.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+		var homeNode *proc
+		for _, n := range c.nodes {
+			if n.name == home {
+				homeNode = n
+			}
+		}
+		homeNode.kill()
+		want := map[string]string{"n1": "ready", "n2": "ready", "n3": "ready"}
+		want[home] = "lost"
+		c.waitNodes(t, want, 10*time.Second)
+		time.Sleep(11 * time.Second) // past the gateway's route TTL
+		start = time.Now()
+		if err := call(c.gw.url, "POST", "/sandboxes/"+sb.SandboxID+"/resume", map[string]any{"timeout": 600}, nil); err != nil {
+			t.Fatalf("resume of a paused sandbox of a lost node: %v\n%s", err, c.logs())
+		}
+		t.Logf("resumed on another node in %s", time.Since(start).Round(time.Millisecond))
+		if now := c.holder(t, sb.SandboxID); now == home || now == "" {
+			t.Fatalf("resumed on %q (was on %s)", now, home)
+		}
+		if out, code := gw.run(t, &sb, "/bin/sh", "-c", "cat /dev/shm/r /home/user/d"); code != 0 || out != "in-ram\non-disk\n" {
+			t.Fatalf("state after the move: %q %d", out, code)
+		}
+		// The old node comes back and drops its stale copy.
+		homeNode.start(t, c.bin)
+		c.waitNodes(t, map[string]string{"n1": "ready", "n2": "ready", "n3": "ready"}, 10*time.Second)
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(500 * time.Millisecond) {
+			if status(call(homeNode.url, "GET", "/sandboxes/"+sb.SandboxID, nil, nil)) == 404 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the old node kept its copy of the moved sandbox\n%s", homeNode.tail())
+			}
+		}
+		if err := call(c.gw.url, "GET", "/sandboxes/"+sb.SandboxID, nil, nil); err != nil {
+			t.Fatalf("the moved sandbox through the gateway: %v", err)
+		}
+		if err := call(c.gw.url, "DELETE", "/sandboxes/"+sb.SandboxID, nil, nil); err != nil {
+			t.Fatal(err)
 		}
 	})
 

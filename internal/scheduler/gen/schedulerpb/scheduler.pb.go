@@ -507,7 +507,9 @@ type LocateResponse struct {
 	State string `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"`
 	// shared is true when the sandbox is paused with its state in shared
 	// storage, so any node can resume it.
-	Shared        bool `protobuf:"varint,3,opt,name=shared,proto3" json:"shared,omitempty"`
+	Shared bool `protobuf:"varint,3,opt,name=shared,proto3" json:"shared,omitempty"`
+	// template_id of the sandbox.
+	TemplateId    string `protobuf:"bytes,4,opt,name=template_id,json=templateId,proto3" json:"template_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -561,6 +563,13 @@ func (x *LocateResponse) GetShared() bool {
 		return x.Shared
 	}
 	return false
+}
+
+func (x *LocateResponse) GetTemplateId() string {
+	if x != nil {
+		return x.TemplateId
+	}
+	return ""
 }
 
 type ListNodesRequest struct {
@@ -766,11 +775,13 @@ const file_scheduler_proto_rawDesc = "" +
 	"\x04node\x18\x01 \x01(\v2\x17.aenv.scheduler.v1.NodeR\x04node\".\n" +
 	"\rLocateRequest\x12\x1d\n" +
 	"\n" +
-	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\"k\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\"\x8c\x01\n" +
 	"\x0eLocateResponse\x12+\n" +
 	"\x04node\x18\x01 \x01(\v2\x17.aenv.scheduler.v1.NodeR\x04node\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x16\n" +
-	"\x06shared\x18\x03 \x01(\bR\x06shared\"\x12\n" +
+	"\x06shared\x18\x03 \x01(\bR\x06shared\x12\x1f\n" +
+	"\vtemplate_id\x18\x04 \x01(\tR\n" +
+	"templateId\"\x12\n" +
 	"\x10ListNodesRequest\"B\n" +
 	"\x11ListNodesResponse\x12-\n" +
 	"\x05nodes\x18\x01 \x03(\v2\x17.aenv.scheduler.v1.NodeR\x05nodes\"\xab\x01\n" +
