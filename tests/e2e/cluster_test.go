@@ -437,6 +437,16 @@ func TestCluster(t *testing.T) {
 			}
 		}
 		t.Logf("paused on %s in %s, in shared storage after %s", home, paused.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+		for _, kind := range []string{"paused", "ram"} {
+			filepath.WalkDir(filepath.Join(c.repo, kind), func(p string, d os.DirEntry, err error) error {
+				if err == nil && !d.IsDir() {
+					if info, err := d.Info(); err == nil {
+						t.Logf("repository %s: %s %.1f MB", kind, strings.TrimPrefix(p, c.repo), float64(info.Size())/1e6)
+					}
+				}
+				return nil
+			})
+		}
 		var homeNode *proc
 		for _, n := range c.nodes {
 			if n.name == home {
