@@ -441,7 +441,8 @@ func TestCluster(t *testing.T) {
 			filepath.WalkDir(filepath.Join(c.repo, kind), func(p string, d os.DirEntry, err error) error {
 				if err == nil && !d.IsDir() {
 					if info, err := d.Info(); err == nil {
-						t.Logf("repository %s: %s %.1f MB", kind, strings.TrimPrefix(p, c.repo), float64(info.Size())/1e6)
+						st := info.Sys().(*syscall.Stat_t)
+						t.Logf("repository %s: %s %.1f MB (%.1f MB allocated)", kind, strings.TrimPrefix(p, c.repo), float64(info.Size())/1e6, float64(st.Blocks*512)/1e6)
 					}
 				}
 				return nil
