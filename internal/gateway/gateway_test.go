@@ -1,0 +1,260 @@
+package gateway
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"sort"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/agentenv/agentenv/internal/api"
+	"github.com/agentenv/agentenv/internal/scheduler"
+	pb "github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb"
+)
+
+// The gateway against a real scheduler and small stand-in nodes that serve
+// GET /v2/sandboxes and GET /sandboxes/{id} from fixed lists, with the
+// nodes' cursor ("<startedAt ns>|<id>", newest first). The whole surface
+// against real nodes is tests/e2e's TestCluster.
+
+const key = "e2b_00000000000000000000000000000000000000aa"
+
+type listedSandbox struct {
+	SandboxID string    `json:"sandboxID"`
+	StartedAt time.Time `json:"startedAt"`
+}
+
+func standInNode(t *testing.T, sandboxes []listedSandbox, failing *bool) *httptest.Server {
+	t.Helper()
+	sort.Slice(sandboxes, func(i, j int) bool {
+		if !sandboxes[i].StartedAt.Equal(sandboxes[j].StartedAt) {
+			return sandboxes[i].StartedAt.After(sandboxes[j].StartedAt)
+		}
+		return sandboxes[i].SandboxID < sandboxes[j].SandboxID
+	})
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v2/sandboxes", func(w http.ResponseWriter, r *http.Request) {
+		if failing != nil && *failing {
+			api.WriteError(w, http.StatusInternalServerError, "disk on fire")
+			return
+		}
+		if r.Header.Get("X-API-Key") != key {
+			api.WriteError(w, http.StatusUnauthorized, "key")
+			return
+		}
+		limit, _ := strconv.Atoi(r.URL.Query().Get("limit"))
+		if limit == 0 {
+			limit = 100
+		}
+		if limit < 0 || limit > 1000 {
+			api.WriteError(w, http.StatusBadRequest, "limit must be an integer between 1 and 1000")
+			return
+		}
+		var afterNS int64 = 1<<63 - 1
+		afterID := ""
+		if tok := r.URL.Query().Get("nextToken"); tok != "" {
+			b, _ := base64.RawURLEncoding.DecodeString(tok)
+			ns, id, _ := strings.Cut(string(b), "|")
+			afterNS, _ = strconv.ParseInt(ns, 10, 64)
+			afterID = id
+		}
+		out := []listedSandbox{}
+		for _, sb := range sandboxes {
+			n := sb.StartedAt.UnixNano()
+			if !(n < afterNS || (n == afterNS && sb.SandboxID > afterID)) {
+				continue
+			}
+			if len(out) == limit {
+				last := out[len(out)-1]
+				w.Header().Set("X-Next-Token", api.ListCursor(last.StartedAt, last.SandboxID))
+				break
+			}
+			out = append(out, sb)
+		}
+		json.NewEncoder(w).Encode(out)
+	})
+	mux.HandleFunc("GET /sandboxes/{id}", func(w http.ResponseWriter, r *http.Request) {
+		for _, sb := range sandboxes {
+			if sb.SandboxID == r.PathValue("id") {
+				json.NewEncoder(w).Encode(sb)
+				return
+			}
+		}
+		api.WriteError(w, http.StatusNotFound, "not found")
+	})
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+type harness struct {
+	gw, sched *httptest.Server
+	all       []listedSandbox
+}
+
+func newHarness(t *testing.T, perNode int, failing *bool) *harness {
+	t.Helper()
+	h := &harness{}
+	sched := scheduler.New(scheduler.Config{Token: key, Logger: slog.New(slog.DiscardHandler)})
+	mux := http.NewServeMux()
+	mux.Handle(sched.Handler())
+	h.sched = httptest.NewServer(mux)
+	t.Cleanup(h.sched.Close)
+	client := scheduler.NewClient(h.sched.Client(), h.sched.URL, key)
+	base := time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC)
+	for n := 0; n < 3; n++ {
+		var sbs []listedSandbox
+		for i := 0; i < perNode; i++ {
+			// Some start times shared across nodes: ties sort by id.
+			sbs = append(sbs, listedSandbox{SandboxID: fmt.Sprintf("n%ds%02d", n, i), StartedAt: base.Add(time.Duration(i%4) * time.Second)})
+		}
+		var f *bool
+		if n == 2 {
+			f = failing
+		}
+		node := standInNode(t, sbs, f)
+		h.all = append(h.all, sbs...)
+		rep := &pb.NodeReport{NodeId: fmt.Sprintf("n%d", n), Url: node.URL, Cpus: 2, MemoryTotalBytes: 8 << 30, MemoryAvailableBytes: 8 << 30}
+		for _, sb := range sbs {
+			rep.Sandboxes = append(rep.Sandboxes, &pb.SandboxReport{SandboxId: sb.SandboxID, State: "running"})
+		}
+		if _, err := client.Heartbeat(context.Background(), connect.NewRequest(&pb.HeartbeatRequest{Node: rep})); err != nil {
+			t.Fatal(err)
+		}
+	}
+	g := New(Config{Scheduler: client, APIKey: key, Logger: slog.New(slog.DiscardHandler)})
+	h.gw = httptest.NewServer(g)
+	t.Cleanup(h.gw.Close)
+	return h
+}
+
+func get(t *testing.T, url string) (*http.Response, []byte) {
+	t.Helper()
+	req, _ := http.NewRequest("GET", url, nil)
+	req.Header.Set("X-API-Key", key)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, b
+}
+
+// TestPaginationAcrossNodes walks GET /v2/sandboxes page by page for
+// several limits: every sandbox of every node once, in the nodes' order.
+func TestPaginationAcrossNodes(t *testing.T) {
+	h := newHarness(t, 9, nil)
+	want := append([]listedSandbox{}, h.all...)
+	sort.Slice(want, func(i, j int) bool {
+		if !want[i].StartedAt.Equal(want[j].StartedAt) {
+			return want[i].StartedAt.After(want[j].StartedAt)
+		}
+		return want[i].SandboxID < want[j].SandboxID
+	})
+	for _, limit := range []int{1, 2, 5, 7, 26, 27, 100} {
+		t.Run(fmt.Sprint("limit ", limit), func(t *testing.T) {
+			var got []listedSandbox
+			token := ""
+			for pages := 0; ; pages++ {
+				if pages > 30 {
+					t.Fatal("pagination does not end")
+				}
+				url := fmt.Sprintf("%s/v2/sandboxes?limit=%d", h.gw.URL, limit)
+				if token != "" {
+					url += "&nextToken=" + token
+				}
+				resp, body := get(t, url)
+				if resp.StatusCode != 200 {
+					t.Fatalf("%d %s", resp.StatusCode, body)
+				}
+				var page []listedSandbox
+				if err := json.Unmarshal(body, &page); err != nil || len(page) > limit {
+					t.Fatalf("page of %d (limit %d): %v", len(page), limit, err)
+				}
+				got = append(got, page...)
+				if token = resp.Header.Get("X-Next-Token"); token == "" {
+					break
+				}
+			}
+			if len(got) != len(want) {
+				t.Fatalf("listed %d sandboxes, want %d", len(got), len(want))
+			}
+			for i := range want {
+				if got[i].SandboxID != want[i].SandboxID {
+					t.Fatalf("position %d: %s, want %s", i, got[i].SandboxID, want[i].SandboxID)
+				}
+			}
+		})
+	}
+}
+
+func TestListErrors(t *testing.T) {
+	failing := false
+	h := newHarness(t, 2, &failing)
+	// A 4xx is the same on every node: passed on as it is.
+	resp, body := get(t, h.gw.URL+"/v2/sandboxes?limit=5000")
+	if resp.StatusCode != 400 || !strings.Contains(string(body), "limit") {
+		t.Fatalf("bad limit: %d %s", resp.StatusCode, body)
+	}
+	// A failing node fails the list (a partial list would look complete).
+	failing = true
+	resp, body = get(t, h.gw.URL+"/v2/sandboxes")
+	if resp.StatusCode != 502 || !strings.Contains(string(body), "n2") {
+		t.Fatalf("failing node: %d %s", resp.StatusCode, body)
+	}
+	req, _ := http.NewRequest("GET", h.gw.URL+"/v2/sandboxes", nil)
+	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != 401 {
+		t.Fatalf("no key: %v %v", resp, err)
+	}
+}
+
+// TestRoutingWithoutScheduler: with the scheduler gone, sandboxes are found
+// from the gateway's memory or by asking the known nodes; unknown ones are
+// 404 and creates 503.
+func TestRoutingWithoutScheduler(t *testing.T) {
+	h := newHarness(t, 2, nil)
+	// The gateway learns the node list (and one route) while the
+	// scheduler is up.
+	if resp, body := get(t, h.gw.URL+"/nodes"); resp.StatusCode != 200 || !strings.Contains(string(body), `"nodeID":"n1"`) {
+		t.Fatalf("nodes: %d %s", resp.StatusCode, body)
+	}
+	if resp, _ := get(t, h.gw.URL+"/sandboxes/n0s00"); resp.StatusCode != 200 {
+		t.Fatalf("routed GET: %d", resp.StatusCode)
+	}
+	h.sched.Close()
+	for _, id := range []string{"n0s00", "n1s01", "n2s00"} {
+		if resp, body := get(t, h.gw.URL+"/sandboxes/"+id); resp.StatusCode != 200 || !strings.Contains(string(body), id) {
+			t.Fatalf("GET %s without a scheduler: %d %s", id, resp.StatusCode, body)
+		}
+	}
+	if resp, _ := get(t, h.gw.URL+"/sandboxes/nosuch"); resp.StatusCode != 404 {
+		t.Fatalf("unknown sandbox without a scheduler: %d", resp.StatusCode)
+	}
+	if resp, _ := get(t, h.gw.URL+"/v2/sandboxes"); resp.StatusCode != 200 {
+		t.Fatalf("list without a scheduler: %d", resp.StatusCode)
+	}
+	req, _ := http.NewRequest("POST", h.gw.URL+"/sandboxes", strings.NewReader(`{"templateID":"base"}`))
+	req.Header.Set("X-API-Key", key)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil || resp.StatusCode != 503 {
+		t.Fatalf("create without a scheduler: %v %v", resp, err)
+	}
+	// Sandbox traffic for an unknown sandbox is 502, as on a node.
+	req, _ = http.NewRequest("GET", h.gw.URL+"/health", nil)
+	req.Header.Set("E2b-Sandbox-Id", "nosuch")
+	req.Header.Set("E2b-Sandbox-Port", "49983")
+	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != 502 {
+		t.Fatalf("proxy to an unknown sandbox: %v %v", resp, err)
+	}
+}
