@@ -1,6 +1,7 @@
 package api
 
 import (
+	"context"
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
@@ -40,6 +41,7 @@ func (s *Server) templateRoutes() {
 	s.mux.Handle("GET /templates/aliases/{alias}", auth(s.templateAlias))
 	s.mux.Handle("GET /templates", auth(s.listTemplates))
 	s.mux.Handle("GET /v2/templates", auth(s.listTemplates))
+	s.mux.Handle("DELETE /templates/{templateID}", auth(s.deleteTemplate))
 }
 
 func (s *Server) builder(w http.ResponseWriter) (TemplateBuilder, bool) {
@@ -284,6 +286,26 @@ func (s *Server) templateAlias(w http.ResponseWriter, r *http.Request) {
 }
 
 // listTemplates implements GET /templates and GET /v2/templates.
+// TemplateDeleter is implemented by nodes that delete templates.
+type TemplateDeleter interface {
+	DeleteTemplate(ctx context.Context, name string) error
+}
+
+// deleteTemplate implements DELETE /templates/{templateID}: 204, 404, or
+// 409 while sandboxes or snapshots use the template.
+func (s *Server) deleteTemplate(w http.ResponseWriter, r *http.Request) {
+	d, ok := s.node.(TemplateDeleter)
+	if !ok {
+		writeError(w, http.StatusNotImplemented, "this node does not delete templates")
+		return
+	}
+	if err := d.DeleteTemplate(r.Context(), r.PathValue("templateID")); err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
 func (s *Server) listTemplates(w http.ResponseWriter, r *http.Request) {
 	b, ok := s.builder(w)
 	if !ok {

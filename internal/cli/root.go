@@ -3,9 +3,13 @@
 package cli
 
 import (
+	"errors"
 	"fmt"
+	"io"
 	"log/slog"
+	"net/http"
 	"os"
+	"strings"
 
 	"github.com/spf13/cobra"
 )
@@ -25,12 +29,65 @@ func Execute() int {
 		SilenceErrors: true,
 		Version:       Version,
 	}
-	root.AddCommand(serverCmd(), nodeCmd(), schedulerCmd(), gatewayCmd(), setupCmd(), keyCmd(), templateCmd())
-	if err := root.Execute(); err != nil {
-		fmt.Fprintln(os.Stderr, "aenv:", err)
-		return 1
+	root.AddCommand(
+		// Client commands (any OS).
+		authCmd(), createCmd(), lsCmd(), infoCmd(), execCmd(), shellCmd(), cpCmd(), pauseCmd(), resumeCmd(),
+		forkCmd(), timeoutCmd(), killCmd(), logsCmd(), snapshotCmd(), templateCmd(),
+		// Server roles and machine setup (Linux).
+		serverCmd(), nodeCmd(), schedulerCmd(), gatewayCmd(), setupCmd(), keyCmd(), benchCmd(), doctorCmd(),
+	)
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
+	wrapArgs(root)
+	err := root.Execute()
+	return exitStatus(err, os.Stderr)
+}
+
+// Exit codes, the same for every command.
+const (
+	ExitOK       = 0
+	ExitFailure  = 1 // the operation failed (the server refused, the network, ...)
+	ExitUsage    = 2 // the command line is wrong
+	ExitNotFound = 3 // the sandbox, template or snapshot does not exist
+)
+
+// exitStatus reports err and maps it to an exit code (`aenv exec` exits
+// with its command's code).
+func exitStatus(err error, stderr io.Writer) int {
+	if err == nil {
+		return ExitOK
 	}
-	return 0
+	var code exitCode
+	if errors.As(err, &code) {
+		return int(code)
+	}
+	var s silent
+	if !errors.As(err, &s) {
+		fmt.Fprintln(stderr, "aenv:", err)
+	}
+	var ue usageError
+	var ae *apiError
+	switch {
+	case errors.As(err, &ue) || strings.HasPrefix(err.Error(), "unknown command") || strings.HasPrefix(err.Error(), "unknown shorthand flag"):
+		return ExitUsage
+	case errors.As(err, &ae) && ae.Status == http.StatusNotFound:
+		return ExitNotFound
+	}
+	return ExitFailure
+}
+
+// wrapArgs makes argument-count errors usage errors in every command.
+func wrapArgs(cmd *cobra.Command) {
+	if check := cmd.Args; check != nil {
+		cmd.Args = func(c *cobra.Command, args []string) error {
+			if err := check(c, args); err != nil {
+				return usageError{fmt.Errorf("%w (see `%s --help`)", err, c.CommandPath())}
+			}
+			return nil
+		}
+	}
+	for _, sub := range cmd.Commands() {
+		wrapArgs(sub)
+	}
 }
 
 func dataDirFlag(cmd *cobra.Command, p *string) {

@@ -194,6 +194,7 @@ var (
 	_ api.Snapshotter        = (*orchestrator.Node)(nil)
 	_ api.ConsoleLogReader   = (*orchestrator.Node)(nil)
 	_ api.LayerCacheReporter = (*orchestrator.Node)(nil)
+	_ api.TemplateDeleter    = (*orchestrator.Node)(nil)
 )
 
 // loadPeerToken reads the peer group's token from file, else from

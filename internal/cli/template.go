@@ -21,7 +21,7 @@ func templateCmd() *cobra.Command {
 		Use:   "template",
 		Short: "Build and manage the templates sandboxes are created from",
 	}
-	cmd.AddCommand(templateImportCmd(), templateBuildCmd(), templatePushCmd())
+	cmd.AddCommand(templateImportCmd(), templateBuildCmd(), templatePushCmd(), templateLsCmd(), templateRmCmd())
 	return cmd
 }
 

@@ -7,7 +7,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -31,9 +30,10 @@ import (
 
 func templateBuildCmd() *cobra.Command {
 	var (
-		apiURL, apiKey, file, contextDir, startCmd, readyCmd string
-		cpu, memMiB                                          int
-		noCache                                              bool
+		conn                                 connection
+		file, contextDir, startCmd, readyCmd string
+		cpu, memMiB                          int
+		noCache                              bool
 	)
 	cmd := &cobra.Command{
 		Use:   "build NAME",
@@ -54,18 +54,18 @@ func templateBuildCmd() *cobra.Command {
 			if contextDir == "" {
 				contextDir = filepath.Dir(file)
 			}
-			c := &apiClient{base: strings.TrimRight(apiURL, "/"), key: apiKey, http: &http.Client{Timeout: 5 * time.Minute}}
+			c, err := conn.client()
+			if err != nil {
+				return err
+			}
 			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 			defer stop()
 			return remoteBuild(ctx, c, cmd.OutOrStdout(), args[0], df, contextDir, startCmd, readyCmd, cpu, memMiB, noCache)
 		},
 	}
-	defURL := os.Getenv("E2B_API_URL")
-	if defURL == "" {
-		defURL = "http://127.0.0.1:8000"
-	}
-	cmd.Flags().StringVar(&apiURL, "api-url", defURL, "the server's API (env E2B_API_URL)")
-	cmd.Flags().StringVar(&apiKey, "api-key", os.Getenv("E2B_API_KEY"), "API key (env E2B_API_KEY)")
+	conn.flags(cmd)
+	cmd.Flags().StringVar(&conn.url, "api-url", "", "the same as --url")
+	_ = cmd.Flags().MarkHidden("api-url")
 	cmd.Flags().StringVarP(&file, "file", "f", "Dockerfile", "the Dockerfile")
 	cmd.Flags().StringVar(&contextDir, "context", "", "directory COPY sources are relative to (default: the Dockerfile's)")
 	cmd.Flags().StringVar(&startCmd, "start-cmd", "", "command started before the template is snapshotted")
@@ -74,50 +74,6 @@ func templateBuildCmd() *cobra.Command {
 	cmd.Flags().IntVar(&memMiB, "memory-mb", 0, "memory of the template's sandboxes in MiB (default: the base template's)")
 	cmd.Flags().BoolVar(&noCache, "no-cache", false, "run every step, ignoring cached layers")
 	return cmd
-}
-
-// apiClient talks to a server's REST API.
-type apiClient struct {
-	base, key string
-	http      *http.Client
-}
-
-func (c *apiClient) do(ctx context.Context, method, p string, in, out any) error {
-	var body io.Reader
-	if in != nil {
-		b, err := json.Marshal(in)
-		if err != nil {
-			return err
-		}
-		body = bytes.NewReader(b)
-	}
-	req, err := http.NewRequestWithContext(ctx, method, c.base+p, body)
-	if err != nil {
-		return err
-	}
-	req.Header.Set("X-API-Key", c.key)
-	if in != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	resp, err := c.http.Do(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
-	if resp.StatusCode/100 != 2 {
-		var e struct {
-			Message string `json:"message"`
-		}
-		if json.Unmarshal(b, &e) == nil && e.Message != "" {
-			return fmt.Errorf("%s %s: %d: %s", method, p, resp.StatusCode, e.Message)
-		}
-		return fmt.Errorf("%s %s: %s", method, p, resp.Status)
-	}
-	if out != nil {
-		return json.Unmarshal(b, out)
-	}
-	return nil
 }
 
 func remoteBuild(ctx context.Context, c *apiClient, out io.Writer, name string, df *dockerfile, contextDir, startCmd, readyCmd string, cpu, memMiB int, noCache bool) error {

@@ -156,3 +156,54 @@ func (n *Node) Templates() ([]*Template, error) {
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out, nil
 }
+
+// DeleteTemplate removes a template: its layer files, its template snapshot
+// and the sandboxes pre-started from it. A template that running or paused
+// sandboxes (or named snapshots) still use is refused (ErrConflict): their
+// disks stack on its layer.
+func (n *Node) DeleteTemplate(ctx context.Context, name string) error {
+	t, err := n.Template(name)
+	if err != nil {
+		return err
+	}
+	all, err := n.List(ctx)
+	if err != nil {
+		return err
+	}
+	for _, s := range all {
+		if s.TemplateID == name {
+			return fmt.Errorf("%w: template %s is used by sandbox %s (%s)", ErrConflict, name, s.ID, s.State)
+		}
+	}
+	if named, err := n.Snapshots(); err == nil {
+		for _, ns := range named {
+			if ns.TemplateID == name {
+				return fmt.Errorf("%w: template %s is used by snapshot %s", ErrConflict, name, ns.Name)
+			}
+		}
+	}
+	if ts, err := n.currentTemplateSnapshot(t); err == nil {
+		n.mu.Lock()
+		pooled := n.pool[ts.SnapshotID]
+		delete(n.pool, ts.SnapshotID)
+		n.mu.Unlock()
+		for _, p := range pooled {
+			n.destroy(ctx, p.s)
+		}
+	}
+	if err := os.Remove(n.templateSnapshotRef(name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	dir := TemplateDir(n.cfg.DataDir, name)
+	gone := filepath.Join(filepath.Dir(dir), "."+name+".deleted")
+	os.RemoveAll(gone)
+	if err := os.Rename(dir, gone); err != nil {
+		return err
+	}
+	if err := os.RemoveAll(gone); err != nil {
+		n.log.Warn("remove a deleted template's files", "template", name, "err", err)
+	}
+	n.gcSnapshots(ctx)
+	n.log.Info("template deleted", "template", name)
+	return nil
+}

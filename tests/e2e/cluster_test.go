@@ -97,6 +97,11 @@ func (p *proc) stop() {
 	p.cmd = nil
 }
 
+func readAll(path string) string {
+	b, _ := os.ReadFile(path)
+	return string(b)
+}
+
 func (p *proc) tail() string {
 	b, _ := os.ReadFile(p.log)
 	if len(b) > 6000 {
@@ -241,6 +246,19 @@ func TestCluster(t *testing.T) {
 	s := needServer(t) // builds the binary; its node is not part of the cluster
 	c := startCluster(t, s.bin)
 	c.waitNodes(t, map[string]string{"n1": "ready", "n2": "ready", "n3": "ready"}, 15*time.Second)
+	// Each node boots its templates once at start to snapshot them; wait
+	// for that, so creates restore (and a loaded CI machine does not time
+	// a cold boot out).
+	for _, n := range c.nodes {
+		for deadline := time.Now().Add(4 * time.Minute); ; time.Sleep(250 * time.Millisecond) {
+			if strings.Contains(readAll(n.log), `msg="template snapshot ready" template=minimal`) {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s never snapshotted template minimal\n%s", n.name, n.tail())
+			}
+		}
+	}
 
 	// Placement: with the template on every node, three creates in a row
 	// land on three nodes (the scheduler counts its own placements).
@@ -255,7 +273,7 @@ func TestCluster(t *testing.T) {
 		where[sb.SandboxID] = c.holder(t, sb.SandboxID)
 	}
 	if len(map[string]bool{where[ids[0]]: true, where[ids[1]]: true, where[ids[2]]: true}) != 3 {
-		t.Fatalf("three creates placed on %v", where)
+		t.Fatalf("three creates placed on %v\n%s", where, c.logs())
 	}
 	t.Logf("placed: %v", where)
 

@@ -1,0 +1,498 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/url"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+)
+
+// The sandbox commands: create, ls, info, pause, resume, fork, timeout,
+// kill, logs (exec, shell and cp are in envdclient.go).
+
+// sandboxInfo is a sandbox as the REST API describes it.
+type sandboxInfo struct {
+	SandboxID       string            `json:"sandboxID"`
+	TemplateID      string            `json:"templateID"`
+	ClientID        string            `json:"clientID,omitempty"`
+	State           string            `json:"state,omitempty"`
+	StartedAt       time.Time         `json:"startedAt,omitzero"`
+	EndAt           time.Time         `json:"endAt,omitzero"`
+	CPUCount        int               `json:"cpuCount,omitempty"`
+	MemoryMB        int               `json:"memoryMB,omitempty"`
+	DiskSizeMB      int               `json:"diskSizeMB,omitempty"`
+	EnvdVersion     string            `json:"envdVersion,omitempty"`
+	EnvdAccessToken string            `json:"envdAccessToken,omitempty"`
+	Metadata        map[string]string `json:"metadata,omitempty"`
+}
+
+// keyValues parses repeated K=V flags.
+func keyValues(flag string, vals []string) (map[string]string, error) {
+	if len(vals) == 0 {
+		return nil, nil
+	}
+	out := map[string]string{}
+	for _, kv := range vals {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || k == "" {
+			return nil, usageError{fmt.Errorf("--%s %q: want KEY=VALUE", flag, kv)}
+		}
+		out[k] = v
+	}
+	return out, nil
+}
+
+func createCmd() *cobra.Command {
+	var (
+		conn                 connection
+		timeout              time.Duration
+		cpu, memMB           int
+		env, meta            []string
+		noAutoPause, noInet  bool
+		secure, printJSONOut bool
+	)
+	cmd := &cobra.Command{
+		Use:   "create TEMPLATE",
+		Short: "Create a sandbox and print its id",
+		Example: `  aenv create base
+  id=$(aenv create base --timeout 1h --env API_URL=http://x --metadata job=42)
+  aenv create base --cpu 2 --memory 1024 --no-auto-pause -o json`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := conn.client()
+			if err != nil {
+				return err
+			}
+			envs, err := keyValues("env", env)
+			if err != nil {
+				return err
+			}
+			metadata, err := keyValues("metadata", meta)
+			if err != nil {
+				return err
+			}
+			body := map[string]any{"templateID": args[0], "timeout": int64(timeout / time.Second), "autoPause": !noAutoPause, "secure": secure}
+			if envs != nil {
+				body["envVars"] = envs
+			}
+			if metadata != nil {
+				body["metadata"] = metadata
+			}
+			if cpu > 0 {
+				body["cpuCount"] = cpu
+			}
+			if memMB > 0 {
+				body["memoryMB"] = memMB
+			}
+			if noInet {
+				body["allow_internet_access"] = false
+			}
+			var sb sandboxInfo
+			if err := c.do(cmd.Context(), "POST", "/sandboxes", body, &sb); err != nil {
+				return err
+			}
+			if printJSONOut {
+				return printJSON(cmd.OutOrStdout(), sb)
+			}
+			fmt.Fprintln(cmd.OutOrStdout(), sb.SandboxID)
+			return nil
+		},
+	}
+	conn.flags(cmd)
+	cmd.Flags().DurationVar(&timeout, "timeout", 5*time.Minute, "time to live; then the sandbox is paused (or killed with --no-auto-pause)")
+	cmd.Flags().IntVar(&cpu, "cpu", 0, "vCPUs (default: the template's)")
+	cmd.Flags().IntVar(&memMB, "memory", 0, "memory in MiB (default: the template's)")
+	cmd.Flags().StringArrayVar(&env, "env", nil, "environment variable KEY=VALUE for every command (repeatable)")
+	cmd.Flags().StringArrayVar(&meta, "metadata", nil, "metadata KEY=VALUE (repeatable; `aenv ls --metadata` filters by it)")
+	cmd.Flags().BoolVar(&noAutoPause, "no-auto-pause", false, "kill the sandbox when its time runs out instead of pausing it")
+	cmd.Flags().BoolVar(&noInet, "no-internet", false, "block all egress from the sandbox")
+	cmd.Flags().BoolVar(&secure, "secure", true, "require the sandbox's access token for envd traffic")
+	jsonFlag(cmd, &printJSONOut)
+	return cmd
+}
+
+// jsonFlag adds -o json (table is the default) as a bool.
+func jsonFlag(cmd *cobra.Command, asJSON *bool) {
+	var f outputFormat = "table"
+	cmd.Flags().VarP(&f, "output", "o", "output format: table or json")
+	prev := cmd.PreRunE
+	cmd.PreRunE = func(c *cobra.Command, args []string) error {
+		*asJSON = f == "json"
+		if prev != nil {
+			return prev(c, args)
+		}
+		return nil
+	}
+}
+
+// metadataQuery encodes a metadata filter as the E2B SDKs do: each key and
+// value URI-encoded, the pairs form-encoded.
+func metadataQuery(m map[string]string) string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	inner := url.Values{}
+	for _, k := range keys {
+		inner.Add(url.QueryEscape(k), url.QueryEscape(m[k]))
+	}
+	return inner.Encode()
+}
+
+// listSandboxes reads every page of GET /v2/sandboxes.
+func listSandboxes(ctx context.Context, c *apiClient, states []string, metadata map[string]string) ([]sandboxInfo, error) {
+	var all []sandboxInfo
+	token := ""
+	for page := 0; page < 10000; page++ {
+		q := url.Values{"limit": {"100"}}
+		if len(states) > 0 {
+			q.Set("state", strings.Join(states, ","))
+		}
+		if len(metadata) > 0 {
+			q.Set("metadata", metadataQuery(metadata))
+		}
+		if token != "" {
+			q.Set("nextToken", token)
+		}
+		resp, err := c.send(ctx, "GET", "/v2/sandboxes?"+q.Encode(), nil)
+		if err != nil {
+			return nil, err
+		}
+		var items []sandboxInfo
+		if err := decodeResponse(resp, "GET", "/v2/sandboxes", &items); err != nil {
+			return nil, err
+		}
+		all = append(all, items...)
+		if token = resp.Header.Get("X-Next-Token"); token == "" {
+			return all, nil
+		}
+	}
+	return nil, errors.New("the sandbox list does not end")
+}
+
+func lsCmd() *cobra.Command {
+	var (
+		conn   connection
+		states []string
+		meta   []string
+		asJSON bool
+	)
+	cmd := &cobra.Command{
+		Use:     "ls",
+		Aliases: []string{"list"},
+		Short:   "List sandboxes (running and paused), newest first",
+		Example: `  aenv ls
+  aenv ls --state paused
+  aenv ls --metadata job=42 -o json`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := conn.client()
+			if err != nil {
+				return err
+			}
+			for _, s := range states {
+				if s != "running" && s != "paused" {
+					return usageError{fmt.Errorf("--state %q: want running or paused", s)}
+				}
+			}
+			metadata, err := keyValues("metadata", meta)
+			if err != nil {
+				return err
+			}
+			all, err := listSandboxes(cmd.Context(), c, states, metadata)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				if all == nil {
+					all = []sandboxInfo{}
+				}
+				return printJSON(cmd.OutOrStdout(), all)
+			}
+			rows := make([][]string, 0, len(all))
+			for _, sb := range all {
+				rows = append(rows, []string{sb.SandboxID, sb.TemplateID, sb.State, ago(sb.StartedAt), ago(sb.EndAt),
+					fmt.Sprint(sb.CPUCount), fmt.Sprintf("%d MiB", sb.MemoryMB), formatMetadata(sb.Metadata)})
+			}
+			return table(cmd.OutOrStdout(), []string{"SANDBOX", "TEMPLATE", "STATE", "STARTED", "ENDS", "CPU", "MEMORY", "METADATA"}, rows)
+		},
+	}
+	conn.flags(cmd)
+	cmd.Flags().StringSliceVar(&states, "state", nil, "only sandboxes in these states (running, paused)")
+	cmd.Flags().StringArrayVar(&meta, "metadata", nil, "only sandboxes with this metadata KEY=VALUE (repeatable)")
+	jsonFlag(cmd, &asJSON)
+	return cmd
+}
+
+func formatMetadata(m map[string]string) string {
+	if len(m) == 0 {
+		return "-"
+	}
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	parts := make([]string, 0, len(keys))
+	for _, k := range keys {
+		parts = append(parts, k+"="+m[k])
+	}
+	return strings.Join(parts, ",")
+}
+
+func infoCmd() *cobra.Command {
+	var (
+		conn   connection
+		asJSON bool
+	)
+	cmd := &cobra.Command{
+		Use:     "info SANDBOX",
+		Short:   "Show a sandbox",
+		Example: `  aenv info i1a2b3c4d5e6f7g8h9j0
+  aenv info i1a2b3c4d5e6f7g8h9j0 -o json | jq .endAt`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := conn.client()
+			if err != nil {
+				return err
+			}
+			var sb sandboxInfo
+			if err := c.do(cmd.Context(), "GET", "/sandboxes/"+url.PathEscape(args[0]), nil, &sb); err != nil {
+				return err
+			}
+			if asJSON {
+				return printJSON(cmd.OutOrStdout(), sb)
+			}
+			w := cmd.OutOrStdout()
+			for _, kv := range [][2]string{
+				{"sandbox", sb.SandboxID}, {"template", sb.TemplateID}, {"state", sb.State},
+				{"started", sb.StartedAt.Local().Format(time.RFC3339) + " (" + ago(sb.StartedAt) + ")"},
+				{"ends", sb.EndAt.Local().Format(time.RFC3339) + " (" + ago(sb.EndAt) + ")"},
+				{"cpu", fmt.Sprint(sb.CPUCount)}, {"memory", fmt.Sprintf("%d MiB", sb.MemoryMB)},
+				{"disk", fmt.Sprintf("%d MiB", sb.DiskSizeMB)}, {"envd", sb.EnvdVersion}, {"metadata", formatMetadata(sb.Metadata)},
+			} {
+				fmt.Fprintf(w, "%-9s %s\n", kv[0]+":", kv[1])
+			}
+			return nil
+		},
+	}
+	conn.flags(cmd)
+	jsonFlag(cmd, &asJSON)
+	return cmd
+}
+
+// simpleSandboxCmd is a command that POSTs to one sandbox and prints a
+// line.
+func simpleSandboxCmd(use, short, example, path string, body func(args []string) (any, error), done string) *cobra.Command {
+	var conn connection
+	cmd := &cobra.Command{
+		Use: use, Short: short, Example: example,
+		Args: cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := conn.client()
+			if err != nil {
+				return err
+			}
+			var in any
+			if body != nil {
+				if in, err = body(args); err != nil {
+					return err
+				}
+			}
+			if err := c.do(cmd.Context(), "POST", "/sandboxes/"+url.PathEscape(args[0])+path, in, nil); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), done+"\n", args[0])
+			return nil
+		},
+	}
+	conn.flags(cmd)
+	return cmd
+}
+
+func pauseCmd() *cobra.Command {
+	cmd := simpleSandboxCmd("pause SANDBOX", "Pause a sandbox: its memory and disk are kept, its CPU and RAM freed",
+		"  aenv pause i1a2b3c4d5e6f7g8h9j0", "/pause", nil, "paused %s")
+	cmd.Args = cobra.ExactArgs(1)
+	return cmd
+}
+
+func resumeCmd() *cobra.Command {
+	var timeout time.Duration
+	cmd := simpleSandboxCmd("resume SANDBOX", "Resume a paused sandbox where it stopped",
+		"  aenv resume i1a2b3c4d5e6f7g8h9j0 --timeout 30m", "/resume",
+		func([]string) (any, error) { return map[string]any{"timeout": int64(timeout / time.Second)}, nil }, "resumed %s")
+	cmd.Args = cobra.ExactArgs(1)
+	cmd.Flags().DurationVar(&timeout, "timeout", 5*time.Minute, "new time to live")
+	return cmd
+}
+
+func timeoutCmd() *cobra.Command {
+	cmd := simpleSandboxCmd("timeout SANDBOX SECONDS", "Set a sandbox's time to live, counted from now",
+		"  aenv timeout i1a2b3c4d5e6f7g8h9j0 3600", "/timeout",
+		func(args []string) (any, error) {
+			var secs int64
+			if _, err := fmt.Sscan(args[1], &secs); err != nil || secs < 1 {
+				return nil, usageError{fmt.Errorf("SECONDS %q: want a positive number", args[1])}
+			}
+			return map[string]any{"timeout": secs}, nil
+		}, "timeout of %s set")
+	cmd.Args = cobra.ExactArgs(2)
+	return cmd
+}
+
+func forkCmd() *cobra.Command {
+	var (
+		conn    connection
+		count   int
+		timeout time.Duration
+		asJSON  bool
+	)
+	cmd := &cobra.Command{
+		Use:   "fork SANDBOX",
+		Short: "Clone a running sandbox into N children (memory shared copy-on-write); prints their ids",
+		Example: `  aenv fork i1a2b3c4d5e6f7g8h9j0 -n 4
+  for id in $(aenv fork $parent -n 8); do aenv exec $id -- ./rollout.sh & done`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if count < 1 || count > 16 {
+				return usageError{fmt.Errorf("-n %d: want 1 to 16 children", count)}
+			}
+			c, err := conn.client()
+			if err != nil {
+				return err
+			}
+			var out []struct {
+				Sandbox *sandboxInfo `json:"sandbox"`
+				Error   *struct {
+					Message string `json:"message"`
+				} `json:"error"`
+			}
+			body := map[string]any{"count": count, "timeout": int64(timeout / time.Second)}
+			if err := c.do(cmd.Context(), "POST", "/sandboxes/"+url.PathEscape(args[0])+"/fork", body, &out); err != nil {
+				return err
+			}
+			if asJSON {
+				return printJSON(cmd.OutOrStdout(), out)
+			}
+			failed := 0
+			for _, r := range out {
+				if r.Sandbox != nil {
+					fmt.Fprintln(cmd.OutOrStdout(), r.Sandbox.SandboxID)
+				} else if r.Error != nil {
+					failed++
+					fmt.Fprintln(cmd.ErrOrStderr(), "a child failed:", r.Error.Message)
+				}
+			}
+			if failed > 0 {
+				return exitCode(1)
+			}
+			return nil
+		},
+	}
+	conn.flags(cmd)
+	cmd.Flags().IntVarP(&count, "count", "n", 1, "number of children (1-16)")
+	cmd.Flags().DurationVar(&timeout, "timeout", 5*time.Minute, "the children's time to live")
+	jsonFlag(cmd, &asJSON)
+	return cmd
+}
+
+func killCmd() *cobra.Command {
+	var conn connection
+	cmd := &cobra.Command{
+		Use:     "kill SANDBOX...",
+		Short:   "Kill sandboxes (running or paused): everything of them is deleted",
+		Example: `  aenv kill i1a2b3c4d5e6f7g8h9j0
+  aenv ls --metadata job=42 -o json | jq -r '.[].sandboxID' | xargs aenv kill`,
+		Args: cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := conn.client()
+			if err != nil {
+				return err
+			}
+			var firstErr error
+			for _, id := range args {
+				if err := c.do(cmd.Context(), "DELETE", "/sandboxes/"+url.PathEscape(id), nil, nil); err != nil {
+					fmt.Fprintln(cmd.ErrOrStderr(), "aenv:", err)
+					if firstErr == nil {
+						firstErr = err
+					}
+					continue
+				}
+				fmt.Fprintln(cmd.OutOrStdout(), "killed", id)
+			}
+			if firstErr != nil {
+				return silent{firstErr}
+			}
+			return nil
+		},
+	}
+	conn.flags(cmd)
+	return cmd
+}
+
+// silent is an error already reported to the user; only its exit code
+// matters.
+type silent struct{ error }
+
+func (s silent) Unwrap() error { return s.error }
+
+func logsCmd() *cobra.Command {
+	var (
+		conn   connection
+		follow bool
+	)
+	cmd := &cobra.Command{
+		Use:   "logs SANDBOX",
+		Short: "Print a sandbox's console log (kernel, init, envd)",
+		Example: `  aenv logs i1a2b3c4d5e6f7g8h9j0
+  aenv logs -f i1a2b3c4d5e6f7g8h9j0`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := conn.client()
+			if err != nil {
+				return err
+			}
+			printed := 0
+			for {
+				var out struct {
+					Logs []struct {
+						Line string `json:"line"`
+					} `json:"logs"`
+				}
+				if err := c.do(cmd.Context(), "GET", "/sandboxes/"+url.PathEscape(args[0])+"/logs?limit=10000", nil, &out); err != nil {
+					var ae *apiError
+					if follow && printed > 0 && errors.As(err, &ae) && ae.Status == 404 {
+						return nil // the sandbox ended
+					}
+					return err
+				}
+				if len(out.Logs) < printed {
+					printed = 0 // the log was cut at its start
+				}
+				for _, l := range out.Logs[printed:] {
+					fmt.Fprintln(cmd.OutOrStdout(), l.Line)
+				}
+				printed = len(out.Logs)
+				if !follow {
+					return nil
+				}
+				select {
+				case <-cmd.Context().Done():
+					return nil
+				case <-time.After(time.Second):
+				}
+			}
+		},
+	}
+	conn.flags(cmd)
+	cmd.Flags().BoolVarP(&follow, "follow", "f", false, "keep printing new lines until the sandbox ends or Ctrl-C")
+	return cmd
+}
+

@@ -1,0 +1,185 @@
+package cli
+
+import (
+	"fmt"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+)
+
+// Client commands for named snapshots and templates on a server.
+
+type snapshotInfo struct {
+	SnapshotID string    `json:"snapshotID"`
+	Names      []string  `json:"names"`
+	SandboxID  string    `json:"sandboxID"`
+	TemplateID string    `json:"templateID"`
+	CPUCount   int       `json:"cpuCount"`
+	MemoryMB   int       `json:"memoryMB"`
+	CreatedAt  time.Time `json:"createdAt"`
+}
+
+func snapshotCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "snapshot",
+		Short: "Named snapshots of running sandboxes: new sandboxes start from them (as a template id)",
+	}
+	cmd.AddCommand(snapshotCreateCmd(), snapshotLsCmd(), snapshotRmCmd())
+	return cmd
+}
+
+func snapshotCreateCmd() *cobra.Command {
+	var (
+		conn   connection
+		asJSON bool
+	)
+	cmd := &cobra.Command{
+		Use:   "create SANDBOX NAME",
+		Short: "Snapshot a running sandbox under a name (it keeps running)",
+		Example: `  aenv snapshot create i1a2b3c4d5e6f7g8h9j0 warm-env
+  aenv create warm-env      # a new sandbox from the snapshot`,
+		Args: cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := conn.client()
+			if err != nil {
+				return err
+			}
+			var s snapshotInfo
+			if err := c.do(cmd.Context(), "POST", "/sandboxes/"+url.PathEscape(args[0])+"/snapshots", map[string]any{"name": args[1]}, &s); err != nil {
+				return err
+			}
+			if asJSON {
+				return printJSON(cmd.OutOrStdout(), s)
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "snapshot %s of %s\n", args[1], args[0])
+			return nil
+		},
+	}
+	conn.flags(cmd)
+	jsonFlag(cmd, &asJSON)
+	return cmd
+}
+
+func snapshotLsCmd() *cobra.Command {
+	var (
+		conn   connection
+		asJSON bool
+	)
+	cmd := &cobra.Command{
+		Use:     "ls",
+		Aliases: []string{"list"},
+		Short:   "List named snapshots",
+		Example: `  aenv snapshot ls
+  aenv snapshot ls -o json`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := conn.client()
+			if err != nil {
+				return err
+			}
+			var all []snapshotInfo
+			if err := c.do(cmd.Context(), "GET", "/snapshots", nil, &all); err != nil {
+				return err
+			}
+			if asJSON {
+				if all == nil {
+					all = []snapshotInfo{}
+				}
+				return printJSON(cmd.OutOrStdout(), all)
+			}
+			rows := [][]string{}
+			for _, s := range all {
+				rows = append(rows, []string{strings.Join(s.Names, ","), s.TemplateID, s.SandboxID, fmt.Sprint(s.CPUCount),
+					fmt.Sprintf("%d MiB", s.MemoryMB), ago(s.CreatedAt)})
+			}
+			return table(cmd.OutOrStdout(), []string{"NAME", "TEMPLATE", "FROM SANDBOX", "CPU", "MEMORY", "CREATED"}, rows)
+		},
+	}
+	conn.flags(cmd)
+	jsonFlag(cmd, &asJSON)
+	return cmd
+}
+
+func snapshotRmCmd() *cobra.Command {
+	return deleteCmd("rm NAME...", "Delete named snapshots", "  aenv snapshot rm warm-env", "/snapshots/", "deleted snapshot")
+}
+
+// deleteCmd DELETEs prefix+name for every argument.
+func deleteCmd(use, short, example, prefix, done string) *cobra.Command {
+	var conn connection
+	cmd := &cobra.Command{
+		Use: use, Short: short, Example: example, Aliases: []string{"delete"},
+		Args: cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := conn.client()
+			if err != nil {
+				return err
+			}
+			var firstErr error
+			for _, name := range args {
+				if err := c.do(cmd.Context(), "DELETE", prefix+url.PathEscape(name), nil, nil); err != nil {
+					fmt.Fprintln(cmd.ErrOrStderr(), "aenv:", err)
+					if firstErr == nil {
+						firstErr = err
+					}
+					continue
+				}
+				fmt.Fprintln(cmd.OutOrStdout(), done, name)
+			}
+			if firstErr != nil {
+				return silent{firstErr}
+			}
+			return nil
+		},
+	}
+	conn.flags(cmd)
+	return cmd
+}
+
+func templateLsCmd() *cobra.Command {
+	var (
+		conn   connection
+		asJSON bool
+	)
+	cmd := &cobra.Command{
+		Use:     "ls",
+		Aliases: []string{"list"},
+		Short:   "List a server's templates",
+		Example: `  aenv template ls
+  aenv template ls -o json`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := conn.client()
+			if err != nil {
+				return err
+			}
+			var all []struct {
+				TemplateID  string `json:"templateID"`
+				CPUCount    int    `json:"cpuCount"`
+				MemoryMB    int    `json:"memoryMB"`
+				BuildStatus string `json:"buildStatus"`
+				EnvdVersion string `json:"envdVersion"`
+			}
+			if err := c.do(cmd.Context(), "GET", "/templates", nil, &all); err != nil {
+				return err
+			}
+			if asJSON {
+				return printJSON(cmd.OutOrStdout(), all)
+			}
+			rows := [][]string{}
+			for _, t := range all {
+				rows = append(rows, []string{t.TemplateID, fmt.Sprint(t.CPUCount), fmt.Sprintf("%d MiB", t.MemoryMB), t.BuildStatus})
+			}
+			return table(cmd.OutOrStdout(), []string{"TEMPLATE", "CPU", "MEMORY", "STATUS"}, rows)
+		},
+	}
+	conn.flags(cmd)
+	jsonFlag(cmd, &asJSON)
+	return cmd
+}
+
+func templateRmCmd() *cobra.Command {
+	return deleteCmd("rm TEMPLATE...", "Delete templates no sandbox or snapshot uses", "  aenv template rm mytools", "/templates/", "deleted template")
+}
