@@ -252,8 +252,8 @@ func infoCmd() *cobra.Command {
 		asJSON bool
 	)
 	cmd := &cobra.Command{
-		Use:     "info SANDBOX",
-		Short:   "Show a sandbox",
+		Use:   "info SANDBOX",
+		Short: "Show a sandbox",
 		Example: `  aenv info i1a2b3c4d5e6f7g8h9j0
   aenv info i1a2b3c4d5e6f7g8h9j0 -o json | jq .endAt`,
 		Args: cobra.ExactArgs(1),
@@ -406,8 +406,8 @@ func forkCmd() *cobra.Command {
 func killCmd() *cobra.Command {
 	var conn connection
 	cmd := &cobra.Command{
-		Use:     "kill SANDBOX...",
-		Short:   "Kill sandboxes (running or paused): everything of them is deleted",
+		Use:   "kill SANDBOX...",
+		Short: "Kill sandboxes (running or paused): everything of them is deleted",
 		Example: `  aenv kill i1a2b3c4d5e6f7g8h9j0
   aenv ls --metadata job=42 -o json | jq -r '.[].sandboxID' | xargs aenv kill`,
 		Args: cobra.MinimumNArgs(1),
@@ -495,4 +495,3 @@ func logsCmd() *cobra.Command {
 	cmd.Flags().BoolVarP(&follow, "follow", "f", false, "keep printing new lines until the sandbox ends or Ctrl-C")
 	return cmd
 }
-

@@ -1,20 +1,6 @@
 package cli
 
-import (
-	"context"
-	"errors"
-	"fmt"
-	"os"
-	"os/signal"
-	"path/filepath"
-	"time"
-
-	"github.com/spf13/cobra"
-
-	"github.com/agentenv/agentenv/internal/orchestrator"
-	"github.com/agentenv/agentenv/internal/storage/image"
-	"github.com/agentenv/agentenv/internal/storage/repository"
-)
+import "github.com/spf13/cobra"
 
 func templateCmd() *cobra.Command {
 	cmd := &cobra.Command{
@@ -22,84 +8,5 @@ func templateCmd() *cobra.Command {
 		Short: "Build and manage the templates sandboxes are created from",
 	}
 	cmd.AddCommand(templateImportCmd(), templateBuildCmd(), templatePushCmd(), templateLsCmd(), templateRmCmd())
-	return cmd
-}
-
-func templateImportCmd() *cobra.Command {
-	var (
-		dataDir string
-		src     image.Source
-		sizeMiB int
-	)
-	cmd := &cobra.Command{
-		Use:   "import NAME (--oci-layout DIR | --docker-archive FILE | --image REF)",
-		Short: "Make a template from an OCI image; its layers are stored once per node and shared",
-		Example: `  aenv template import py --docker-archive python.tar
-  aenv template import tools --oci-layout ./layout`,
-		Args: cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			n := 0
-			for _, s := range []string{src.Layout, src.Archive, src.Ref} {
-				if s != "" {
-					n++
-				}
-			}
-			if n != 1 {
-				return errors.New("give exactly one of --oci-layout, --docker-archive, --image")
-			}
-			if os.Geteuid() != 0 {
-				return errors.New("template import must run as root (it mounts file system images)")
-			}
-			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
-			defer stop()
-			out := cmd.OutOrStdout()
-			t, err := orchestrator.ImportTemplate(ctx, dataDir, args[0], src, sizeMiB, func(format string, a ...any) {
-				fmt.Fprintf(out, "  "+format+"\n", a...)
-			})
-			if err != nil {
-				return err
-			}
-			fmt.Fprintf(out, "template %s ready (default user %s); create sandboxes with templateID %q\n", t.Name, t.DefaultUser, t.Name)
-			return nil
-		},
-	}
-	dataDirFlag(cmd, &dataDir)
-	cmd.Flags().StringVar(&src.Layout, "oci-layout", "", "an OCI image layout directory")
-	cmd.Flags().StringVar(&src.Archive, "docker-archive", "", "a `docker save` tarball")
-	cmd.Flags().StringVar(&src.Ref, "image", "", "a registry reference (credentials from ~/.docker/config.json)")
-	cmd.Flags().IntVar(&sizeMiB, "size-mib", 4096, "size of the template's root file system")
-	return cmd
-}
-
-func templatePushCmd() *cobra.Command {
-	var dataDir, repoURL string
-	cmd := &cobra.Command{
-		Use:   "push NAME",
-		Short: "Store a template in the repository; nodes sharing it run the template without downloading it first",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			if repoURL == "" {
-				repoURL = filepath.Join(dataDir, "repository")
-			}
-			cfg, err := repository.ParseURL(repoURL)
-			if err != nil {
-				return err
-			}
-			repo, err := repository.Open(cfg)
-			if err != nil {
-				return err
-			}
-			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
-			defer stop()
-			start := time.Now()
-			if err := orchestrator.PushTemplate(ctx, dataDir, repo, args[0]); err != nil {
-				return err
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "template %s stored in %s in %s\n", args[0], repoURL, time.Since(start).Round(time.Millisecond))
-			return nil
-		},
-	}
-	dataDirFlag(cmd, &dataDir)
-	cmd.Flags().StringVar(&repoURL, "repository", "", "repository: /path, posix_fs:///path or oss://bucket/prefix?endpoint=…&region=… (default: <data-dir>/repository)")
 	return cmd
 }

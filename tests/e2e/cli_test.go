@@ -1,0 +1,304 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/creack/pty"
+)
+
+// The aenv CLI as a user runs it: the real binary against the package's
+// real server, credentials in a temporary home.
+
+type cliRun struct {
+	stdout, stderr string
+	code           int
+}
+
+// aenvCLI runs the binary with env (HOME and XDG_CONFIG_HOME set to home)
+// and stdin.
+func aenvCLI(t *testing.T, s *server, home, stdin string, args ...string) cliRun {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, s.bin, args...)
+	cmd.Env = cliEnv(home)
+	cmd.Stdin = strings.NewReader(stdin)
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	code := 0
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		code = ee.ExitCode()
+	} else if err != nil {
+		t.Fatalf("aenv %s: %v", strings.Join(args, " "), err)
+	}
+	return cliRun{out.String(), errb.String(), code}
+}
+
+// cliEnv is a clean environment: no server settings but the saved ones.
+func cliEnv(home string) []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		k, _, _ := strings.Cut(kv, "=")
+		switch k {
+		case "AENV_URL", "AENV_API_KEY", "E2B_API_URL", "E2B_API_KEY", "HOME", "XDG_CONFIG_HOME":
+			continue
+		}
+		env = append(env, kv)
+	}
+	return append(env, "HOME="+home, "XDG_CONFIG_HOME="+filepath.Join(home, ".config"))
+}
+
+func mustCLI(t *testing.T, s *server, home string, args ...string) string {
+	t.Helper()
+	r := aenvCLI(t, s, home, "", args...)
+	if r.code != 0 {
+		t.Fatalf("aenv %s: exit %d\nstdout: %s\nstderr: %s", strings.Join(args, " "), r.code, r.stdout, r.stderr)
+	}
+	return r.stdout
+}
+
+func TestCLI(t *testing.T) {
+	s := needServer(t)
+	home := t.TempDir()
+
+	t.Run("auth", func(t *testing.T) {
+		if r := aenvCLI(t, s, home, "", "ls"); r.code != 2 || !strings.Contains(r.stderr, "auth login") {
+			t.Fatalf("ls before login: %+v", r)
+		}
+		if r := aenvCLI(t, s, home, "", "auth", "login", "--url", s.url, "--api-key", "e2b_0000"); r.code != 1 {
+			t.Fatalf("login with a wrong key: %+v", r)
+		}
+		// The key from stdin, as from a password manager.
+		if r := aenvCLI(t, s, home, apiKey+"\n", "auth", "login", "--url", s.url); r.code != 0 {
+			t.Fatalf("login: %+v", r)
+		}
+		st, err := os.Stat(filepath.Join(home, ".config", "aenv", "credentials"))
+		if err != nil || st.Mode().Perm() != 0o600 {
+			t.Fatalf("credentials file: %v %v", st, err)
+		}
+		out := mustCLI(t, s, home, "auth", "status")
+		if !strings.Contains(out, s.url) || !strings.Contains(out, "status:  ok") || strings.Contains(out, apiKey) {
+			t.Fatalf("status (the key must be masked):\n%s", out)
+		}
+		// The environment overrides the saved login.
+		cmd := exec.Command(s.bin, "auth", "status")
+		cmd.Env = append(cliEnv(home), "AENV_URL=http://127.0.0.1:1", "AENV_API_KEY="+apiKey)
+		if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), "127.0.0.1:1") {
+			t.Fatalf("AENV_URL did not override: %v\n%s", err, out)
+		}
+	})
+
+	id := strings.TrimSpace(mustCLI(t, s, home, "create", "minimal", "--timeout", "10m", "--metadata", "suite=cli", "--env", "GREETING=hi"))
+	t.Cleanup(func() { aenvCLI(t, s, home, "", "kill", id) })
+
+	t.Run("ls and info", func(t *testing.T) {
+		if out := mustCLI(t, s, home, "ls", "--metadata", "suite=cli"); !strings.Contains(out, id) || !strings.Contains(out, "SANDBOX") {
+			t.Fatalf("ls:\n%s", out)
+		}
+		var list []map[string]any
+		if err := json.Unmarshal([]byte(mustCLI(t, s, home, "ls", "-o", "json", "--metadata", "suite=other")), &list); err != nil || len(list) != 0 {
+			t.Fatalf("ls filtered by other metadata: %v %v", list, err)
+		}
+		var info map[string]any
+		if err := json.Unmarshal([]byte(mustCLI(t, s, home, "info", id, "-o", "json")), &info); err != nil || info["sandboxID"] != id || info["state"] != "running" {
+			t.Fatalf("info: %v %v", info, err)
+		}
+	})
+
+	t.Run("exec exit codes and streams", func(t *testing.T) {
+		r := aenvCLI(t, s, home, "", "exec", id, "--", "/bin/sh", "-c", "echo out $GREETING; echo err >&2; exit 7")
+		if r.code != 7 || r.stdout != "out hi\n" || r.stderr != "err\n" {
+			t.Fatalf("exec: %+v", r)
+		}
+		if r := aenvCLI(t, s, home, "line one\nline two\n", "exec", "-i", id, "--", "wc", "-l"); r.code != 0 || strings.TrimSpace(r.stdout) != "2" {
+			t.Fatalf("exec -i: %+v", r)
+		}
+		if r := aenvCLI(t, s, home, "", "exec", id, "--", "/no/such/binary"); r.code == 0 {
+			t.Fatalf("exec of a missing binary: %+v", r)
+		}
+		if r := aenvCLI(t, s, home, "", "exec", id, "uname"); r.code != 2 {
+			t.Fatalf("exec without --: %+v", r)
+		}
+	})
+
+	t.Run("cp round trip", func(t *testing.T) {
+		data := make([]byte, 1<<20+123)
+		rand.Read(data)
+		dir := t.TempDir()
+		src, back := filepath.Join(dir, "in.bin"), filepath.Join(dir, "out.bin")
+		os.WriteFile(src, data, 0o600)
+		mustCLI(t, s, home, "cp", src, id+":/home/user/in.bin")
+		mustCLI(t, s, home, "cp", id+":/home/user/in.bin", back)
+		if got, _ := os.ReadFile(back); !bytes.Equal(got, data) {
+			t.Fatal("the file came back different")
+		}
+		if r := aenvCLI(t, s, home, "from stdin\n", "cp", "-", id+":/tmp/s.txt"); r.code != 0 {
+			t.Fatalf("cp from stdin: %+v", r)
+		}
+		if out := mustCLI(t, s, home, "cp", id+":/tmp/s.txt", "-"); out != "from stdin\n" {
+			t.Fatalf("cp to stdout: %q", out)
+		}
+		if r := aenvCLI(t, s, home, "", "cp", id+":/no/such/file", back); r.code != 3 {
+			t.Fatalf("cp of a missing file: %+v", r)
+		}
+		if r := aenvCLI(t, s, home, "", "cp", src, back); r.code != 2 {
+			t.Fatalf("cp with no sandbox side: %+v", r)
+		}
+	})
+
+	t.Run("shell on a pseudo-terminal", func(t *testing.T) {
+		cmd := exec.Command(s.bin, "shell", id, "--shell", "/bin/sh")
+		cmd.Env = append(cliEnv(home), "TERM=xterm")
+		f, err := pty.StartWithSize(cmd, &pty.Winsize{Rows: 40, Cols: 100})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		out := &lockedBuffer{}
+		go io.Copy(out, f)
+		waitFor := func(what string) {
+			t.Helper()
+			for deadline := time.Now().Add(30 * time.Second); !strings.Contains(out.String(), what); time.Sleep(50 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("the shell never printed %q:\n%s", what, out.String())
+				}
+			}
+		}
+		f.Write([]byte("stty size; echo marker-$((6*7))\n"))
+		waitFor("marker-42")
+		if !strings.Contains(out.String(), "40 100") {
+			t.Fatalf("terminal size not passed on:\n%s", out.String())
+		}
+		pty.Setsize(f, &pty.Winsize{Rows: 30, Cols: 90})
+		time.Sleep(500 * time.Millisecond)
+		f.Write([]byte("stty size; exit 5\n"))
+		waitFor("30 90")
+		err = cmd.Wait()
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 5 {
+			t.Fatalf("shell exit: %v\n%s", err, out.String())
+		}
+	})
+
+	t.Run("lifecycle", func(t *testing.T) {
+		mustCLI(t, s, home, "timeout", id, "900")
+		mustCLI(t, s, home, "pause", id)
+		if out := mustCLI(t, s, home, "ls", "--state", "paused", "-o", "json"); !strings.Contains(out, id) {
+			t.Fatalf("paused sandbox not listed:\n%s", out)
+		}
+		mustCLI(t, s, home, "resume", id)
+		if r := aenvCLI(t, s, home, "", "exec", id, "--", "cat", "/home/user/in.bin"); r.code != 0 || len(r.stdout) != 1<<20+123 {
+			t.Fatalf("after resume: exit %d, %d bytes", r.code, len(r.stdout))
+		}
+		children := strings.Fields(mustCLI(t, s, home, "fork", id, "-n", "2"))
+		if len(children) != 2 {
+			t.Fatalf("fork: %v", children)
+		}
+		for _, ch := range children {
+			if r := aenvCLI(t, s, home, "", "exec", ch, "--", "/bin/sh", "-c", "echo $GREETING"); r.code != 0 || r.stdout != "hi\n" {
+				t.Fatalf("child %s: %+v", ch, r)
+			}
+		}
+		mustCLI(t, s, home, append([]string{"kill"}, children...)...)
+		if r := aenvCLI(t, s, home, "", "info", children[0]); r.code != 3 {
+			t.Fatalf("info of a killed sandbox: %+v", r)
+		}
+		// A sandbox restored from a snapshot has no boot messages: the
+		// console log may be empty, but it is served.
+		mustCLI(t, s, home, "logs", id)
+		if r := aenvCLI(t, s, home, "", "logs", "nosuchsandbox"); r.code != 3 {
+			t.Fatalf("logs of an unknown sandbox: %+v", r)
+		}
+	})
+
+	t.Run("snapshots and templates", func(t *testing.T) {
+		mustCLI(t, s, home, "snapshot", "create", id, "cli-snap")
+		if out := mustCLI(t, s, home, "snapshot", "ls"); !strings.Contains(out, "cli-snap") {
+			t.Fatalf("snapshot ls:\n%s", out)
+		}
+		mustCLI(t, s, home, "snapshot", "rm", "cli-snap")
+		if r := aenvCLI(t, s, home, "", "snapshot", "rm", "cli-snap"); r.code != 3 {
+			t.Fatalf("rm of a deleted snapshot: %+v", r)
+		}
+		if out := mustCLI(t, s, home, "template", "ls"); !strings.Contains(out, "minimal") {
+			t.Fatalf("template ls:\n%s", out)
+		}
+		if r := aenvCLI(t, s, home, "", "template", "rm", "minimal"); r.code != 1 || !strings.Contains(r.stderr, "used by") {
+			t.Fatalf("rm of a template in use: %+v", r)
+		}
+	})
+
+	t.Run("usage errors", func(t *testing.T) {
+		for _, args := range [][]string{{"create"}, {"ls", "--bogus"}, {"fork", id, "-n", "99"}, {"nosuchcommand"}, {"ls", "-o", "yaml"}} {
+			if r := aenvCLI(t, s, home, "", args...); r.code != 2 {
+				t.Errorf("aenv %s: exit %d (%s), want 2", strings.Join(args, " "), r.code, r.stderr)
+			}
+		}
+		out := mustCLI(t, s, home, "exec", "--help")
+		if !strings.Contains(out, "Examples:") {
+			t.Fatalf("exec --help has no examples:\n%s", out)
+		}
+		for _, shell := range []string{"bash", "zsh", "fish"} {
+			if out := mustCLI(t, s, home, "completion", shell); len(out) < 100 {
+				t.Fatalf("completion %s: %q", shell, out)
+			}
+		}
+	})
+
+	t.Run("bench and doctor", func(t *testing.T) {
+		out := mustCLI(t, s, home, "bench", "-n", "2", "--template", "minimal")
+		for _, op := range []string{"baseline", "create", "exec", "pause", "resume", "fork", "kill", "P50"} {
+			if !strings.Contains(out, op) {
+				t.Fatalf("bench output lacks %s:\n%s", op, out)
+			}
+		}
+		t.Logf("aenv bench:\n%s", out)
+		r := aenvCLI(t, s, home, "", "doctor", "--data-dir", os.Getenv("AENV_TEST_DATA_DIR"))
+		if r.code != 0 || !strings.Contains(r.stdout, "accelerator") || !strings.Contains(r.stdout, "QEMU") {
+			t.Fatalf("doctor on a prepared machine: %+v", r)
+		}
+		r = aenvCLI(t, s, home, "", "doctor", "--data-dir", t.TempDir())
+		if r.code != 1 || !strings.Contains(r.stdout, "aenv setup --data-dir") {
+			t.Fatalf("doctor without a prepared data dir: %+v", r)
+		}
+	})
+
+	t.Run("logout", func(t *testing.T) {
+		mustCLI(t, s, home, "auth", "logout")
+		if r := aenvCLI(t, s, home, "", "auth", "status"); r.code != 1 || !strings.Contains(r.stdout, "not logged in") {
+			t.Fatalf("status after logout: %+v", r)
+		}
+	})
+}
+
+// lockedBuffer is a bytes.Buffer safe for one writer and one reader.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
