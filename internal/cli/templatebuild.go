@@ -21,6 +21,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/schollz/progressbar/v3"
 	"github.com/spf13/cobra"
 )
 
@@ -143,6 +144,24 @@ func remoteBuild(ctx context.Context, c *apiClient, out io.Writer, name string, 
 	if err := c.do(ctx, "POST", "/v2/templates/"+url.PathEscape(created.TemplateID)+"/builds/"+url.PathEscape(created.BuildID), spec, nil); err != nil {
 		return err
 	}
+	// On a terminal a progress bar (one tick per step, one for the final
+	// boot and snapshot) stays under the log; piped output is plain lines.
+	var bar *progressbar.ProgressBar
+	if stdoutIsTerminal(out) {
+		bar = progressbar.NewOptions(len(df.Steps)+1, progressbar.OptionSetWriter(out),
+			progressbar.OptionSetDescription("building "+name), progressbar.OptionShowCount(),
+			progressbar.OptionSetElapsedTime(true), progressbar.OptionClearOnFinish())
+		defer bar.Close()
+	}
+	say := func(format string, args ...any) {
+		if bar != nil {
+			bar.Clear()
+		}
+		fmt.Fprintf(out, format, args...)
+		if bar != nil {
+			bar.RenderBlank()
+		}
+	}
 	offset := 0
 	for {
 		var st struct {
@@ -164,12 +183,19 @@ func remoteBuild(ctx context.Context, c *apiClient, out io.Writer, name string, 
 			prefix := ""
 			if e.Step != "" {
 				prefix = "[" + e.Step + "] "
+				var i int
+				if _, err := fmt.Sscan(e.Step, &i); err == nil && bar != nil {
+					bar.Set(i)
+				}
 			}
-			fmt.Fprintf(out, "  %s%s\n", prefix, e.Message)
+			say("  %s%s\n", prefix, e.Message)
 		}
 		offset += len(st.LogEntries)
 		switch st.Status {
 		case "ready":
+			if bar != nil {
+				bar.Finish()
+			}
 			fmt.Fprintf(out, "template %s ready: create sandboxes with templateID %q\n", created.TemplateID, created.TemplateID)
 			return nil
 		case "error":
