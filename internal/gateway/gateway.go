@@ -615,24 +615,32 @@ func writeRaw(w http.ResponseWriter, items []listed) {
 	json.NewEncoder(w).Encode(out)
 }
 
-// listV1 gathers GET /sandboxes from every node (oldest first).
-func (g *Gateway) listV1(w http.ResponseWriter, r *http.Request) {
-	bodies, _, ok := g.fanOut(w, r)
+// gatherSorted sends the request to every node and merges their lists,
+// ordered by start time (newest first when newestFirst), ties by id.
+func (g *Gateway) gatherSorted(w http.ResponseWriter, r *http.Request, newestFirst bool) ([]listed, []http.Header, bool) {
+	bodies, hdrs, ok := g.fanOut(w, r)
 	if !ok {
-		return
+		return nil, nil, false
 	}
 	all, err := gather(bodies)
 	if err != nil {
 		api.WriteError(w, http.StatusBadGateway, err.Error())
-		return
+		return nil, nil, false
 	}
 	sort.SliceStable(all, func(i, j int) bool {
 		if !all[i].StartedAt.Equal(all[j].StartedAt) {
-			return all[i].StartedAt.Before(all[j].StartedAt)
+			return all[i].StartedAt.After(all[j].StartedAt) == newestFirst
 		}
 		return all[i].SandboxID < all[j].SandboxID
 	})
-	writeRaw(w, all)
+	return all, hdrs, true
+}
+
+// listV1 gathers GET /sandboxes from every node (oldest first).
+func (g *Gateway) listV1(w http.ResponseWriter, r *http.Request) {
+	if all, _, ok := g.gatherSorted(w, r, false); ok {
+		writeRaw(w, all)
+	}
 }
 
 // listV2 gathers GET /v2/sandboxes: every node answers the same query
@@ -640,21 +648,10 @@ func (g *Gateway) listV1(w http.ResponseWriter, r *http.Request) {
 // order (newest first, ties by id) and cuts at the limit. The cursor is
 // the nodes' own ("<startedAt ns>|<id>"), so the next page works the same.
 func (g *Gateway) listV2(w http.ResponseWriter, r *http.Request) {
-	bodies, hdrs, ok := g.fanOut(w, r)
+	all, hdrs, ok := g.gatherSorted(w, r, true)
 	if !ok {
 		return
 	}
-	all, err := gather(bodies)
-	if err != nil {
-		api.WriteError(w, http.StatusBadGateway, err.Error())
-		return
-	}
-	sort.SliceStable(all, func(i, j int) bool {
-		if !all[i].StartedAt.Equal(all[j].StartedAt) {
-			return all[i].StartedAt.After(all[j].StartedAt)
-		}
-		return all[i].SandboxID < all[j].SandboxID
-	})
 	limit := 100
 	fmt.Sscan(r.URL.Query().Get("limit"), &limit) // validated by the nodes
 	more := false
