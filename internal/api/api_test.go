@@ -208,6 +208,7 @@ func TestBadInputChangesNothing(t *testing.T) {
 		{"metadata wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","metadata":{"a":1}}`, 400},
 		{"metadata too many", "POST", "/v2/sandboxes", string(bigMetaJSON), 400},
 		{"metadata too large", "POST", "/v2/sandboxes", string(longValue), 400},
+		{"body over 1 MiB", "POST", "/v2/sandboxes", `{"templateID":"base","envVars":{"A":"` + strings.Repeat("x", 1<<20) + `"}}`, 400},
 		{"envVars bad name", "POST", "/v2/sandboxes", `{"templateID":"base","envVars":{"A=B":"x"}}`, 400},
 		{"secure wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","secure":"yes"}`, 400},
 		{"network wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","network":"open"}`, 400},

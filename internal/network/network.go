@@ -70,6 +70,9 @@ func NewManager(cidr, instance string) (*Manager, error) {
 	return &Manager{cidr: p.Masked(), instance: instance}, nil
 }
 
+// Instance is the prefix of the manager's host objects.
+func (m *Manager) Instance() string { return m.instance }
+
 func (m *Manager) nsPrefix() string       { return m.instance + "-" }
 func (m *Manager) hostVethPrefix() string { return m.instance + "-h" }
 func (m *Manager) hostTable() string      { return m.instance + "_host" }

@@ -52,7 +52,7 @@ func TestSetupTeardown(t *testing.T) {
 	if _, err := exec.LookPath("nft"); err != nil {
 		t.Skip("nft not installed")
 	}
-	m, err := NewManager("10.214.0.0/24", "aetst")
+	m, err := NewManager("10.219.0.0/24", "aenet") // apart from the orchestrator tests' nodes
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,7 +73,7 @@ func TestSetupTeardown(t *testing.T) {
 	if err != nil {
 		t.Fatal(err, string(out))
 	}
-	for _, want := range []string{"veth0", "10.214.0.14/30", "tap0", "169.254.0.22/30"} {
+	for _, want := range []string{"veth0", "10.219.0.14/30", "tap0", "169.254.0.22/30"} {
 		if !strings.Contains(string(out), want) {
 			t.Errorf("namespace addresses lack %q:\n%s", want, out)
 		}

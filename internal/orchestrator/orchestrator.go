@@ -216,7 +216,9 @@ type Node struct {
 	pinned map[string]int
 	builds buildRegistry
 	lazy   *lazyLayers // started on first use; guarded by mu
-	poolMu sync.Mutex  // one pool filler at a time
+	// cgroupWarn says once that sandboxes run without cgroup limits.
+	cgroupWarn sync.Once
+	poolMu     sync.Mutex // one pool filler at a time
 
 	stop      chan struct{}
 	closeOnce sync.Once

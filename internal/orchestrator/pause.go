@@ -366,6 +366,8 @@ func (n *Node) vmConfig(s *Sandbox, tap *os.File, incoming bool) vmm.Config {
 		Tap:           tap,
 
 		NoFreePageReporting: n.cfg.NoFreePageReporting,
+		Cgroup:              n.cgroupName(s.ID),
+		Limits:              n.limits(s),
 	}
 	return cfg
 }

@@ -99,6 +99,15 @@ func (n *Node) recover(ctx context.Context) error {
 			}
 		}
 	}
+	// Cgroups of sandboxes no record owns (their QEMU is gone: removal
+	// fails while a process is inside).
+	for _, name := range vmm.CgroupNames() {
+		if id, ok := strings.CutPrefix(name, n.net.Instance()+"-"); ok && !known[id] {
+			if err := vmm.RemoveCgroup(name); err == nil {
+				n.log.Warn("removed an orphaned cgroup", "cgroup", name)
+			}
+		}
+	}
 	n.gcSnapshots(ctx)
 	ents, err := os.ReadDir(filepath.Join(n.cfg.DataDir, "sandboxes"))
 	if err != nil {

@@ -367,6 +367,11 @@ func consoleTail(dir string) string {
 
 // adopt records a live machine and watches for its unexpected exit.
 func (n *Node) adopt(id string, m *vmm.Machine) {
+	if m.CgroupErr != nil {
+		n.cgroupWarn.Do(func() {
+			n.log.Warn("sandboxes run without cgroup limits (CPU, memory, pids)", "err", m.CgroupErr)
+		})
+	}
 	n.mu.Lock()
 	n.machines[id] = m
 	n.mu.Unlock()
@@ -428,6 +433,9 @@ func (n *Node) destroy(ctx context.Context, s *Sandbox) {
 	if s.PID > 0 { // a QEMU the node does not hold (recovery)
 		vmm.KillStray(s.PID, n.sandboxDir(s.ID))
 	}
+	if err := vmm.RemoveCgroup(n.cgroupName(s.ID)); err != nil {
+		n.log.Error("remove cgroup", "sandbox", s.ID, "err", err)
+	}
 	if ep, err := n.endpoint(s); err == nil {
 		if err := n.net.Teardown(ep); err != nil {
 			n.log.Error("tear down network", "sandbox", s.ID, "err", err)
@@ -485,4 +493,16 @@ func mergeEnv(template, request map[string]string) map[string]string {
 		out[k] = v
 	}
 	return out
+}
+
+// cgroupName names a sandbox's QEMU cgroup (the instance keeps nodes
+// sharing a host apart).
+func (n *Node) cgroupName(id string) string { return n.net.Instance() + "-" + id }
+
+// limits bound a sandbox's QEMU: its vCPUs' worth of CPU time, its guest
+// RAM plus room for QEMU itself (and TCG's translation cache), and a
+// generous number of threads.
+func (n *Node) limits(s *Sandbox) vmm.Limits {
+	overhead := int64(384+n.cfg.TCGTranslationCacheMiB) << 20
+	return vmm.Limits{CPUs: float64(s.VCPUs), MemoryBytes: int64(s.MemoryMiB)<<20 + overhead, Pids: 1024}
 }

@@ -8,7 +8,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
 )
 
@@ -39,17 +38,67 @@ func (m *Machine) SaveFullState(ctx context.Context, path string) error {
 	return m.saveState(ctx, path, false)
 }
 
-func (m *Machine) saveState(ctx context.Context, path string, ignoreShared bool) error {
-	if strings.ContainsAny(path, "'\\\n") {
-		return fmt.Errorf("unsupported characters in state path %q", path)
+// The migration stream goes over a unix socket between QEMU and this
+// process (never "exec:", which would need QEMU to spawn a program: its
+// seccomp filter forbids that).
+
+// migrationSocket returns a fresh socket path short enough for a socket
+// address, and a function removing it.
+func migrationSocket() (string, func(), error) {
+	dir, err := os.MkdirTemp("", "aenv-mig-")
+	if err != nil {
+		return "", nil, err
 	}
+	return filepath.Join(dir, "s"), func() { os.RemoveAll(dir) }, nil
+}
+
+func (m *Machine) saveState(ctx context.Context, path string, ignoreShared bool) error {
+	out, err := os.OpenFile(path, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
+	if err != nil {
+		return err
+	}
+	defer out.Close()
+	sock, cleanup, err := migrationSocket()
+	if err != nil {
+		return err
+	}
+	defer cleanup()
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		return err
+	}
+	defer ln.Close()
 	if err := m.prepareSave(ctx, ignoreShared); err != nil {
 		return err
 	}
-	if _, err := m.qmp.Execute(ctx, "migrate", map[string]any{"uri": "exec:cat > '" + path + "'"}); err != nil {
+	done := make(chan error, 1)
+	go func() {
+		conn, err := ln.AcceptUnix()
+		if err != nil {
+			done <- err
+			return
+		}
+		defer conn.Close()
+		_, err = io.Copy(out, conn)
+		done <- err
+	}()
+	if _, err := m.qmp.Execute(ctx, "migrate", map[string]any{"uri": "unix:" + sock}); err != nil {
 		return err
 	}
-	return m.waitMigration(ctx, "save state")
+	merr := m.waitMigration(ctx, "save state")
+	if merr != nil {
+		ln.Close()
+		return merr
+	}
+	select {
+	case err = <-done:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	if err != nil {
+		return fmt.Errorf("write state: %w", err)
+	}
+	return out.Close()
 }
 
 // prepareSave sets the capabilities of a save and lifts QEMU's default cap
@@ -79,14 +128,12 @@ func (m *Machine) SaveStateDiff(ctx context.Context, path, base string) (RAMDiff
 		return RAMDiffStats{}, err
 	}
 	defer out.Close()
-	// QEMU connects to a socket of ours; a short directory keeps the path
-	// within the limit of a socket address.
-	sockDir, err := os.MkdirTemp("", "aenv-mig-")
+	// QEMU connects to a socket of ours.
+	sock, cleanup, err := migrationSocket()
 	if err != nil {
 		return RAMDiffStats{}, err
 	}
-	defer os.RemoveAll(sockDir)
-	sock := filepath.Join(sockDir, "s")
+	defer cleanup()
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
 	if err != nil {
 		return RAMDiffStats{}, err
@@ -160,17 +207,47 @@ func (m *Machine) LoadFullState(ctx context.Context, path string) error {
 }
 
 func (m *Machine) loadState(ctx context.Context, path string, ignoreShared bool) error {
-	if strings.ContainsAny(path, "'\\\n") {
-		return fmt.Errorf("unsupported characters in state path %q", path)
+	in, err := os.Open(path)
+	if err != nil {
+		return err
 	}
+	defer in.Close()
 	// The capability must match the saving side's.
 	if _, err := m.qmp.Execute(ctx, "migrate-set-capabilities", caps(ignoreShared)); err != nil {
 		return err
 	}
-	if _, err := m.qmp.Execute(ctx, "migrate-incoming", map[string]any{"uri": "exec:cat '" + path + "'"}); err != nil {
+	sock, cleanup, err := migrationSocket()
+	if err != nil {
+		return err
+	}
+	defer cleanup()
+	// QEMU listens; this process connects once the socket is there and
+	// streams the file in.
+	if _, err := m.qmp.Execute(ctx, "migrate-incoming", map[string]any{"uri": "unix:" + sock}); err != nil {
 		return m.withLog(err)
 	}
-	return m.withLog(m.waitMigration(ctx, "load state"))
+	var conn *net.UnixConn
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		conn, err = net.DialUnix("unix", nil, &net.UnixAddr{Name: sock, Net: "unix"})
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return m.withLog(fmt.Errorf("connect to QEMU's incoming migration socket: %w", err))
+		}
+	}
+	copied := make(chan error, 1)
+	go func() {
+		_, err := io.Copy(conn, in)
+		conn.CloseWrite()
+		copied <- err
+	}()
+	merr := m.withLog(m.waitMigration(ctx, "load state"))
+	conn.Close()
+	if cerr := <-copied; merr == nil && cerr != nil {
+		return fmt.Errorf("stream state into QEMU: %w", cerr)
+	}
+	return merr
 }
 
 // withLog adds QEMU's last words to err when QEMU has exited.

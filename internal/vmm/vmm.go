@@ -56,6 +56,10 @@ type Config struct {
 	// which the guest hands pages it frees back to the host (on by
 	// default). Saved state only loads into a machine with the same setting.
 	NoFreePageReporting bool
+	// Cgroup, when set, names a cgroup of its own the QEMU process is put
+	// in at start, bounded by Limits (see PlaceInCgroup).
+	Cgroup string
+	Limits Limits
 }
 
 // Paths inside RunDir.
@@ -127,6 +131,9 @@ func (c *Config) Args() []string {
 		"-m", mem,
 		"-object", "memory-backend-file,id=mem,size=" + mem + ",mem-path=" + c.MemFile + ",share=" + onOff(!c.PrivateMemory),
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+		// QEMU's seccomp filter: no obsolete syscalls, no privilege changes,
+		// no fork/exec, no scheduler or NUMA control from a compromised QEMU.
+		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
 		"-kernel", c.Kernel,
 		"-initrd", c.Initrd,
 		"-append", c.Cmdline,
@@ -161,6 +168,8 @@ type Machine struct {
 	pid    int
 	runDir string
 	qmp    *QMP
+	// CgroupErr says why the machine runs without its cgroup limits.
+	CgroupErr error
 
 	exited  chan struct{}
 	exitMu  sync.Mutex
@@ -202,6 +211,13 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 		err := cmd.Wait()
 		m.setExited(err)
 	}()
+	if cfg.Cgroup != "" {
+		// Limits are best effort: a host whose cgroups are read-only
+		// (an unprivileged container) still runs sandboxes.
+		if _, err := PlaceInCgroup(cfg.Cgroup, m.pid, cfg.Limits); err != nil {
+			m.CgroupErr = err
+		}
+	}
 	if err := m.connect(ctx); err != nil {
 		_ = m.Kill()
 		<-m.exited

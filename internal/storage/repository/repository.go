@@ -161,6 +161,8 @@ func validFileName(name string) error {
 	return nil
 }
 
+var sha256HexRE = regexp.MustCompile(`^[0-9a-f]{64}$`)
+
 // decodeManifest parses and checks a stored manifest against the kind/id it
 // was found under.
 func decodeManifest(data []byte, kind, id string) (*Manifest, error) {
@@ -183,11 +185,14 @@ func decodeManifest(data []byte, kind, id string) (*Manifest, error) {
 			return nil, fmt.Errorf("%w: %s/%s: manifest lists %q twice", ErrCorrupt, kind, id, f.Name)
 		}
 		seen[f.Name] = true
-		if f.Size < 0 || len(f.SHA256) != 64 {
+		if f.Size < 0 || !sha256HexRE.MatchString(f.SHA256) {
 			return nil, fmt.Errorf("%w: %s/%s: manifest entry for %q is malformed", ErrCorrupt, kind, id, f.Name)
 		}
 		switch f.Encoding {
 		case "":
+			if len(f.Extents) > 0 {
+				return nil, fmt.Errorf("%w: %s/%s: manifest gives extents for plain file %q", ErrCorrupt, kind, id, f.Name)
+			}
 		case EncodingExtents:
 			var end int64
 			for _, e := range f.Extents {

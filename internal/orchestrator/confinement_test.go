@@ -1,0 +1,73 @@
+package orchestrator
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/agentenv/agentenv/internal/vmm"
+)
+
+// TestQEMUConfinement: a sandbox's QEMU runs under its seccomp filter and in
+// a cgroup of its own bounding its CPU time, memory and threads; the cgroup
+// goes with the sandbox.
+func TestQEMUConfinement(t *testing.T) {
+	n := testNode(t)
+	s := create(t, n, CreateRequest{TemplateID: "minimal"})
+	status, err := os.ReadFile("/proc/" + strconv.Itoa(s.PID) + "/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(status), "Seccomp:\t2") {
+		t.Fatalf("QEMU runs without its seccomp filter:\n%s", status)
+	}
+	if m := n.machine(s.ID); m == nil || m.CgroupErr != nil {
+		t.Skipf("skipped: this host's cgroups are not writable (%v)", m.CgroupErr)
+	}
+	name := n.cgroupName(s.ID)
+	cg, err := os.ReadFile("/proc/" + strconv.Itoa(s.PID) + "/cgroup")
+	if err != nil || !strings.Contains(string(cg), "/aenv/"+name) {
+		t.Fatalf("QEMU is not in its cgroup %s: %s %v", name, cg, err)
+	}
+	want := n.limits(s)
+	dirs := vmm.CgroupDirs(name)
+	read := func(file string) string {
+		for _, d := range dirs {
+			if b, err := os.ReadFile(filepath.Join(d, file)); err == nil {
+				return strings.TrimSpace(string(b))
+			}
+		}
+		t.Fatalf("no %s in %v", file, dirs)
+		return ""
+	}
+	if len(dirs) == 1 { // cgroup v2
+		if got := read("memory.max"); got != strconv.FormatInt(want.MemoryBytes, 10) {
+			t.Fatalf("memory.max %s, want %d", got, want.MemoryBytes)
+		}
+		if got := read("cpu.max"); got != strconv.Itoa(100000*s.VCPUs)+" 100000" {
+			t.Fatalf("cpu.max %s", got)
+		}
+	} else {
+		if got := read("memory.limit_in_bytes"); got != strconv.FormatInt(want.MemoryBytes, 10) {
+			t.Fatalf("memory.limit_in_bytes %s, want %d", got, want.MemoryBytes)
+		}
+		if got := read("cpu.cfs_quota_us"); got != strconv.Itoa(100000*s.VCPUs) {
+			t.Fatalf("cpu.cfs_quota_us %s", got)
+		}
+	}
+	if got := read("pids.max"); got != "1024" {
+		t.Fatalf("pids.max %s", got)
+	}
+	t.Logf("QEMU %d: seccomp filter on, cgroup %v (memory %d MiB, %d CPU, 1024 tasks)", s.PID, dirs, want.MemoryBytes>>20, s.VCPUs)
+	if err := n.Kill(context.Background(), s.ID); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range dirs {
+		if _, err := os.Stat(d); !os.IsNotExist(err) {
+			t.Fatalf("cgroup %s left after kill: %v", d, err)
+		}
+	}
+}
