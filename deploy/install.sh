@@ -74,6 +74,10 @@ if [ "$role" = server ] || [ "$role" = node ]; then
 	say "preparing /var/lib/aenv (kernel, initramfs, ${AENV_TEMPLATES:-base} template)"
 	/usr/local/bin/aenv setup --data-dir /var/lib/aenv --templates "${AENV_TEMPLATES:-base}"
 fi
+new_key=""
+if [ "$role" = server ] && [ -z "${AENV_API_KEY:-}" ] && ! /usr/local/bin/aenv key --exists --data-dir /var/lib/aenv 2>/dev/null; then
+	new_key=$(/usr/local/bin/aenv key --rotate --data-dir /var/lib/aenv) # stored hashed; shown once below
+fi
 
 say "writing /etc/aenv/aenv.env"
 install -d -m 0700 /etc/aenv
@@ -102,7 +106,7 @@ server)
 
 AgentENV runs as aenv-server.service. Point the E2B SDK at it:
 
-  export E2B_API_URL=http://$listen E2B_SANDBOX_URL=http://$listen E2B_API_KEY=$(/usr/local/bin/aenv key --data-dir /var/lib/aenv)
+  export E2B_API_URL=http://$listen E2B_SANDBOX_URL=http://$listen E2B_API_KEY=${new_key:-${AENV_API_KEY:-<the key made at the first install; aenv key --rotate makes a new one>}}
 
 MSG
 	;;

@@ -6,6 +6,7 @@ package api
 
 import (
 	"context"
+	"crypto/sha256"
 	"crypto/subtle"
 	"encoding/json"
 	"errors"
@@ -44,7 +45,10 @@ type ConsoleLogReader interface {
 
 // Config configures the API server.
 type Config struct {
-	APIKey string
+	// APIKey is the key clients present, or APIKeySHA256 its SHA-256 (a
+	// node stores only the hash). One of them is required.
+	APIKey       string
+	APIKeySHA256 [32]byte
 	// Domain is the sandbox domain reported to SDKs and matched in
 	// `{port}-{id}.{domain}` hosts.
 	Domain string
@@ -67,8 +71,15 @@ type Server struct {
 
 // New builds the API handler.
 func New(node Node, cfg Config) (*Server, error) {
-	if !APIKeyPattern.MatchString(cfg.APIKey) {
-		return nil, errors.New("api key must match e2b_<hex>")
+	switch {
+	case cfg.APIKey != "":
+		if !APIKeyPattern.MatchString(cfg.APIKey) {
+			return nil, errors.New("api key must match e2b_<hex>")
+		}
+		cfg.APIKeySHA256 = sha256.Sum256([]byte(cfg.APIKey))
+		cfg.APIKey = "" // only the hash is kept
+	case cfg.APIKeySHA256 == [32]byte{}:
+		return nil, errors.New("no API key")
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -155,13 +166,17 @@ func (s *Server) signedFile(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) requireKey(h func(http.ResponseWriter, *http.Request)) http.Handler {
-	return RequireKey(s.cfg.APIKey, h)
+	return requireKeyHash(s.cfg.APIKeySHA256, h)
 }
 
 // RequireKey wraps h with the API key check (X-API-Key or a bearer token;
-// 401 {code, message} without it), compared in constant time.
+// 401 {code, message} without it): the presented key's SHA-256 is compared
+// in constant time with the key's.
 func RequireKey(key string, h func(http.ResponseWriter, *http.Request)) http.Handler {
-	want := []byte(key)
+	return requireKeyHash(sha256.Sum256([]byte(key)), h)
+}
+
+func requireKeyHash(want [32]byte, h func(http.ResponseWriter, *http.Request)) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		got := r.Header.Get("X-API-Key")
 		if got == "" {
@@ -173,7 +188,8 @@ func RequireKey(key string, h func(http.ResponseWriter, *http.Request)) http.Han
 			writeError(w, http.StatusUnauthorized, "missing API key: send it in the X-API-Key header")
 			return
 		}
-		if subtle.ConstantTimeCompare([]byte(got), want) != 1 {
+		sum := sha256.Sum256([]byte(got))
+		if subtle.ConstantTimeCompare(sum[:], want[:]) != 1 {
 			writeError(w, http.StatusUnauthorized, "invalid API key")
 			return
 		}

@@ -193,7 +193,7 @@ var filesHashRE = regexp.MustCompile(`^[0-9a-f]{16,128}$`)
 
 // uploadSignature authorises a build-file upload link.
 func (s *Server) uploadSignature(templateID, hash string) string {
-	m := hmac.New(sha256.New, []byte(s.cfg.APIKey))
+	m := hmac.New(sha256.New, s.cfg.APIKeySHA256[:])
 	fmt.Fprintf(m, "build-files\n%s\n%s", templateID, hash)
 	return hex.EncodeToString(m.Sum(nil))
 }

@@ -27,6 +27,7 @@ import (
 
 // nodeOptions make a server a cluster node.
 type nodeOptions struct {
+	key          string // the cluster's API key (AENV_API_KEY)
 	scheduler    string
 	nodeID       string
 	advertise    string
@@ -55,6 +56,11 @@ them to the scheduler. Paused sandboxes resume on another node when the nodes sh
 			if err := n.complete(o.listen); err != nil {
 				return err
 			}
+			key, err := clusterKey()
+			if err != nil {
+				return err
+			}
+			n.key = key
 			return runServer(ctx, o, &n)
 		},
 	}
@@ -94,8 +100,8 @@ func (n *nodeOptions) complete(listen string) error {
 }
 
 // reportNode runs the node's heartbeats to the scheduler until ctx ends.
-func reportNode(ctx context.Context, node *orchestrator.Node, n *nodeOptions, key string, logf func(string, ...any)) {
-	client := scheduler.NewClient(&http.Client{Timeout: 10 * time.Second}, n.scheduler, key)
+func reportNode(ctx context.Context, node *orchestrator.Node, n *nodeOptions, logf func(string, ...any)) {
+	client := scheduler.NewClient(&http.Client{Timeout: 10 * time.Second}, n.scheduler, n.key)
 	r := &scheduler.Reporter{Client: client, Report: func(ctx context.Context) (*pb.NodeReport, error) {
 		c, err := node.Capacity(ctx)
 		if err != nil {
@@ -151,7 +157,7 @@ cluster's API key (AENV_API_KEY).`,
 func clusterKey() (string, error) {
 	k := os.Getenv("AENV_API_KEY")
 	if k == "" {
-		return "", errors.New("set AENV_API_KEY to the cluster's API key (the nodes' key; `aenv key` on a node prints it)")
+		return "", errors.New("set AENV_API_KEY to the cluster's API key (the same on every node, gateway and scheduler; `aenv key --rotate` makes one)")
 	}
 	if !api.APIKeyPattern.MatchString(k) {
 		return "", errors.New("AENV_API_KEY must look like e2b_<hex>")

@@ -59,7 +59,7 @@ func serverCmd() *cobra.Command {
 		Use:   "server",
 		Short: "Run a single-node server: E2B-compatible REST API and sandbox proxy",
 		Example: `  aenv server --data-dir /var/lib/aenv --listen 127.0.0.1:8000
-  E2B_API_URL=http://127.0.0.1:8000 E2B_SANDBOX_URL=http://127.0.0.1:8000 E2B_API_KEY=$(aenv key) node app.js`,
+  E2B_API_URL=http://127.0.0.1:8000 E2B_SANDBOX_URL=http://127.0.0.1:8000 E2B_API_KEY=e2b_... node app.js   # the key aenv key --rotate printed`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
@@ -92,7 +92,7 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 	if os.Geteuid() != 0 {
 		return errors.New("aenv server must run as root (it creates network namespaces and tap devices)")
 	}
-	key, err := loadAPIKey(o.dataDir, true)
+	keyHash, err := loadAPIKeyHash(o.dataDir)
 	if err != nil {
 		return err
 	}
@@ -148,7 +148,7 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 	}
 	defer node.Close()
 	px := proxy.New(api.Resolver{Node: node}, o.domain, orchestrator.EnvdPort, log)
-	handler, err := api.New(node, api.Config{APIKey: key, Domain: o.domain, SandboxProxy: px, PeerChunks: node.PeerChunks(), Logger: log})
+	handler, err := api.New(node, api.Config{APIKeySHA256: keyHash, Domain: o.domain, SandboxProxy: px, PeerChunks: node.PeerChunks(), Logger: log})
 	if err != nil {
 		return err
 	}
@@ -161,7 +161,7 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	if cluster != nil {
-		go reportNode(ctx, node, cluster, key, log.Info)
+		go reportNode(ctx, node, cluster, log.Info)
 	}
 	select {
 	case err := <-errc:
