@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/agentenv/agentenv/internal/orchestrator"
@@ -141,6 +142,9 @@ func (s *Server) nodeMetrics() http.Handler {
 		})
 	}
 	reg := prometheus.NewRegistry()
+	// The server process itself: goroutines, open files, memory (what a
+	// load test checks for leaks).
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	reg.MustRegister(newMemoryCollector(mr))
 	if lr, ok := s.node.(LayerCacheReporter); ok {
 		reg.MustRegister(newLayerCacheCollector(lr))

@@ -375,7 +375,9 @@ func (s *Server) sandboxMetrics(w http.ResponseWriter, r *http.Request) {
 	}})
 }
 
-var envdClient = &http.Client{Timeout: 10 * time.Second}
+// envdClient keeps no idle connections: a guest that is killed or paused
+// never closes them, and they would hold goroutines and files.
+var envdClient = &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
 
 func fetchEnvdMetrics(ctx context.Context, sb *orchestrator.Sandbox) (*envdMetrics, error) {
 	if sb.EnvdAddr == "" {

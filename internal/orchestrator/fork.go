@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/faults"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
@@ -180,6 +181,7 @@ func (n *Node) capture(ctx context.Context, id string, count int, timeout time.D
 		return "", nil, fmt.Errorf("fork %s: %w", id, err)
 	}
 	frozen := time.Since(start)
+	faults.Point(faults.ForkFrozen)
 
 	// Restore the parent and the children from the snapshot in parallel.
 	results := make([]ForkResult, count)

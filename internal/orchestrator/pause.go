@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/faults"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/vmm"
@@ -141,6 +142,7 @@ func (n *Node) pause(ctx context.Context, s *Sandbox) error {
 	if err := os.Rename(tmp, filepath.Join(dir, stateFileName)); err != nil {
 		return err
 	}
+	faults.Point(faults.PauseSaved)
 	phase("sync to disk")
 	return nil
 }

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/faults"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/vmm"
@@ -178,6 +179,7 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 		}
 		return nil, err
 	}
+	faults.Point(faults.CreateRecorded)
 	how := "cold boot"
 	switch {
 	case pooled != nil:
@@ -210,6 +212,7 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 		n.destroy(context.WithoutCancel(ctx), s)
 		return nil, err
 	}
+	faults.Point(faults.CreateStarted)
 	if err := n.transition(ctx, s.ID, StateRunning, StateCreating); err != nil {
 		n.destroy(context.WithoutCancel(ctx), s)
 		return nil, err
@@ -281,7 +284,9 @@ func kernelCmdline(extra []string) string {
 
 // waitEnvd polls envd's /health until it answers 204, the machine dies or ctx ends.
 func waitEnvd(ctx context.Context, m *vmm.Machine, addr string) error {
-	client := &http.Client{Timeout: 2 * time.Second}
+	// No kept-alive connections: the guest may be killed or paused at any
+	// time, and an idle connection to it would linger (and hold goroutines).
+	client := &http.Client{Timeout: 2 * time.Second, Transport: envdHTTP.Transport}
 	url := "http://" + addr + "/health"
 	for {
 		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)

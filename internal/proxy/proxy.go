@@ -149,8 +149,10 @@ func New(r Resolver, domain string, envdPort int, log *slog.Logger) *Proxy {
 			}
 			return dialer.DialContext(ctx, network, real)
 		},
-		MaxIdleConnsPerHost:   64,
-		IdleConnTimeout:       90 * time.Second,
+		MaxIdleConnsPerHost: 64,
+		// Short: connections to a guest that is killed or paused are
+		// never closed by it and would hold goroutines until then.
+		IdleConnTimeout:       15 * time.Second,
 		ResponseHeaderTimeout: 0, // long-polls and streams may wait
 		DisableCompression:    true,
 	}

@@ -24,6 +24,7 @@ import (
 type proc struct {
 	name string
 	args []string
+	env  []string // added to the environment at start
 	url  string
 	log  string
 	cmd  *exec.Cmd
@@ -49,7 +50,7 @@ func (p *proc) start(t *testing.T, bin string) {
 	}
 	defer logf.Close()
 	p.cmd = exec.Command(bin, p.args...)
-	p.cmd.Env = append(os.Environ(), "AENV_API_KEY="+apiKey)
+	p.cmd.Env = append(append(os.Environ(), "AENV_API_KEY="+apiKey), p.env...)
 	p.cmd.Stdout, p.cmd.Stderr = logf, logf
 	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
 	if err := p.cmd.Start(); err != nil {

@@ -80,6 +80,16 @@ type processEvent struct {
 // each stamped with its arrival time; the channel closes with the stream.
 func (s *server) startProcess(ctx context.Context, t *testing.T, client *http.Client, sb *sandbox, cmd string, args ...string) (<-chan processEvent, *http.Response) {
 	t.Helper()
+	ch, resp, err := s.startProcessErr(ctx, client, sb, cmd, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ch, resp
+}
+
+// startProcessErr is startProcess for callers that are not the test's
+// goroutine.
+func (s *server) startProcessErr(ctx context.Context, client *http.Client, sb *sandbox, cmd string, args ...string) (<-chan processEvent, *http.Response, error) {
 	msg, _ := json.Marshal(map[string]any{"process": map[string]any{"cmd": cmd, "args": args}})
 	var env bytes.Buffer
 	env.WriteByte(0)
@@ -90,12 +100,12 @@ func (s *server) startProcess(ctx context.Context, t *testing.T, client *http.Cl
 	req.Header.Set("Connect-Protocol-Version", "1")
 	resp, err := client.Do(req)
 	if err != nil {
-		t.Fatalf("Start %s: %v", cmd, err)
+		return nil, nil, fmt.Errorf("Start %s: %v", cmd, err)
 	}
 	if resp.StatusCode != 200 {
 		b, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
-		t.Fatalf("Start %s: %d %s", cmd, resp.StatusCode, b)
+		return nil, nil, fmt.Errorf("Start %s: %d %s", cmd, resp.StatusCode, b)
 	}
 	ch := make(chan processEvent, 64)
 	go func() {
@@ -126,7 +136,26 @@ func (s *server) startProcess(ctx context.Context, t *testing.T, client *http.Cl
 			ch <- ev
 		}
 	}()
-	return ch, resp
+	return ch, resp, nil
+}
+
+// runQuiet runs a command like run, returning errors instead of failing
+// the test (for worker goroutines).
+func (s *server) runQuiet(ctx context.Context, sb *sandbox, cmd string, args ...string) (string, int, error) {
+	events, _, err := s.startProcessErr(ctx, http1Client, sb, cmd, args...)
+	if err != nil {
+		return "", 0, err
+	}
+	var out bytes.Buffer
+	for ev := range events {
+		if ev.Event.Data != nil {
+			out.Write(ev.Event.Data.Stdout)
+		}
+		if ev.Event.End != nil {
+			return out.String(), ev.Event.End.ExitCode, nil
+		}
+	}
+	return out.String(), 0, fmt.Errorf("%s: stream ended without an end event", cmd)
 }
 
 // run starts a command and waits for its end event, returning stdout.

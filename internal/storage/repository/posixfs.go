@@ -13,6 +13,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/faults"
 )
 
 // incomingDir is the per-kind directory holding uploads in progress and
@@ -80,6 +82,7 @@ func (r *posixFS) Put(ctx context.Context, kind, id, dir string) (_ *Manifest, e
 		if err != nil {
 			return fe, fmt.Errorf("put %s/%s: %w", kind, id, err)
 		}
+		faults.Point(faults.RepoPutFile)
 		return fe, nil
 	})
 	if err != nil {
