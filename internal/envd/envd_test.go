@@ -1050,6 +1050,35 @@ func TestRunAsUser(t *testing.T) {
 	if res, _ := e.do(req); res.StatusCode != http.StatusForbidden {
 		t.Errorf("user read of root-only file: %d", res.StatusCode)
 	}
+	// Escapes: a path climbing out of the home, and symlinks the user made
+	// in their home pointing at root's files, read and write nothing the
+	// user could not.
+	rootOwned := filepath.Join(t.TempDir(), "root-owned")
+	os.WriteFile(rootOwned, []byte("root's\n"), 0o644)
+	// Let the user reach both files, so only their own modes protect them.
+	for _, f := range []string{secret, rootOwned} {
+		os.Chmod(filepath.Dir(f), 0o755)
+		os.Chmod(filepath.Dir(filepath.Dir(f)), 0o755)
+	}
+	os.Symlink(secret, filepath.Join(u.HomeDir, "to-secret"))
+	os.Symlink(rootOwned, filepath.Join(u.HomeDir, "to-root-owned"))
+	for _, tc := range []struct {
+		name, method, path string
+	}{
+		{"read through ..", http.MethodGet, "up/../../../.." + secret},
+		{"read through a symlink", http.MethodGet, "to-secret"},
+		{"write through a symlink", http.MethodPost, "to-root-owned"},
+		{"write through ..", http.MethodPost, "../../../.." + rootOwned},
+	} {
+		req, _ := http.NewRequest(tc.method, e.filesURL(url.Values{"path": {tc.path}, "username": {testUser}}), strings.NewReader("overwritten"))
+		req.Header.Set("Content-Type", "application/octet-stream")
+		if res, b := e.do(req); res.StatusCode != http.StatusForbidden {
+			t.Errorf("%s: %d %s", tc.name, res.StatusCode, b)
+		}
+	}
+	if b, _ := os.ReadFile(rootOwned); string(b) != "root's\n" {
+		t.Errorf("the user overwrote a root file: %q", b)
+	}
 	// Unknown user.
 	e.headers.Set("Authorization", basicAuth("no-such-user-xyz"))
 	if _, err := e.proc(false).List(context.Background(), connect.NewRequest(&processpb.ListRequest{})); err != nil {
