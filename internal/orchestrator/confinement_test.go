@@ -6,8 +6,11 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
+	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
@@ -69,5 +72,36 @@ func TestQEMUConfinement(t *testing.T) {
 		if _, err := os.Stat(d); !os.IsNotExist(err) {
 			t.Fatalf("cgroup %s left after kill: %v", d, err)
 		}
+	}
+}
+
+// TestDiskQuota: a guest that fills its disk gets ENOSPC at its disk's
+// size, and the sandbox's overlay on the host stays within that size (plus
+// qcow2 metadata): no sandbox can fill the host's disk.
+func TestDiskQuota(t *testing.T) {
+	n := testNode(t)
+	s := create(t, n, CreateRequest{TemplateID: "minimal"})
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	r, err := newEnvdClient(s).run(ctx, "root", "/bin/sh", "-c", "dd if=/dev/zero of=/fill bs=1M 2>&1; sync; df -m / | tail -1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(r.stdout, "No space left on device") {
+		t.Fatalf("the guest never ran out of space: %+v", r)
+	}
+	overlay := filepath.Join(n.sandboxDir(s.ID), overlayName)
+	info, err := storage.Info(ctx, overlay)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := os.Stat(overlay)
+	if err != nil {
+		t.Fatal(err)
+	}
+	used := st.Sys().(*syscall.Stat_t).Blocks * 512
+	t.Logf("guest disk %d MiB; host overlay after filling it: %d MiB allocated", info.VirtualSize>>20, used>>20)
+	if used > info.VirtualSize+info.VirtualSize/20 {
+		t.Fatalf("overlay uses %d bytes for a %d-byte disk", used, info.VirtualSize)
 	}
 }
