@@ -404,37 +404,9 @@ func forkCmd() *cobra.Command {
 }
 
 func killCmd() *cobra.Command {
-	var conn connection
-	cmd := &cobra.Command{
-		Use:   "kill SANDBOX...",
-		Short: "Kill sandboxes (running or paused): everything of them is deleted",
-		Example: `  aenv kill i1a2b3c4d5e6f7g8h9j0
-  aenv ls --metadata job=42 -o json | jq -r '.[].sandboxID' | xargs aenv kill`,
-		Args: cobra.MinimumNArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := conn.client()
-			if err != nil {
-				return err
-			}
-			var firstErr error
-			for _, id := range args {
-				if err := c.do(cmd.Context(), "DELETE", "/sandboxes/"+url.PathEscape(id), nil, nil); err != nil {
-					fmt.Fprintln(cmd.ErrOrStderr(), "aenv:", err)
-					if firstErr == nil {
-						firstErr = err
-					}
-					continue
-				}
-				fmt.Fprintln(cmd.OutOrStdout(), "killed", id)
-			}
-			if firstErr != nil {
-				return silent{firstErr}
-			}
-			return nil
-		},
-	}
-	conn.flags(cmd)
-	return cmd
+	return deleteCmd("kill SANDBOX...", "Kill sandboxes (running or paused): everything of them is deleted",
+		`  aenv kill i1a2b3c4d5e6f7g8h9j0
+  aenv ls --metadata job=42 -o json | jq -r '.[].sandboxID' | xargs aenv kill`, "/sandboxes/", "killed")
 }
 
 // silent is an error already reported to the user; only its exit code

@@ -103,14 +103,17 @@ func snapshotLsCmd() *cobra.Command {
 }
 
 func snapshotRmCmd() *cobra.Command {
-	return deleteCmd("rm NAME...", "Delete named snapshots", "  aenv snapshot rm warm-env", "/snapshots/", "deleted snapshot")
+	cmd := deleteCmd("rm NAME...", "Delete named snapshots", "  aenv snapshot rm warm-env", "/snapshots/", "deleted snapshot")
+	cmd.Aliases = []string{"delete"}
+	return cmd
 }
 
-// deleteCmd DELETEs prefix+name for every argument.
+// deleteCmd DELETEs prefix+name for every argument (all of them, even
+// after a failure, which sets the exit code).
 func deleteCmd(use, short, example, prefix, done string) *cobra.Command {
 	var conn connection
 	cmd := &cobra.Command{
-		Use: use, Short: short, Example: example, Aliases: []string{"delete"},
+		Use: use, Short: short, Example: example,
 		Args: cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := conn.client()
@@ -181,5 +184,7 @@ func templateLsCmd() *cobra.Command {
 }
 
 func templateRmCmd() *cobra.Command {
-	return deleteCmd("rm TEMPLATE...", "Delete templates no sandbox or snapshot uses", "  aenv template rm mytools", "/templates/", "deleted template")
+	cmd := deleteCmd("rm TEMPLATE...", "Delete templates no sandbox or snapshot uses", "  aenv template rm mytools", "/templates/", "deleted template")
+	cmd.Aliases = []string{"delete"}
+	return cmd
 }
