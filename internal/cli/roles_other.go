@@ -16,6 +16,7 @@ func linuxOnly(use, short string) *cobra.Command {
 		Use:                use,
 		Short:              short + " (Linux only)",
 		DisableFlagParsing: true,
+		Example:            "  # on a Linux host: aenv " + use + " --help",
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return fmt.Errorf("aenv %s runs on Linux only: it drives QEMU, network namespaces and nftables. "+
 				"Run it on a Linux host; the client commands (create, exec, ls, ...) work from here", cmd.Name())

@@ -22,6 +22,12 @@ var Version = "dev"
 
 // Execute runs the command line and returns the process exit code.
 func Execute() int {
+	err := newRoot().Execute()
+	return exitStatus(err, os.Stderr)
+}
+
+// newRoot builds the whole command tree.
+func newRoot() *cobra.Command {
 	root := &cobra.Command{
 		Use:           "aenv",
 		Short:         "AgentENV: micro-VM sandboxes for AI agents, E2B-compatible",
@@ -38,8 +44,7 @@ func Execute() int {
 	)
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	wrapArgs(root)
-	err := root.Execute()
-	return exitStatus(err, os.Stderr)
+	return root
 }
 
 // Exit codes, the same for every command.

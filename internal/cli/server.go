@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"os/user"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -50,6 +51,7 @@ type serverOptions struct {
 	peers         []string
 	peerTokenFile string
 	repository    string
+	qemuUser      string
 	logLevel      string
 }
 
@@ -84,6 +86,7 @@ func serverFlags(cmd *cobra.Command, o *serverOptions) {
 	cmd.Flags().StringSliceVar(&o.peers, "p2p-peers", nil, "neighbour nodes' API URLs asked for layer chunks before the repository (peer exchange is off unless set, with a token)")
 	cmd.Flags().StringVar(&o.peerTokenFile, "p2p-token-file", "", "file holding the secret token the nodes of a peer group share (env AENV_P2P_TOKEN also works)")
 	cmd.Flags().StringVar(&o.repository, "repository", "", "snapshot repository: /path, posix_fs:///path or oss://bucket/prefix?endpoint=…&region=… (default: <data-dir>/repository)")
+	cmd.Flags().StringVar(&o.qemuUser, "qemu-user", orchestrator.DefaultQEMUUser, "unprivileged user QEMU switches to after start (aenv setup makes it; \"\" or a missing user: QEMU stays root)")
 	cmd.Flags().StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 }
 
@@ -120,6 +123,13 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 	if len(o.peers) > 0 && peerToken == "" {
 		return errors.New("--p2p-peers needs the peer group's token: --p2p-token-file or AENV_P2P_TOKEN")
 	}
+	qemuUser := o.qemuUser
+	if qemuUser != "" {
+		if _, err := user.Lookup(qemuUser); err != nil {
+			log.Warn("QEMU runs as root: its unprivileged user does not exist (aenv setup makes it)", "user", qemuUser)
+			qemuUser = ""
+		}
+	}
 	probe := vmm.ProbeAccel()
 	if w := probe.Warning(); w != "" {
 		log.Warn(w)
@@ -138,6 +148,7 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		PoolSize:          o.poolSize,
 		LayerCacheMiB:     o.layerCache,
 		SharePaused:       cluster != nil && o.repository != "",
+		QEMUUser:          qemuUser,
 		Peers:             o.peers,
 		PeerToken:         peerToken,
 		Repository:        repo,

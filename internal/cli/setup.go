@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"os/user"
 	"path/filepath"
 	"strings"
 	"time"
@@ -75,8 +76,11 @@ func runSetup(ctx context.Context, out io.Writer, o setupOptions) error {
 	total := 3 + len(o.templates)
 	logf := func(format string, args ...any) { fmt.Fprintf(out, "      "+format+"\n", args...) }
 
-	done := step(out, 1, total, "checking host tools")
+	done := step(out, 1, total, "checking host tools and QEMU's unprivileged user")
 	if err := done(checkTools(o.templates)); err != nil {
+		return err
+	}
+	if err := ensureQEMUUser(ctx); err != nil {
 		return err
 	}
 
@@ -168,6 +172,19 @@ func checkTools(templates []string) error {
 	if len(missing) > 0 {
 		return fmt.Errorf("missing host tools: %s; install them with `apt-get install %s`",
 			strings.Join(missing, ", "), strings.Join(pkgs, " "))
+	}
+	return nil
+}
+
+// ensureQEMUUser makes the system user QEMU runs as (no home, no shell).
+func ensureQEMUUser(ctx context.Context) error {
+	if _, err := user.Lookup(orchestrator.DefaultQEMUUser); err == nil {
+		return nil
+	}
+	out, err := exec.CommandContext(ctx, "useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
+		"--shell", "/usr/sbin/nologin", "--comment", "AgentENV QEMU", orchestrator.DefaultQEMUUser).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("make user %s: %v: %s", orchestrator.DefaultQEMUUser, err, strings.TrimSpace(string(out)))
 	}
 	return nil
 }

@@ -69,7 +69,9 @@ func templatePushCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "push NAME",
 		Short: "Store a template in the repository; nodes sharing it run the template without downloading it first",
-		Args:  cobra.ExactArgs(1),
+		Example: `  aenv template push mytools
+  aenv template push mytools --repository oss://aenv/cluster?endpoint=s3:9000&region=us-east-1&credentials_file=/etc/aenv/s3`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if repoURL == "" {
 				repoURL = filepath.Join(dataDir, "repository")

@@ -3,6 +3,7 @@ package orchestrator
 import (
 	"context"
 	"os"
+	"os/user"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -26,6 +27,14 @@ func TestQEMUConfinement(t *testing.T) {
 	}
 	if !strings.Contains(string(status), "Seccomp:\t2") {
 		t.Fatalf("QEMU runs without its seccomp filter:\n%s", status)
+	}
+	if n.cfg.QEMUUser == "" {
+		t.Logf("QEMU runs as root: user %s does not exist (aenv setup makes it)", DefaultQEMUUser)
+	} else {
+		u, _ := user.Lookup(n.cfg.QEMUUser)
+		if !strings.Contains(string(status), "Uid:\t"+u.Uid+"\t"+u.Uid+"\t"+u.Uid) {
+			t.Fatalf("QEMU does not run as %s (uid %s):\n%s", n.cfg.QEMUUser, u.Uid, status)
+		}
 	}
 	if m := n.machine(s.ID); m == nil || m.CgroupErr != nil {
 		t.Skipf("skipped: this host's cgroups are not writable (%v)", m.CgroupErr)

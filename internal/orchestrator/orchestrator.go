@@ -154,6 +154,9 @@ type Config struct {
 	// nodes share for it. Both empty: peer exchange off (the default).
 	Peers     []string
 	PeerToken string
+	// QEMUUser, when set, is the unprivileged user the sandboxes' QEMUs
+	// run as once started (see vmm.Config.User).
+	QEMUUser string
 	// SharePaused uploads every paused sandbox to the Repository (which the
 	// nodes of a cluster share), so that any node can resume it.
 	SharePaused bool

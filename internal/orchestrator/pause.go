@@ -368,6 +368,7 @@ func (n *Node) vmConfig(s *Sandbox, tap *os.File, incoming bool) vmm.Config {
 		Tap:           tap,
 
 		NoFreePageReporting: n.cfg.NoFreePageReporting,
+		User:                n.cfg.QEMUUser,
 		Cgroup:              n.cgroupName(s.ID),
 		Limits:              n.limits(s),
 	}

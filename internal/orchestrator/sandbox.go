@@ -511,3 +511,6 @@ func (n *Node) limits(s *Sandbox) vmm.Limits {
 	overhead := int64(384+n.cfg.TCGTranslationCacheMiB) << 20
 	return vmm.Limits{CPUs: float64(s.VCPUs), MemoryBytes: int64(s.MemoryMiB)<<20 + overhead, Pids: 1024}
 }
+
+// DefaultQEMUUser is the unprivileged user `aenv setup` makes for QEMU.
+const DefaultQEMUUser = "aenv-qemu"

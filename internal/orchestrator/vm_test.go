@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"os/user"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -147,6 +148,7 @@ func openTestNodeIn(t testing.TB, dir string, slot int) *Node {
 		Accel:       accel,
 		NetworkCIDR: cidr,
 		Instance:    instance,
+		QEMUUser:    testQEMUUser(),
 		BootTimeout: 60 * time.Second,
 		Logger:      slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})),
 	})
@@ -154,6 +156,15 @@ func openTestNodeIn(t testing.TB, dir string, slot int) *Node {
 		t.Fatal(err)
 	}
 	return n
+}
+
+// testQEMUUser is the unprivileged user `aenv setup` makes for QEMU, when
+// it exists.
+func testQEMUUser() string {
+	if _, err := user.Lookup(DefaultQEMUUser); err == nil {
+		return DefaultQEMUUser
+	}
+	return ""
 }
 
 // testHTTP keeps no idle connections: guest addresses are reused by later

@@ -43,13 +43,35 @@ func (m *Machine) SaveFullState(ctx context.Context, path string) error {
 // seccomp filter forbids that).
 
 // migrationSocket returns a fresh socket path short enough for a socket
-// address, and a function removing it.
-func migrationSocket() (string, func(), error) {
+// address, in a directory the machine's QEMU may use (it runs as another
+// user), and a function removing it.
+func (m *Machine) migrationSocket() (string, func(), error) {
 	dir, err := os.MkdirTemp("", "aenv-mig-")
 	if err != nil {
 		return "", nil, err
 	}
+	if m.uid >= 0 {
+		if err := os.Chown(dir, m.uid, m.gid); err != nil {
+			os.RemoveAll(dir)
+			return "", nil, err
+		}
+	}
 	return filepath.Join(dir, "s"), func() { os.RemoveAll(dir) }, nil
+}
+
+// listenMigration listens on sock for QEMU to connect to.
+func (m *Machine) listenMigration(sock string) (*net.UnixListener, error) {
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		return nil, err
+	}
+	if m.uid >= 0 {
+		if err := os.Chown(sock, m.uid, m.gid); err != nil {
+			ln.Close()
+			return nil, err
+		}
+	}
+	return ln, nil
 }
 
 func (m *Machine) saveState(ctx context.Context, path string, ignoreShared bool) error {
@@ -58,12 +80,12 @@ func (m *Machine) saveState(ctx context.Context, path string, ignoreShared bool)
 		return err
 	}
 	defer out.Close()
-	sock, cleanup, err := migrationSocket()
+	sock, cleanup, err := m.migrationSocket()
 	if err != nil {
 		return err
 	}
 	defer cleanup()
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	ln, err := m.listenMigration(sock)
 	if err != nil {
 		return err
 	}
@@ -129,12 +151,12 @@ func (m *Machine) SaveStateDiff(ctx context.Context, path, base string) (RAMDiff
 	}
 	defer out.Close()
 	// QEMU connects to a socket of ours.
-	sock, cleanup, err := migrationSocket()
+	sock, cleanup, err := m.migrationSocket()
 	if err != nil {
 		return RAMDiffStats{}, err
 	}
 	defer cleanup()
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	ln, err := m.listenMigration(sock)
 	if err != nil {
 		return RAMDiffStats{}, err
 	}
@@ -216,7 +238,7 @@ func (m *Machine) loadState(ctx context.Context, path string, ignoreShared bool)
 	if _, err := m.qmp.Execute(ctx, "migrate-set-capabilities", caps(ignoreShared)); err != nil {
 		return err
 	}
-	sock, cleanup, err := migrationSocket()
+	sock, cleanup, err := m.migrationSocket()
 	if err != nil {
 		return err
 	}

@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"os/user"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -56,6 +57,9 @@ type Config struct {
 	// which the guest hands pages it frees back to the host (on by
 	// default). Saved state only loads into a machine with the same setting.
 	NoFreePageReporting bool
+	// User, when set, is the unprivileged user QEMU switches to once it
+	// has opened its files and devices (-runas).
+	User string
 	// Cgroup, when set, names a cgroup of its own the QEMU process is put
 	// in at start, bounded by Limits (see PlaceInCgroup).
 	Cgroup string
@@ -131,9 +135,11 @@ func (c *Config) Args() []string {
 		"-m", mem,
 		"-object", "memory-backend-file,id=mem,size=" + mem + ",mem-path=" + c.MemFile + ",share=" + onOff(!c.PrivateMemory),
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-		// QEMU's seccomp filter: no obsolete syscalls, no privilege changes,
-		// no fork/exec, no scheduler or NUMA control from a compromised QEMU.
-		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+		// QEMU's seccomp filter: no obsolete syscalls, no fork/exec, no
+		// scheduler or NUMA control from a compromised QEMU, and no
+		// privilege changes (but the one drop to User, after which there is
+		// nothing to regain).
+		"-sandbox", "on,obsolete=deny,elevateprivileges=" + c.privilegeChanges() + ",spawn=deny,resourcecontrol=deny",
 		"-kernel", c.Kernel,
 		"-initrd", c.Initrd,
 		"-append", c.Cmdline,
@@ -146,6 +152,9 @@ func (c *Config) Args() []string {
 		"-device", "virtio-balloon-device,free-page-reporting=" + onOff(!c.NoFreePageReporting),
 		"-qmp", "unix:" + filepath.Join(c.RunDir, QMPSocketName) + ",server=on,wait=off",
 		"-pidfile", filepath.Join(c.RunDir, PIDFileName),
+	}
+	if c.User != "" {
+		args = append(args, "-runas", c.User)
 	}
 	if c.Incoming {
 		args = append(args, "-S", "-incoming", "defer")
@@ -160,6 +169,13 @@ func (c *Config) Args() []string {
 	return args
 }
 
+func (c *Config) privilegeChanges() string {
+	if c.User != "" {
+		return "allow"
+	}
+	return "deny"
+}
+
 // rootDriveID names the root disk's drive in QEMU.
 const rootDriveID = "root"
 
@@ -168,6 +184,9 @@ type Machine struct {
 	pid    int
 	runDir string
 	qmp    *QMP
+	// uid and gid QEMU runs as (-1: root): the migration sockets are
+	// handed to them.
+	uid, gid int
 	// CgroupErr says why the machine runs without its cgroup limits.
 	CgroupErr error
 
@@ -206,7 +225,13 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start qemu: %w", err)
 	}
-	m := &Machine{pid: cmd.Process.Pid, runDir: cfg.RunDir, exited: make(chan struct{})}
+	m := &Machine{pid: cmd.Process.Pid, runDir: cfg.RunDir, exited: make(chan struct{}), uid: -1, gid: -1}
+	if cfg.User != "" {
+		if m.uid, m.gid, err = lookupUser(cfg.User); err != nil {
+			_ = cmd.Process.Kill()
+			return nil, err
+		}
+	}
 	go func() {
 		err := cmd.Wait()
 		m.setExited(err)
@@ -244,7 +269,10 @@ func Attach(ctx context.Context, runDir string) (*Machine, error) {
 	if err != nil {
 		return nil, fmt.Errorf("open pidfd for qemu %d: %w", pid, err)
 	}
-	m := &Machine{pid: pid, runDir: runDir, exited: make(chan struct{})}
+	m := &Machine{pid: pid, runDir: runDir, exited: make(chan struct{}), uid: -1, gid: -1}
+	if uid, gid, err := processOwner(pid); err == nil && uid != 0 {
+		m.uid, m.gid = uid, gid
+	}
 	go func() {
 		defer unix.Close(pidfd)
 		fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
@@ -461,4 +489,40 @@ func onOff(b bool) string {
 		return "on"
 	}
 	return "off"
+}
+
+// lookupUser returns a user's uid and gid.
+func lookupUser(name string) (int, int, error) {
+	u, err := user.Lookup(name)
+	if err != nil {
+		return 0, 0, fmt.Errorf("QEMU user %q: %w", name, err)
+	}
+	uid, err1 := strconv.Atoi(u.Uid)
+	gid, err2 := strconv.Atoi(u.Gid)
+	if err1 != nil || err2 != nil {
+		return 0, 0, fmt.Errorf("QEMU user %q has no numeric ids", name)
+	}
+	return uid, gid, nil
+}
+
+// processOwner reads a process's real uid and gid.
+func processOwner(pid int) (int, int, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return 0, 0, err
+	}
+	uid, gid := -1, -1
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) >= 2 && f[0] == "Uid:" {
+			uid, _ = strconv.Atoi(f[1])
+		}
+		if len(f) >= 2 && f[0] == "Gid:" {
+			gid, _ = strconv.Atoi(f[1])
+		}
+	}
+	if uid < 0 || gid < 0 {
+		return 0, 0, fmt.Errorf("no Uid/Gid in /proc/%d/status", pid)
+	}
+	return uid, gid, nil
 }
