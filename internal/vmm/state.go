@@ -110,7 +110,7 @@ func (m *Machine) saveState(ctx context.Context, path string, ignoreShared bool)
 	merr := m.waitMigration(ctx, "save state")
 	if merr != nil {
 		ln.Close()
-		return merr
+		return fmt.Errorf("%w%s", merr, m.logTail())
 	}
 	select {
 	case err = <-done:

@@ -64,6 +64,8 @@ type Config struct {
 	// in at start, bounded by Limits (see PlaceInCgroup).
 	Cgroup string
 	Limits Limits
+
+	rootDiskFD int // set by Start: the disk is inherited (see User)
 }
 
 // Paths inside RunDir.
@@ -145,7 +147,7 @@ func (c *Config) Args() []string {
 		"-append", c.Cmdline,
 		"-chardev", "file,id=console,path=" + filepath.Join(c.RunDir, ConsoleName),
 		"-serial", "chardev:console",
-		"-drive", "id=" + rootDriveID + ",file=" + c.RootDisk + ",format=qcow2,if=none,cache=writeback,discard=unmap",
+		"-drive", "id=" + rootDriveID + ",file=" + c.rootDiskFile() + ",format=qcow2,if=none,cache=writeback,discard=unmap",
 		"-device", "virtio-blk-device,drive=" + rootDriveID,
 		"-object", "rng-random,id=rng,filename=/dev/urandom",
 		"-device", "virtio-rng-device,rng=rng",
@@ -167,6 +169,14 @@ func (c *Config) Args() []string {
 		args = append(args, "-netdev", "tap,id=net0,fd=3", "-device", nic)
 	}
 	return args
+}
+
+// rootDiskFile is the name QEMU opens the root disk by.
+func (c *Config) rootDiskFile() string {
+	if c.rootDiskFD > 0 {
+		return "/proc/self/fd/" + strconv.Itoa(c.rootDiskFD)
+	}
+	return c.RootDisk
 }
 
 func (c *Config) privilegeChanges() string {
@@ -215,23 +225,39 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 		return nil, fmt.Errorf("open qemu log: %w", err)
 	}
 	defer logf.Close()
+	var extra []*os.File
+	if cfg.Tap != nil {
+		extra = append(extra, cfg.Tap)
+	}
+	uid, gid := -1, -1
+	if cfg.User != "" {
+		if uid, gid, err = lookupUser(cfg.User); err != nil {
+			return nil, err
+		}
+		// QEMU reopens its disk when a migration ends (read-only, then
+		// read-write again), by then as its user, who may not walk the
+		// root-only directories to it: it gets the disk as an inherited
+		// file it reopens through /proc/self/fd, and owns that one file.
+		disk, err := os.OpenFile(cfg.RootDisk, os.O_RDWR, 0)
+		if err != nil {
+			return nil, err
+		}
+		defer disk.Close()
+		if err := disk.Chown(uid, gid); err != nil {
+			return nil, err
+		}
+		cfg.rootDiskFD = 3 + len(extra)
+		extra = append(extra, disk)
+	}
 	cmd := exec.Command(bin, cfg.Args()...)
 	cmd.Stdout = logf
 	cmd.Stderr = logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if cfg.Tap != nil {
-		cmd.ExtraFiles = []*os.File{cfg.Tap}
-	}
+	cmd.ExtraFiles = extra
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start qemu: %w", err)
 	}
-	m := &Machine{pid: cmd.Process.Pid, runDir: cfg.RunDir, exited: make(chan struct{}), uid: -1, gid: -1}
-	if cfg.User != "" {
-		if m.uid, m.gid, err = lookupUser(cfg.User); err != nil {
-			_ = cmd.Process.Kill()
-			return nil, err
-		}
-	}
+	m := &Machine{pid: cmd.Process.Pid, runDir: cfg.RunDir, exited: make(chan struct{}), uid: uid, gid: gid}
 	go func() {
 		err := cmd.Wait()
 		m.setExited(err)
