@@ -59,21 +59,21 @@ func TestQEMUConfinement(t *testing.T) {
 		if got := read("memory.max"); got != strconv.FormatInt(want.MemoryBytes, 10) {
 			t.Fatalf("memory.max %s, want %d", got, want.MemoryBytes)
 		}
-		if got := read("cpu.max"); got != strconv.Itoa(100000*s.VCPUs)+" 100000" {
+		if got := read("cpu.max"); got != strconv.Itoa(100000*(s.VCPUs+1))+" 100000" {
 			t.Fatalf("cpu.max %s", got)
 		}
 	} else {
 		if got := read("memory.limit_in_bytes"); got != strconv.FormatInt(want.MemoryBytes, 10) {
 			t.Fatalf("memory.limit_in_bytes %s, want %d", got, want.MemoryBytes)
 		}
-		if got := read("cpu.cfs_quota_us"); got != strconv.Itoa(100000*s.VCPUs) {
+		if got := read("cpu.cfs_quota_us"); got != strconv.Itoa(100000*(s.VCPUs+1)) {
 			t.Fatalf("cpu.cfs_quota_us %s", got)
 		}
 	}
 	if got := read("pids.max"); got != "1024" {
 		t.Fatalf("pids.max %s", got)
 	}
-	t.Logf("QEMU %d: seccomp filter on, cgroup %v (memory %d MiB, %d CPU, 1024 tasks)", s.PID, dirs, want.MemoryBytes>>20, s.VCPUs)
+	t.Logf("QEMU %d: seccomp filter on, cgroup %v (memory %d MiB, %.0f CPUs, 1024 tasks)", s.PID, dirs, want.MemoryBytes>>20, want.CPUs)
 	if err := n.Kill(context.Background(), s.ID); err != nil {
 		t.Fatal(err)
 	}

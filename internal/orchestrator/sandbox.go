@@ -504,12 +504,15 @@ func mergeEnv(template, request map[string]string) map[string]string {
 // sharing a host apart).
 func (n *Node) cgroupName(id string) string { return n.net.Instance() + "-" + id }
 
-// limits bound a sandbox's QEMU: its vCPUs' worth of CPU time, its guest
-// RAM plus room for QEMU itself (and TCG's translation cache), and a
-// generous number of threads.
+// limits bound a sandbox's QEMU: CPU time for its vCPUs plus one CPU for
+// QEMU's own threads (I/O, migration, and under TCG the translation work),
+// memory for twice its guest RAM plus 1 GiB (the cgroup is charged for the
+// page cache of the guest's RAM file and of its disk layers, and a tight
+// bound would make the kernel write guest memory back under the sandbox's
+// feet), and a generous number of threads. They stop a runaway QEMU from
+// taking the host, not a guest from using what it was given.
 func (n *Node) limits(s *Sandbox) vmm.Limits {
-	overhead := int64(384+n.cfg.TCGTranslationCacheMiB) << 20
-	return vmm.Limits{CPUs: float64(s.VCPUs), MemoryBytes: int64(s.MemoryMiB)<<20 + overhead, Pids: 1024}
+	return vmm.Limits{CPUs: float64(s.VCPUs + 1), MemoryBytes: int64(2*s.MemoryMiB)<<20 + 1<<30, Pids: 1024}
 }
 
 // DefaultQEMUUser is the unprivileged user `aenv setup` makes for QEMU.
