@@ -52,6 +52,7 @@ type serverOptions struct {
 	peerTokenFile string
 	repository    string
 	qemuUser      string
+	noCgroups     bool
 	logLevel      string
 }
 
@@ -86,6 +87,7 @@ func serverFlags(cmd *cobra.Command, o *serverOptions) {
 	cmd.Flags().StringSliceVar(&o.peers, "p2p-peers", nil, "neighbour nodes' API URLs asked for layer chunks before the repository (peer exchange is off unless set, with a token)")
 	cmd.Flags().StringVar(&o.peerTokenFile, "p2p-token-file", "", "file holding the secret token the nodes of a peer group share (env AENV_P2P_TOKEN also works)")
 	cmd.Flags().StringVar(&o.repository, "repository", "", "snapshot repository: /path, posix_fs:///path or oss://bucket/prefix?endpoint=…&region=… (default: <data-dir>/repository)")
+	cmd.Flags().BoolVar(&o.noCgroups, "no-cgroups", false, "run QEMUs without per-sandbox cgroup limits (CPU, memory, tasks): faster resumes and forks on cgroup v1 hosts")
 	cmd.Flags().StringVar(&o.qemuUser, "qemu-user", orchestrator.DefaultQEMUUser, "unprivileged user QEMU switches to after start (aenv setup makes it; \"\" or a missing user: QEMU stays root)")
 	cmd.Flags().StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 }
@@ -149,6 +151,7 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		LayerCacheMiB:     o.layerCache,
 		SharePaused:       cluster != nil && o.repository != "",
 		QEMUUser:          qemuUser,
+		NoCgroups:         o.noCgroups,
 		Peers:             o.peers,
 		PeerToken:         peerToken,
 		Repository:        repo,

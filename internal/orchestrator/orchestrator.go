@@ -154,6 +154,10 @@ type Config struct {
 	// nodes share for it. Both empty: peer exchange off (the default).
 	Peers     []string
 	PeerToken string
+	// NoCgroups runs QEMUs without per-sandbox cgroup limits (on cgroup v1
+	// hosts moving a process into its cgroups costs a resume or fork tens
+	// of milliseconds; see docs/RELIABILITY.md).
+	NoCgroups bool
 	// QEMUUser, when set, is the unprivileged user the sandboxes' QEMUs
 	// run as once started (see vmm.Config.User).
 	QEMUUser string

@@ -369,7 +369,7 @@ func (n *Node) vmConfig(s *Sandbox, tap *os.File, incoming bool) vmm.Config {
 
 		NoFreePageReporting: n.cfg.NoFreePageReporting,
 		User:                n.cfg.QEMUUser,
-		Cgroup:              n.cgroupName(s.ID),
+		Cgroup:              n.qemuCgroup(s.ID),
 		Limits:              n.limits(s),
 	}
 	return cfg

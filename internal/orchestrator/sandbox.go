@@ -504,6 +504,14 @@ func mergeEnv(template, request map[string]string) map[string]string {
 // sharing a host apart).
 func (n *Node) cgroupName(id string) string { return n.net.Instance() + "-" + id }
 
+// qemuCgroup is the cgroup a sandbox's QEMU starts in ("": none).
+func (n *Node) qemuCgroup(id string) string {
+	if n.cfg.NoCgroups {
+		return ""
+	}
+	return n.cgroupName(id)
+}
+
 // limits bound a sandbox's QEMU: CPU time for its vCPUs plus one CPU for
 // QEMU's own threads (I/O, migration, and under TCG the translation work),
 // memory for twice its guest RAM plus 1 GiB (the cgroup is charged for the
