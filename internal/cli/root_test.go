@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"testing"
+	"time"
 
 	"github.com/spf13/cobra"
 )
@@ -43,6 +44,28 @@ func TestExitStatus(t *testing.T) {
 	} {
 		if got := exitStatus(tc.err, io.Discard); got != tc.want {
 			t.Errorf("%s: %d, want %d", tc.name, got, tc.want)
+		}
+	}
+}
+
+func TestSecondsFlag(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want time.Duration
+		ok   bool
+	}{
+		{"300", 300 * time.Second, true},
+		{"5m", 5 * time.Minute, true},
+		{"1h30m", 90 * time.Minute, true},
+		{"0", 0, false},
+		{"-5", 0, false},
+		{"soon", 0, false},
+		{"500ms", 0, false},
+	} {
+		var d time.Duration
+		err := seconds{&d}.Set(tc.in)
+		if (err == nil) != tc.ok || (tc.ok && d != tc.want) {
+			t.Errorf("%q: %v %v", tc.in, d, err)
 		}
 	}
 }

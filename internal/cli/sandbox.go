@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/url"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 
@@ -104,7 +105,7 @@ func createCmd() *cobra.Command {
 		},
 	}
 	conn.flags(cmd)
-	cmd.Flags().DurationVar(&timeout, "timeout", 5*time.Minute, "time to live; then the sandbox is paused (or killed with --no-auto-pause)")
+	timeoutFlag(cmd, &timeout, "time to live (seconds, or a duration like 30m); then the sandbox is paused (or killed with --no-auto-pause)")
 	cmd.Flags().IntVar(&cpu, "cpu", 0, "vCPUs (default: the template's)")
 	cmd.Flags().IntVar(&memMB, "memory", 0, "memory in MiB (default: the template's)")
 	cmd.Flags().StringArrayVar(&env, "env", nil, "environment variable KEY=VALUE for every command (repeatable)")
@@ -114,6 +115,37 @@ func createCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&secure, "secure", true, "require the sandbox's access token for envd traffic")
 	jsonFlag(cmd, &printJSONOut)
 	return cmd
+}
+
+// seconds is a time to live given as whole seconds (as the E2B API counts
+// them) or as a Go duration.
+type seconds struct{ d *time.Duration }
+
+func (s seconds) String() string {
+	if s.d == nil {
+		return ""
+	}
+	return s.d.String()
+}
+func (s seconds) Type() string { return "seconds|duration" }
+func (s seconds) Set(v string) error {
+	if n, err := strconv.ParseInt(v, 10, 64); err == nil {
+		*s.d = time.Duration(n) * time.Second
+	} else if d, err := time.ParseDuration(v); err == nil {
+		*s.d = d
+	} else {
+		return fmt.Errorf("want seconds (300) or a duration (5m)")
+	}
+	if *s.d < time.Second {
+		return fmt.Errorf("at least one second")
+	}
+	return nil
+}
+
+// timeoutFlag adds --timeout (default 5 minutes).
+func timeoutFlag(cmd *cobra.Command, d *time.Duration, usage string) {
+	*d = 5 * time.Minute
+	cmd.Flags().Var(seconds{d}, "timeout", usage)
 }
 
 // jsonFlag adds -o json (table is the default) as a bool.
@@ -329,7 +361,7 @@ func resumeCmd() *cobra.Command {
 		"  aenv resume i1a2b3c4d5e6f7g8h9j0 --timeout 30m", "/resume",
 		func([]string) (any, error) { return map[string]any{"timeout": int64(timeout / time.Second)}, nil }, "resumed %s")
 	cmd.Args = cobra.ExactArgs(1)
-	cmd.Flags().DurationVar(&timeout, "timeout", 5*time.Minute, "new time to live")
+	timeoutFlag(cmd, &timeout, "new time to live (seconds, or a duration like 30m)")
 	return cmd
 }
 
@@ -398,7 +430,7 @@ func forkCmd() *cobra.Command {
 	}
 	conn.flags(cmd)
 	cmd.Flags().IntVarP(&count, "count", "n", 1, "number of children (1-16)")
-	cmd.Flags().DurationVar(&timeout, "timeout", 5*time.Minute, "the children's time to live")
+	timeoutFlag(cmd, &timeout, "the children's time to live (seconds, or a duration like 30m)")
 	jsonFlag(cmd, &asJSON)
 	return cmd
 }
