@@ -63,6 +63,17 @@ func snapshotCreateCmd() *cobra.Command {
 }
 
 func snapshotLsCmd() *cobra.Command {
+	return listingCmd("List named snapshots", "  aenv snapshot ls\n  aenv snapshot ls -o json", "/snapshots",
+		[]string{"NAME", "TEMPLATE", "FROM SANDBOX", "CPU", "MEMORY", "CREATED"},
+		func(s snapshotInfo) []string {
+			return []string{strings.Join(s.Names, ","), s.TemplateID, s.SandboxID, fmt.Sprint(s.CPUCount),
+				fmt.Sprintf("%d MiB", s.MemoryMB), ago(s.CreatedAt)}
+		})
+}
+
+// listingCmd is an `ls` that GETs path, a JSON list of T, and prints it as
+// a table (one row per item) or, with -o json, as JSON.
+func listingCmd[T any](short, example, path string, header []string, row func(T) []string) *cobra.Command {
 	var (
 		conn   connection
 		asJSON bool
@@ -70,31 +81,26 @@ func snapshotLsCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:     "ls",
 		Aliases: []string{"list"},
-		Short:   "List named snapshots",
-		Example: `  aenv snapshot ls
-  aenv snapshot ls -o json`,
-		Args: cobra.NoArgs,
+		Short:   short,
+		Example: example,
+		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := conn.client()
 			if err != nil {
 				return err
 			}
-			var all []snapshotInfo
-			if err := c.do(cmd.Context(), "GET", "/snapshots", nil, &all); err != nil {
+			all := []T{}
+			if err := c.do(cmd.Context(), "GET", path, nil, &all); err != nil {
 				return err
 			}
 			if asJSON {
-				if all == nil {
-					all = []snapshotInfo{}
-				}
 				return printJSON(cmd.OutOrStdout(), all)
 			}
-			rows := [][]string{}
-			for _, s := range all {
-				rows = append(rows, []string{strings.Join(s.Names, ","), s.TemplateID, s.SandboxID, fmt.Sprint(s.CPUCount),
-					fmt.Sprintf("%d MiB", s.MemoryMB), ago(s.CreatedAt)})
+			rows := make([][]string, 0, len(all))
+			for _, it := range all {
+				rows = append(rows, row(it))
 			}
-			return table(cmd.OutOrStdout(), []string{"NAME", "TEMPLATE", "FROM SANDBOX", "CPU", "MEMORY", "CREATED"}, rows)
+			return table(cmd.OutOrStdout(), header, rows)
 		},
 	}
 	conn.flags(cmd)
@@ -141,46 +147,21 @@ func deleteCmd(use, short, example, prefix, done string) *cobra.Command {
 	return cmd
 }
 
+// templateInfo is a template as GET /templates lists it.
+type templateInfo struct {
+	TemplateID  string `json:"templateID"`
+	CPUCount    int    `json:"cpuCount"`
+	MemoryMB    int    `json:"memoryMB"`
+	BuildStatus string `json:"buildStatus"`
+	EnvdVersion string `json:"envdVersion"`
+}
+
 func templateLsCmd() *cobra.Command {
-	var (
-		conn   connection
-		asJSON bool
-	)
-	cmd := &cobra.Command{
-		Use:     "ls",
-		Aliases: []string{"list"},
-		Short:   "List a server's templates",
-		Example: `  aenv template ls
-  aenv template ls -o json`,
-		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := conn.client()
-			if err != nil {
-				return err
-			}
-			var all []struct {
-				TemplateID  string `json:"templateID"`
-				CPUCount    int    `json:"cpuCount"`
-				MemoryMB    int    `json:"memoryMB"`
-				BuildStatus string `json:"buildStatus"`
-				EnvdVersion string `json:"envdVersion"`
-			}
-			if err := c.do(cmd.Context(), "GET", "/templates", nil, &all); err != nil {
-				return err
-			}
-			if asJSON {
-				return printJSON(cmd.OutOrStdout(), all)
-			}
-			rows := [][]string{}
-			for _, t := range all {
-				rows = append(rows, []string{t.TemplateID, fmt.Sprint(t.CPUCount), fmt.Sprintf("%d MiB", t.MemoryMB), t.BuildStatus})
-			}
-			return table(cmd.OutOrStdout(), []string{"TEMPLATE", "CPU", "MEMORY", "STATUS"}, rows)
-		},
-	}
-	conn.flags(cmd)
-	jsonFlag(cmd, &asJSON)
-	return cmd
+	return listingCmd("List a server's templates", "  aenv template ls\n  aenv template ls -o json", "/templates",
+		[]string{"TEMPLATE", "CPU", "MEMORY", "STATUS"},
+		func(t templateInfo) []string {
+			return []string{t.TemplateID, fmt.Sprint(t.CPUCount), fmt.Sprintf("%d MiB", t.MemoryMB), t.BuildStatus}
+		})
 }
 
 func templateRmCmd() *cobra.Command {

@@ -56,13 +56,13 @@ func (n *Node) Capacity(ctx context.Context) (*Capacity, error) {
 		case StatePaused:
 			state = StatePaused
 			c.Paused++
+			if _, ok := n.readSharedMark(s.ID); ok {
+				c.SharedPaused = append(c.SharedPaused, s.ID)
+			}
 		default:
 			continue
 		}
 		c.Sandboxes = append(c.Sandboxes, SandboxState{ID: s.ID, TemplateID: s.TemplateID, State: state})
-	}
-	if c.SharedPaused, err = n.SharedPaused(ctx); err != nil {
-		return nil, err
 	}
 	ts, err := n.Templates()
 	if err != nil {

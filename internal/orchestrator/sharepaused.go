@@ -462,19 +462,3 @@ func (n *Node) reapMoved() {
 		unlock()
 	}
 }
-
-// SharedPaused lists this node's paused sandboxes that are in shared
-// storage (resumable anywhere).
-func (n *Node) SharedPaused(ctx context.Context) ([]string, error) {
-	all, err := n.loadSandboxes(ctx, "state = ?", StatePaused)
-	if err != nil {
-		return nil, err
-	}
-	var out []string
-	for _, s := range all {
-		if _, ok := n.readSharedMark(s.ID); ok {
-			out = append(out, s.ID)
-		}
-	}
-	return out, nil
-}

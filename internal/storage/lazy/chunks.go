@@ -234,20 +234,24 @@ func (c *Cache) evict(keep string) {
 		if el == nil {
 			return
 		}
-		it := el.Value.(*cached)
-		if it.sum == keep {
+		if el.Value.(*cached).sum == keep {
 			if el.Prev() == nil {
 				return
 			}
 			el = el.Prev()
-			it = el.Value.(*cached)
 		}
-		c.lru.Remove(el)
-		delete(c.items, it.sum)
-		c.stats.UsedBytes -= it.size
-		c.stats.Evictions++
-		os.Remove(filepath.Join(c.dir, it.sum))
+		c.drop(el)
 	}
+}
+
+// drop evicts one cached chunk. Called with mu held.
+func (c *Cache) drop(el *list.Element) {
+	it := el.Value.(*cached)
+	c.lru.Remove(el)
+	delete(c.items, it.sum)
+	c.stats.UsedBytes -= it.size
+	c.stats.Evictions++
+	os.Remove(filepath.Join(c.dir, it.sum))
 }
 
 // Chunk returns a chunk's content.
@@ -366,12 +370,7 @@ func (c *Cache) makeRoom(need int64) {
 		if el == nil {
 			return
 		}
-		it := el.Value.(*cached)
-		c.lru.Remove(el)
-		delete(c.items, it.sum)
-		c.stats.UsedBytes -= it.size
-		c.stats.Evictions++
-		os.Remove(filepath.Join(c.dir, it.sum))
+		c.drop(el)
 	}
 }
 
