@@ -3,6 +3,7 @@
 package cli
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -14,6 +15,7 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/sys/unix"
 
+	tpl "github.com/agentenv/agentenv/internal/templates"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
@@ -156,7 +158,13 @@ func runChecks(dataDir string) []check {
 	paths := pathsOf(dataDir)
 	_, kerr := os.Stat(filepath.Join(paths.KernelDir))
 	_, ierr := os.Stat(paths.Initrd)
-	tpls, _ := filepath.Glob(filepath.Join(dataDir, "templates", "*", "template.json"))
+	var tpls []*tpl.Template
+	if cat, closeCat, err := tpl.OpenReadOnly(dataDir); err == nil {
+		tpls, _ = cat.List(context.Background())
+		closeCat()
+	}
+	legacy, _ := filepath.Glob(filepath.Join(dataDir, tpl.LegacyDir, "*", "template.json"))
+	tpls = append(tpls, make([]*tpl.Template, len(legacy))...) // adopted at the next start
 	switch {
 	case kerr != nil || ierr != nil:
 		add(check{"data dir", checkFail, dataDir + " has no guest kernel or initramfs", "aenv setup --data-dir " + dataDir})

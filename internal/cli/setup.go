@@ -6,6 +6,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/agentenv/agentenv/internal/datadir"
+	"github.com/agentenv/agentenv/internal/store"
+	"github.com/agentenv/agentenv/internal/templates"
 	"io"
 	"os"
 	"os/exec"
@@ -73,6 +76,11 @@ func runSetup(ctx context.Context, out io.Writer, o setupOptions) error {
 			return fmt.Errorf("unknown template kind %q (want base or minimal)", t)
 		}
 	}
+	lock, err := datadir.Acquire(o.dataDir, "aenv setup")
+	if err != nil {
+		return err
+	}
+	defer lock.Release()
 	total := 3 + len(o.templates)
 	logf := func(format string, args ...any) { fmt.Fprintf(out, "      "+format+"\n", args...) }
 
@@ -111,14 +119,19 @@ func runSetup(ctx context.Context, out io.Writer, o setupOptions) error {
 		return err
 	}
 
+	cat, closeCat, err := templates.OpenOffline(ctx, o.dataDir, nil)
+	if err != nil {
+		return err
+	}
+	defer closeCat()
 	for i, name := range o.templates {
 		done = step(out, 4+i, total, "building template "+name)
-		if _, err := orchestrator.LoadTemplate(o.dataDir, name); err == nil && !o.rebuild {
+		if _, err := cat.Get(ctx, name); err == nil && !o.rebuild {
 			logf("template %s already built (use --rebuild to build it again)", name)
 			_ = done(nil)
 			continue
 		}
-		if err := done(buildTemplate(ctx, o.dataDir, name, k.Version, logf)); err != nil {
+		if err := done(buildTemplate(ctx, cat, name, k.Version, logf)); err != nil {
 			return err
 		}
 	}
@@ -126,21 +139,35 @@ func runSetup(ctx context.Context, out io.Writer, o setupOptions) error {
 	return nil
 }
 
-func buildTemplate(ctx context.Context, dataDir, name, kernelVersion string, logf func(string, ...any)) error {
-	dir := orchestrator.TemplateDir(dataDir, name)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+// buildTemplate builds template name's root file system and installs it
+// as a layer named by its content (a rebuild moves the template's label;
+// what used the old build keeps it).
+func buildTemplate(ctx context.Context, cat *templates.Catalog, name, kernelVersion string, logf func(string, ...any)) error {
+	tmp, err := os.CreateTemp(cat.Store().Abs(store.LayersDir), ".setup-"+name+"-*.qcow2")
+	if err != nil {
 		return err
 	}
-	layer := orchestrator.TemplateRootLayer(dataDir, name)
+	layer := tmp.Name()
+	tmp.Close()
+	os.Remove(layer)
+	defer os.Remove(layer)
+	defer os.Remove(guest.ManifestPath(layer))
 	if err := guest.BuildRootfs(ctx, guest.RootfsSpec{Kind: name, KernelVersion: kernelVersion}, layer, logf); err != nil {
 		return err
 	}
-	t := orchestrator.Template{Name: name, DefaultUser: "user", VCPUs: 2, MemoryMiB: 512}
+	t := templates.Template{Name: name, DefaultUser: "user", VCPUs: 2, MemoryMiB: 512}
 	if name == "minimal" {
 		t.MemoryMiB = 256
 		t.VCPUs = 1
 	}
-	return orchestrator.RegisterTemplate(dataDir, t)
+	installed, err := cat.InstallFile(ctx, t, layer)
+	if err != nil {
+		return err
+	}
+	// The build's manifest stays beside the layer.
+	_ = os.Rename(guest.ManifestPath(layer), strings.TrimSuffix(installed.RootDisk, ".qcow2")+".json")
+	logf("template %s: layer %s", name, installed.Layer)
+	return nil
 }
 
 // checkTools reports every missing host tool at once, with the package to install.

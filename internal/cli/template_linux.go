@@ -13,9 +13,11 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/agentenv/agentenv/internal/datadir"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/storage/image"
 	"github.com/agentenv/agentenv/internal/storage/repository"
+	"github.com/agentenv/agentenv/internal/templates"
 )
 
 func templateImportCmd() *cobra.Command {
@@ -43,10 +45,20 @@ func templateImportCmd() *cobra.Command {
 			if os.Geteuid() != 0 {
 				return errors.New("template import must run as root (it mounts file system images)")
 			}
+			lock, err := datadir.Acquire(dataDir, "aenv template import")
+			if err != nil {
+				return fmt.Errorf("%w (a running server imports images through its template API: aenv template build)", err)
+			}
+			defer lock.Release()
 			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 			defer stop()
 			out := cmd.OutOrStdout()
-			t, err := orchestrator.ImportTemplate(ctx, dataDir, args[0], src, sizeMiB, func(format string, a ...any) {
+			cat, closeCat, err := templates.OpenOffline(ctx, dataDir, nil)
+			if err != nil {
+				return err
+			}
+			defer closeCat()
+			t, err := cat.ImportImage(ctx, args[0], src, sizeMiB, func(format string, a ...any) {
 				fmt.Fprintf(out, "  "+format+"\n", a...)
 			})
 			if err != nil {
@@ -86,8 +98,13 @@ func templatePushCmd() *cobra.Command {
 			}
 			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 			defer stop()
+			cat, closeCat, err := templates.OpenReadOnly(dataDir)
+			if err != nil {
+				return err
+			}
+			defer closeCat()
 			start := time.Now()
-			if err := orchestrator.PushTemplate(ctx, dataDir, repo, args[0]); err != nil {
+			if err := orchestrator.PushTemplate(ctx, cat, repo, args[0]); err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "template %s stored in %s in %s\n", args[0], repoURL, time.Since(start).Round(time.Millisecond))

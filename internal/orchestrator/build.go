@@ -3,6 +3,7 @@ package orchestrator
 import (
 	"context"
 	"crypto/sha256"
+	"database/sql"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/storage/image"
+	"github.com/agentenv/agentenv/internal/store"
 )
 
 // Template builds: a template is made from another template (or an imported
@@ -61,6 +63,9 @@ func BuildFilesPath(dataDir, hash string) string {
 	return filepath.Join(dataDir, "build-files", hash+".tar")
 }
 
+// buildCacheHolder holds the layers builds made, for later builds.
+const buildCacheHolder = "cache/build-layers"
+
 // filesHashRE is the form of COPY files hashes (lowercase hex, such as a
 // SHA-256).
 var filesHashRE = regexp.MustCompile(`^[0-9a-f]{4,128}$`)
@@ -84,7 +89,7 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 		sum := sha256.Sum256([]byte(spec.FromImage))
 		spec.FromTemplate = "image-" + hex.EncodeToString(sum[:8])
 		logf("info", "", "pulling image "+spec.FromImage)
-		if _, err := ImportTemplate(ctx, n.cfg.DataDir, spec.FromTemplate, image.Source{Ref: spec.FromImage}, 0,
+		if _, err := n.templates.ImportImage(ctx, spec.FromTemplate, image.Source{Ref: spec.FromImage}, 0,
 			func(format string, a ...any) { logf("info", "", fmt.Sprintf(format, a...)) }); err != nil {
 			return fmt.Errorf("base image %s: %w", spec.FromImage, err)
 		}
@@ -99,16 +104,13 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 		}
 	}
 	start := time.Now()
-	layers := filepath.Join(n.cfg.DataDir, layersDir)
-	if err := os.MkdirAll(layers, 0o755); err != nil {
-		return err
-	}
+	layers := filepath.Join(n.cfg.DataDir, store.LayersDir)
 	state := buildState{env: map[string]string{}, user: "root", cwd: "/"}
 	for k, v := range from.EnvVars {
 		state.env[k] = v
 	}
-	parent := from.RootDisk
-	key := "from:" + from.Name + ":" + layerIdentity(from.RootDisk)
+	parent, parentID := from.RootDisk, from.Layer
+	key := "from:" + from.Layer
 	var b *builder
 	defer func() {
 		if b != nil {
@@ -136,11 +138,12 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 			continue
 		}
 		key = hashKey(key, st)
-		layer := filepath.Join(layers, "build-"+key+".qcow2")
+		layerID := "build-" + key
+		layer := filepath.Join(layers, layerID+".qcow2")
 		if cached {
-			if _, err := os.Stat(layer); err == nil {
+			if _, err := n.store.Get(ctx, layerID); err == nil {
 				logf("info", name, "CACHED")
-				parent = layer
+				parent, parentID = layer, layerID
 				if st.Type == "WORKDIR" {
 					state.cwd = st.Args[0]
 				}
@@ -149,7 +152,7 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 		}
 		cached = false
 		if b == nil {
-			if b, err = n.startBuilder(ctx, spec, from, parent); err != nil {
+			if b, err = n.startBuilder(ctx, spec, from, parent, parentID); err != nil {
 				return fmt.Errorf("start the builder: %w", err)
 			}
 		}
@@ -161,17 +164,25 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 		if err := b.capture(ctx, parent, layer); err != nil {
 			return fmt.Errorf("step %s: save its layer: %w", name, err)
 		}
-		parent = layer
+		// A layer of the store, kept as the build cache.
+		if err := n.store.Tx(ctx, func(tx *sql.Tx) error {
+			if err := n.store.Add(tx, layerID, store.KindLayer, layer, parentID); err != nil {
+				return err
+			}
+			_, err := tx.ExecContext(ctx, `INSERT INTO refs (holder, object) VALUES (?, ?) ON CONFLICT DO NOTHING`, buildCacheHolder, layerID)
+			return err
+		}); err != nil {
+			return fmt.Errorf("step %s: record its layer: %w", name, err)
+		}
+		parent, parentID = layer, layerID
 	}
 	if b != nil {
 		b.close()
 		b = nil
 	}
-	// The template: a thin overlay on the last layer.
-	if err := installTemplateLayer(ctx, n.cfg.DataDir, spec.Template, parent); err != nil {
-		return err
-	}
-	t := Template{Name: spec.Template, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB, DiskMiB: from.DiskMiB,
+	// The template: its label moves to the last layer (sandboxes and
+	// snapshots of an earlier build keep theirs).
+	t := Template{Name: spec.Template, Layer: parentID, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB, DiskMiB: from.DiskMiB,
 		DefaultUser: from.DefaultUser, EnvVars: state.env, StartCmd: spec.StartCmd, ReadyCmd: spec.ReadyCmd,
 		StartUser: state.user, StartCwd: state.cwd}
 	if t.VCPUs == 0 {
@@ -180,7 +191,7 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 	if t.MemoryMiB == 0 {
 		t.MemoryMiB = from.MemoryMiB
 	}
-	if err := RegisterTemplate(n.cfg.DataDir, t); err != nil {
+	if err := n.templates.Install(ctx, t); err != nil {
 		return err
 	}
 	logf("info", "", fmt.Sprintf("template %s built in %s; snapshotting it", spec.Template, time.Since(start).Round(time.Millisecond)))
@@ -236,9 +247,9 @@ type builder struct {
 
 // startBuilder boots a sandbox on the layer the first uncached step builds
 // on.
-func (n *Node) startBuilder(ctx context.Context, spec BuildSpec, from *Template, layer string) (*builder, error) {
+func (n *Node) startBuilder(ctx context.Context, spec BuildSpec, from *Template, layer, layerID string) (*builder, error) {
 	t := *from
-	t.RootDisk = layer
+	t.RootDisk, t.Layer = layer, layerID
 	s, err := n.Create(ctx, CreateRequest{TemplateID: spec.Template, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB,
 		Timeout: time.Hour, noSnapshot: true, template: &t, Metadata: map[string]string{"aenv.build": spec.Template}})
 	if err != nil {

@@ -6,10 +6,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"strings"
+	"sync"
 	"time"
 
-	_ "modernc.org/sqlite" // registers the "sqlite" driver
+	"github.com/agentenv/agentenv/internal/statedb"
+	"github.com/agentenv/agentenv/internal/store"
 )
 
 const schema = `
@@ -38,27 +39,21 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 	mem_private    INTEGER NOT NULL DEFAULT 0,
 	snapshot_id    TEXT NOT NULL DEFAULT '',
 	auto_resume    INTEGER NOT NULL DEFAULT 0,
-	public_traffic INTEGER NOT NULL DEFAULT 1
+	public_traffic INTEGER NOT NULL DEFAULT 1,
+	base_layer     TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 `
 
-func openDB(path string) (*sql.DB, error) {
-	dsn := "file:" + path + "?_pragma=journal_mode(WAL)&_pragma=synchronous(FULL)&_pragma=busy_timeout(5000)&_pragma=foreign_keys(ON)"
-	db, err := sql.Open("sqlite", dsn)
-	if err != nil {
-		return nil, fmt.Errorf("open state db %s: %w", path, err)
-	}
-	db.SetMaxOpenConns(1) // one writer; SQLite serializes anyway
+// migrateSandboxes creates (or brings up to date) the sandboxes table.
+func migrateSandboxes(db *sql.DB) error {
 	if _, err := db.Exec(schema); err != nil {
-		db.Close()
-		return nil, fmt.Errorf("migrate state db %s: %w", path, err)
+		return fmt.Errorf("migrate state db: %w", err)
 	}
 	if err := addMissingColumns(db); err != nil {
-		db.Close()
-		return nil, fmt.Errorf("migrate state db %s: %w", path, err)
+		return fmt.Errorf("migrate state db: %w", err)
 	}
-	return db, nil
+	return nil
 }
 
 // laterColumns were added to the sandboxes table after its first release;
@@ -69,23 +64,14 @@ var laterColumns = []struct{ name, decl string }{
 	{"snapshot_id", "TEXT NOT NULL DEFAULT ''"},
 	{"auto_resume", "INTEGER NOT NULL DEFAULT 0"},
 	{"public_traffic", "INTEGER NOT NULL DEFAULT 1"},
+	{"base_layer", "TEXT NOT NULL DEFAULT ''"},
 }
 
 func addMissingColumns(db *sql.DB) error {
-	rows, err := db.Query(`SELECT name FROM pragma_table_info('sandboxes')`)
+	have, err := statedb.Columns(db, "sandboxes")
 	if err != nil {
 		return err
 	}
-	have := map[string]bool{}
-	for rows.Next() {
-		var n string
-		if err := rows.Scan(&n); err != nil {
-			rows.Close()
-			return err
-		}
-		have[n] = true
-	}
-	rows.Close()
 	for _, c := range laterColumns {
 		if !have[c.name] {
 			if _, err := db.Exec(`ALTER TABLE sandboxes ADD COLUMN ` + c.name + ` ` + c.decl); err != nil {
@@ -98,7 +84,7 @@ func addMissingColumns(db *sql.DB) error {
 
 const sandboxColumns = `id, template_id, state, vcpus, memory_mib, disk_mib, slot, pid, allow_internet, secure,
 	auto_pause, access_token, traffic_token, default_user, metadata, env_vars, created_at, started_at, end_at,
-	mem_file, mem_private, snapshot_id, auto_resume, public_traffic`
+	mem_file, mem_private, snapshot_id, auto_resume, public_traffic, base_layer`
 
 func scanSandbox(row interface{ Scan(...any) error }) (*Sandbox, error) {
 	var s Sandbox
@@ -107,7 +93,7 @@ func scanSandbox(row interface{ Scan(...any) error }) (*Sandbox, error) {
 	if err := row.Scan(&s.ID, &s.TemplateID, &s.State, &s.VCPUs, &s.MemoryMiB, &s.DiskMiB, &s.Slot, &s.PID,
 		&s.AllowInternet, &s.Secure, &s.AutoPause, &s.AccessToken, &s.TrafficToken, &s.DefaultUser,
 		&meta, &env, &created, &started, &end, &s.MemFile, &s.MemPrivate, &s.SnapshotID,
-		&s.AutoResume, &s.PublicTraffic); err != nil {
+		&s.AutoResume, &s.PublicTraffic, &s.BaseLayer); err != nil {
 		return nil, err
 	}
 	if err := json.Unmarshal([]byte(meta), &s.Metadata); err != nil {
@@ -122,33 +108,63 @@ func scanSandbox(row interface{ Scan(...any) error }) (*Sandbox, error) {
 	return &s, nil
 }
 
+// sandboxHolder names a sandbox as a holder of store references.
+func sandboxHolder(id string) string { return "sandbox/" + id }
+
+// storeRefs are the store objects a sandbox is made of: the snapshot or
+// layer its disk overlay stacks on, and the snapshot whose RAM image its
+// memory maps.
+func (n *Node) storeRefs(s *Sandbox) []string {
+	base := s.SnapshotID
+	if base == "" {
+		base = s.BaseLayer
+	}
+	return []string{base, n.memoryBaseOf(s)}
+}
+
+// insertSandbox records a new sandbox and what it references, in one
+// transaction.
 func (n *Node) insertSandbox(ctx context.Context, s *Sandbox) error {
 	meta, _ := json.Marshal(nonNil(s.Metadata))
 	env, _ := json.Marshal(nonNil(s.EnvVars))
-	_, err := n.db.ExecContext(ctx, `INSERT INTO sandboxes (`+sandboxColumns+`, updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
-		s.ID, s.TemplateID, s.State, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure,
-		s.AutoPause, s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env),
-		s.CreatedAt.UnixMilli(), s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID,
-		s.AutoResume, s.PublicTraffic, time.Now().UnixMilli())
+	err := n.store.Tx(ctx, func(tx *sql.Tx) error {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO sandboxes (`+sandboxColumns+`, updated_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+			s.ID, s.TemplateID, s.State, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure,
+			s.AutoPause, s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env),
+			s.CreatedAt.UnixMilli(), s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID,
+			s.AutoResume, s.PublicTraffic, s.BaseLayer, time.Now().UnixMilli()); err != nil {
+			return err
+		}
+		return store.SetRefs(tx, sandboxHolder(s.ID), n.storeRefs(s)...)
+	})
 	if err != nil {
 		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
 	}
 	return nil
 }
 
-// saveSandbox rewrites every recorded field of an existing sandbox.
+// saveSandbox rewrites every recorded field of an existing sandbox, and
+// what it references, in one transaction.
 func (n *Node) saveSandbox(ctx context.Context, s *Sandbox) error {
+	return n.store.Tx(ctx, func(tx *sql.Tx) error { return n.saveSandboxTx(ctx, tx, s) })
+}
+
+func (n *Node) saveSandboxTx(ctx context.Context, tx *sql.Tx, s *Sandbox) error {
 	meta, _ := json.Marshal(nonNil(s.Metadata))
 	env, _ := json.Marshal(nonNil(s.EnvVars))
-	_, err := n.db.ExecContext(ctx, `UPDATE sandboxes SET template_id = ?, state = ?, vcpus = ?, memory_mib = ?,
+	_, err := tx.ExecContext(ctx, `UPDATE sandboxes SET template_id = ?, state = ?, vcpus = ?, memory_mib = ?,
 		disk_mib = ?, slot = ?, pid = ?, allow_internet = ?, secure = ?, auto_pause = ?, access_token = ?,
 		traffic_token = ?, default_user = ?, metadata = ?, env_vars = ?, created_at = ?, started_at = ?, end_at = ?,
-		mem_file = ?, mem_private = ?, snapshot_id = ?, auto_resume = ?, public_traffic = ?, updated_at = ? WHERE id = ?`,
+		mem_file = ?, mem_private = ?, snapshot_id = ?, auto_resume = ?, public_traffic = ?, base_layer = ?, updated_at = ? WHERE id = ?`,
 		s.TemplateID, s.State, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure, s.AutoPause,
 		s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env), s.CreatedAt.UnixMilli(),
-		s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID, s.AutoResume, s.PublicTraffic, time.Now().UnixMilli(), s.ID)
+		s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID, s.AutoResume, s.PublicTraffic,
+		s.BaseLayer, time.Now().UnixMilli(), s.ID)
 	if err != nil {
+		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
+	}
+	if err := store.SetRefs(tx, sandboxHolder(s.ID), n.storeRefs(s)...); err != nil {
 		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
 	}
 	return nil
@@ -192,29 +208,6 @@ func (n *Node) loadSandboxes(ctx context.Context, where string, args ...any) ([]
 	return out, rows.Err()
 }
 
-// transition moves a sandbox from one of the given states to another,
-// atomically: it fails with ErrConflict when another operation got there
-// first.
-func (n *Node) transition(ctx context.Context, id string, to State, from ...State) error {
-	ph := strings.TrimSuffix(strings.Repeat("?,", len(from)), ",")
-	args := []any{string(to), time.Now().UnixMilli(), id}
-	for _, f := range from {
-		args = append(args, string(f))
-	}
-	res, err := n.db.ExecContext(ctx, `UPDATE sandboxes SET state = ?, updated_at = ? WHERE id = ? AND state IN (`+ph+`)`, args...)
-	if err != nil {
-		return fmt.Errorf("update sandbox %s state: %w", id, err)
-	}
-	if c, _ := res.RowsAffected(); c == 1 {
-		return nil
-	}
-	s, err := n.loadSandbox(ctx, id)
-	if err != nil {
-		return err
-	}
-	return fmt.Errorf("%w: sandbox %s is %s", ErrConflict, id, s.State)
-}
-
 func (n *Node) setFields(ctx context.Context, id string, set string, args ...any) error {
 	args = append(args, time.Now().UnixMilli(), id)
 	if _, err := n.db.ExecContext(ctx, `UPDATE sandboxes SET `+set+`, updated_at = ? WHERE id = ?`, args...); err != nil {
@@ -223,16 +216,42 @@ func (n *Node) setFields(ctx context.Context, id string, set string, args ...any
 	return nil
 }
 
+// deleteSandbox forgets a sandbox and its references, in one transaction.
 func (n *Node) deleteSandbox(ctx context.Context, id string) error {
-	if _, err := n.db.ExecContext(ctx, `DELETE FROM sandboxes WHERE id = ?`, id); err != nil {
+	err := n.store.Tx(ctx, func(tx *sql.Tx) error {
+		if _, err := tx.ExecContext(ctx, `DELETE FROM sandboxes WHERE id = ?`, id); err != nil {
+			return err
+		}
+		return store.DropRefs(tx, sandboxHolder(id))
+	})
+	if err != nil {
 		return fmt.Errorf("forget sandbox %s: %w", id, err)
 	}
 	return nil
 }
 
+// slotAllocator hands out network slots.
+type slotAllocator struct {
+	mu   sync.Mutex
+	last int // the slot handed out last; guarded by mu
+}
+
+// recordNew gives a new sandbox a free network slot and records it (with
+// what it references), atomically with respect to other new sandboxes.
+func (n *Node) recordNew(ctx context.Context, s *Sandbox) error {
+	n.slots.mu.Lock()
+	defer n.slots.mu.Unlock()
+	slot, err := n.freeSlot(ctx)
+	if err != nil {
+		return err
+	}
+	s.Slot = slot
+	return n.insertSandbox(ctx, s)
+}
+
 // freeSlot returns a network slot no sandbox uses, going round the range
 // from the last one handed out, so a just-freed guest address is not reused
-// at once (clients may still hold connections to it).
+// at once (clients may still hold connections to it). n.slots.mu is held.
 func (n *Node) freeSlot(ctx context.Context) (int, error) {
 	rows, err := n.db.QueryContext(ctx, `SELECT slot FROM sandboxes`)
 	if err != nil {
@@ -252,9 +271,9 @@ func (n *Node) freeSlot(ctx context.Context) (int, error) {
 	}
 	total := n.net.Slots()
 	for i := 1; i <= total; i++ {
-		s := (n.lastSlot + i) % total
+		s := (n.slots.last + i) % total
 		if !used[s] {
-			n.lastSlot = s
+			n.slots.last = s
 			return s, nil
 		}
 	}

@@ -4,6 +4,8 @@ import (
 	"database/sql"
 	"path/filepath"
 	"testing"
+
+	"github.com/agentenv/agentenv/internal/statedb"
 )
 
 // TestMigratesOldDatabase opens a state database made by the first release
@@ -24,11 +26,14 @@ func TestMigratesOldDatabase(t *testing.T) {
 		t.Fatal(err)
 	}
 	old.Close()
-	db, err := openDB(path)
+	db, err := statedb.Open(path)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer db.Close()
+	if err := migrateSandboxes(db); err != nil {
+		t.Fatal(err)
+	}
 	n := &Node{db: db}
 	s, err := n.loadSandbox(t.Context(), "old1")
 	if err != nil {

@@ -2,6 +2,7 @@ package orchestrator
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -73,11 +74,14 @@ func (n *Node) exportSnapshot(ctx context.Context, ns *NamedSnapshot) error {
 		return fmt.Errorf("export snapshot %s: flatten disk: %v: %s", ns.Name, err, strings.TrimSpace(string(out)))
 	}
 	rec := *ns
-	rec.TemplateLayer, rec.StateHasRAM = layerIdentity(t.RootDisk), hasRAM
+	rec.TemplateLayer, rec.StateHasRAM = t.Layer, hasRAM
 	if err := writeJSONAtomic(filepath.Join(stage, exportRecordName), rec); err != nil {
 		return err
 	}
-	if _, err := n.cfg.Repository.Put(ctx, repoKindSnapshot, ns.Name, stage); err != nil && !errors.Is(err, repository.ErrExists) {
+	if _, err := n.cfg.Repository.Put(ctx, repoKindSnapshot, ns.Name, stage); err != nil {
+		if errors.Is(err, repository.ErrExists) {
+			return fmt.Errorf("%w: the repository holds another snapshot named %q (made on another node)", ErrConflict, ns.Name)
+		}
 		return fmt.Errorf("export snapshot %s: %w", ns.Name, err)
 	}
 	n.log.Info("snapshot committed to the repository", "snapshot", ns.Name, "took", time.Since(start).Round(time.Millisecond))
@@ -118,7 +122,7 @@ func (n *Node) importSnapshot(ctx context.Context, name string) (*NamedSnapshot,
 	if err != nil {
 		return nil, fmt.Errorf("snapshot %q needs template %q: %w", name, rec.TemplateID, err)
 	}
-	if rec.TemplateLayer != layerIdentity(t.RootDisk) {
+	if rec.TemplateLayer != t.Layer {
 		n.log.Warn("importing a snapshot made over another build of its template", "snapshot", name, "template", t.Name)
 	}
 	// Point the disk layer at this node's copy of the template.
@@ -126,8 +130,12 @@ func (n *Node) importSnapshot(ctx context.Context, name string) (*NamedSnapshot,
 	if out, err := exec.CommandContext(ctx, "qemu-img", "rebase", "-u", "-b", t.RootDisk, "-F", "qcow2", disk).CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("import snapshot %s: rebase disk: %v: %s", name, err, strings.TrimSpace(string(out)))
 	}
-	snapID := "import-" + randomHex(8)
-	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, snapID)
+	snapID, lease, err := n.newSnapshot(ctx, "import of snapshot "+name, t.Layer)
+	if err != nil {
+		return nil, err
+	}
+	defer lease.Drop(context.WithoutCancel(ctx))
+	sdir := n.snapshotDir(snapID)
 	if err := os.Rename(disk, filepath.Join(stage, snapDiskName)); err != nil {
 		return nil, err
 	}
@@ -148,11 +156,8 @@ func (n *Node) importSnapshot(ctx context.Context, name string) (*NamedSnapshot,
 	if err := storage.SyncDir(filepath.Dir(sdir)); err != nil {
 		return nil, err
 	}
-	rec.SnapshotID = snapID
-	if err := os.MkdirAll(filepath.Join(n.cfg.DataDir, namedSnapshotsDir), 0o700); err != nil {
-		return nil, err
-	}
-	if err := writeJSONAtomic(n.namedSnapshotPath(name), rec); err != nil {
+	rec.Name, rec.SnapshotID = name, snapID
+	if err := n.store.Tx(ctx, func(tx *sql.Tx) error { return setNamedSnapshot(tx, &rec) }); err != nil {
 		return nil, err
 	}
 	n.log.Info("snapshot imported from the repository", "snapshot", name, "local", snapID)

@@ -3,26 +3,28 @@ package orchestrator
 import (
 	"context"
 	"crypto/rand"
+	"database/sql"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/faults"
+	"github.com/agentenv/agentenv/internal/operation"
 	"github.com/agentenv/agentenv/internal/storage"
+	"github.com/agentenv/agentenv/internal/store"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
 // MaxForkChildren bounds one fork.
 const MaxForkChildren = 16
 
-// Files of a fork snapshot, in <data>/snapshots/<id>/.
+// Files of a snapshot, in <data>/snapshots/<id>/.
 const (
-	snapshotsDir     = "snapshots"
+	snapshotsDir     = store.SnapshotsDir
 	snapMemName      = "memory"
 	snapDiskName     = "disk.qcow2"
 	snapStateName    = "devices.vmstate"
@@ -56,25 +58,27 @@ type snapshotManifest struct {
 	DiffPages int64 `json:"diffPages,omitempty"`
 }
 
+func (n *Node) snapshotDir(id string) string { return filepath.Join(n.cfg.DataDir, snapshotsDir, id) }
+
 // snapshotRAM tells how a snapshot's memory is restored: image is the RAM
 // image to map, and with stateHasRAM the state file holds the pages that
 // differ from it.
 func (n *Node) snapshotRAM(snapID string) (image string, stateHasRAM bool, err error) {
 	var m snapshotManifest
-	if err := readJSON(filepath.Join(n.cfg.DataDir, snapshotsDir, snapID, snapManifestName), &m); err != nil {
+	if err := readJSON(filepath.Join(n.snapshotDir(snapID), snapManifestName), &m); err != nil {
 		return "", false, fmt.Errorf("%w: snapshot %s manifest: %v", ErrCorrupt, snapID, err)
 	}
 	owner := snapID
 	if m.MemoryBase != "" {
 		owner = m.MemoryBase
 	}
-	return filepath.Join(n.cfg.DataDir, snapshotsDir, owner, snapMemName), m.StateHasRAM || m.MemoryBase != "", nil
+	return filepath.Join(n.snapshotDir(owner), snapMemName), m.StateHasRAM || m.MemoryBase != "", nil
 }
 
 // verifySnapshotState checks a snapshot's state file against the checksum
 // in its manifest.
 func (n *Node) verifySnapshotState(snapID string) error {
-	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, snapID)
+	sdir := n.snapshotDir(snapID)
 	var m snapshotManifest
 	if err := readJSON(filepath.Join(sdir, snapManifestName), &m); err != nil {
 		return fmt.Errorf("%w: snapshot %s manifest: %v", ErrCorrupt, snapID, err)
@@ -102,19 +106,43 @@ func (n *Node) memoryBaseOf(s *Sandbox) string {
 	return filepath.Base(filepath.Dir(s.MemFile))
 }
 
-// runOnSnapshot points a sandbox's record at a snapshot it now runs on: its
-// disk stacks on the snapshot's and its RAM maps the snapshot's image
-// copy-on-write.
+// runOnSnapshot makes a sandbox's record point at a snapshot it now runs
+// on (its disk stacks on the snapshot's and its RAM maps the snapshot's
+// image copy-on-write), with its references, in one transaction.
 func (n *Node) runOnSnapshot(ctx context.Context, s *Sandbox, snapID string) error {
 	image, _, err := n.snapshotRAM(snapID)
 	if err != nil {
 		return err
 	}
-	if err := n.setFields(ctx, s.ID, "snapshot_id = ?, mem_file = ?, mem_private = 1", snapID, image); err != nil {
+	next := *s
+	next.SnapshotID, next.BaseLayer, next.MemFile, next.MemPrivate, next.PID = snapID, "", image, true, 0
+	if err := n.saveSandbox(ctx, &next); err != nil {
 		return err
 	}
-	s.SnapshotID, s.MemFile, s.MemPrivate = snapID, image, true
+	s.SnapshotID, s.BaseLayer, s.MemFile, s.MemPrivate, s.PID = snapID, "", image, true, 0
 	return nil
+}
+
+// newSnapshot names a snapshot about to be assembled from s and records it
+// in the store, needing what s is made of and held by a lease (until a
+// record refers to it), before its directory exists.
+func (n *Node) newSnapshot(ctx context.Context, purpose string, needs ...string) (string, *store.Lease, error) {
+	id := "snap-" + randomHex(10)
+	lease, err := n.store.NewLease(ctx, purpose, n.cfg.OperationTimeout+operation.CleanupTimeout)
+	if err != nil {
+		return "", nil, err
+	}
+	err = n.store.Tx(ctx, func(tx *sql.Tx) error {
+		if err := n.store.Add(tx, id, store.KindSnapshot, n.snapshotDir(id), needs...); err != nil {
+			return err
+		}
+		return lease.Hold(tx, id)
+	})
+	if err != nil {
+		lease.Drop(context.WithoutCancel(ctx))
+		return "", nil, err
+	}
+	return id, lease, nil
 }
 
 // Fork clones a running sandbox into count children on this node. The parent
@@ -123,7 +151,9 @@ func (n *Node) runOnSnapshot(ctx context.Context, s *Sandbox, snapID string) err
 // each mapping the frozen RAM copy-on-write (so unchanged pages are shared
 // through the page cache) over a disk overlay of its own. Children inherit
 // processes, files, cpu/memory, env vars and metadata, and get their own id,
-// access token, network namespace and fresh entropy.
+// access token, network namespace and fresh entropy. The fork runs to its
+// end whatever the caller does; the parent is never lost: when it cannot
+// run on, it rests paused at the instant of the fork.
 func (n *Node) Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]ForkResult, error) {
 	if count < 1 || count > MaxForkChildren {
 		return nil, fmt.Errorf("%w: count must be between 1 and %d", ErrInvalid, MaxForkChildren)
@@ -134,256 +164,403 @@ func (n *Node) Fork(ctx context.Context, id string, count int, timeout time.Dura
 	if timeout < 0 || timeout > n.cfg.MaxTimeout {
 		return nil, fmt.Errorf("%w: timeout must be between 1s and %s", ErrInvalid, n.cfg.MaxTimeout)
 	}
-	snap, results, err := n.capture(ctx, id, count, timeout, StateForking)
-	if snap != "" {
-		n.unpinSnapshot(snap) // the children's records refer to it now
+	c, err := n.capture(ctx, "fork", id, count, timeout, StateForking)
+	if c != nil && c.lease != nil {
+		// The children's records refer to the snapshot now.
+		c.lease.Drop(context.WithoutCancel(ctx))
 	}
-	return results, err
+	if c == nil {
+		return nil, err
+	}
+	return c.children, err
 }
 
-// capture freezes a running sandbox into a snapshot, restores it, and
-// restores count children from the same snapshot; op is the state the
-// sandbox shows meanwhile. The snapshot it returns is pinned against garbage
-// collection; the caller unpins it once a record refers to it.
-func (n *Node) capture(ctx context.Context, id string, count int, timeout time.Duration, op State) (string, []ForkResult, error) {
+// captured is what capture made.
+type captured struct {
+	snapID   string
+	parent   *Sandbox
+	children []ForkResult
+	// lease holds the snapshot until the caller's record refers to it.
+	lease *store.Lease
+	// parentPaused: the parent could not be restored and rests paused on
+	// the snapshot.
+	parentPaused bool
+}
+
+// capture freezes a running sandbox into a snapshot, brings it back, and
+// restores count children from the same snapshot; opState is the state the
+// sandbox shows meanwhile. It runs as operation opName, detached from ctx.
+// On success (and when only the parent's restore failed) the snapshot is
+// held by the returned lease, which the caller drops once a record refers
+// to the snapshot.
+func (n *Node) capture(ctx context.Context, opName, id string, count int, timeout time.Duration, opState State) (*captured, error) {
+	s, err := n.loadSandbox(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	if !s.State.Resting() {
+		return nil, busy(s)
+	}
+	if s.State != StateRunning {
+		return nil, fmt.Errorf("%w: sandbox %s is %s; only running sandboxes can be forked or snapshotted (resume it first)", ErrConflict, id, s.State)
+	}
 	unlock := n.lockOp(id)
 	defer unlock()
-	parent, err := n.loadSandbox(ctx, id)
-	if err != nil {
-		return "", nil, err
+	o := operation.Start(ctx, opName, n.cfg.OperationTimeout, n.log)
+	octx := o.Context()
+	if s, err = n.loadSandbox(octx, id); err != nil {
+		return nil, o.Finish(err)
 	}
-	if parent.State != StateRunning {
-		return "", nil, fmt.Errorf("%w: sandbox %s is %s; only running sandboxes can be forked", ErrConflict, id, parent.State)
-	}
-	if err := n.transition(ctx, id, op, StateRunning); err != nil {
-		return "", nil, err
+	if err := n.move(octx, id, StateRunning, opState, ""); err != nil {
+		return nil, o.Finish(err)
 	}
 	start := time.Now()
 	// A copy-on-write parent is captured without a restart; any other has
 	// its RAM file frozen and is restored from the snapshot with the
 	// children.
-	live := n.canSnapshotLive(parent)
+	live := n.canSnapshotLive(s)
 	var snap string
+	var lease *store.Lease
 	if live {
-		snap, err = n.snapshotLive(ctx, parent)
-	} else if snap, err = n.freeze(ctx, parent); err == nil {
-		n.pinSnapshot(snap)
+		snap, lease, err = n.snapshotLive(o, s, opState)
+	} else {
+		snap, lease, err = n.freeze(o, s, opState)
 	}
 	if err != nil {
-		n.log.Error("fork: freezing the parent failed", "sandbox", id, "err", err)
-		if m := n.machine(id); m != nil {
-			_ = m.Resume(context.WithoutCancel(ctx))
-			_ = n.transition(context.WithoutCancel(ctx), id, StateRunning, op)
-		} else {
-			// The parent's QEMU is gone; it cannot be brought back.
-			n.destroy(context.WithoutCancel(ctx), parent)
-		}
-		return "", nil, fmt.Errorf("fork %s: %w", id, err)
+		n.log.Error(opName+": capturing the sandbox failed", "sandbox", id, "err", err)
+		return &captured{parent: s}, o.Finish(fmt.Errorf("%s %s: %w", opName, id, err))
 	}
 	frozen := time.Since(start)
 	faults.Point(faults.ForkFrozen)
+	c := &captured{snapID: snap, parent: s, lease: lease, children: make([]ForkResult, count)}
 
 	// Restore the parent and the children from the snapshot in parallel.
-	results := make([]ForkResult, count)
 	var wg sync.WaitGroup
 	var parentErr error
 	if !live {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			parentErr = n.restoreFromSnapshot(ctx, parent, snap, parent.AccessToken, false)
+			parentErr = o.Do("restore-parent", func(ctx context.Context) error {
+				return n.restoreFromSnapshot(ctx, s, snap, s.AccessToken, false)
+			})
 		}()
 	}
-	for i := range results {
+	for i := range c.children {
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
-			results[i] = n.forkChild(ctx, parent, snap, timeout)
+			c.children[i] = n.forkChild(o, s, snap, timeout)
 		}(i)
 	}
 	wg.Wait()
 	if parentErr != nil {
-		n.log.Error("fork: restoring the parent failed", "sandbox", id, "err", parentErr)
-		n.destroy(context.WithoutCancel(ctx), parent)
-		if count == 0 {
-			return snap, nil, fmt.Errorf("restore %s after capturing it: %w", id, parentErr)
+		// The parent rests at the instant of the capture, in the snapshot.
+		n.log.Error(opName+": restoring the sandbox failed; it rests paused at the snapshot", "sandbox", id, "err", parentErr)
+		_ = n.stopMachine(id)
+		if err := n.restOnSnapshot(context.WithoutCancel(octx), s, snap, opState); err != nil {
+			n.log.Error(opName+": could not record the sandbox as paused", "sandbox", id, "err", err)
 		}
-	} else if err := n.transition(ctx, id, StateRunning, op); err != nil {
-		return snap, results, err
+		c.parentPaused = true
+		return c, o.Finish(fmt.Errorf("%s %s: the sandbox could not run on after the capture and is paused (resume it): %w", opName, id, parentErr))
 	}
-	n.log.Info("sandbox forked", "sandbox", id, "children", count, "freeze", frozen.Round(time.Microsecond),
-		"total", time.Since(start).Round(time.Millisecond))
-	return snap, results, nil
+	if err := n.move(octx, id, opState, StateRunning, ""); err != nil {
+		return c, o.Finish(err)
+	}
+	s.State = StateRunning
+	n.log.Info("sandbox captured", "op", opName, "sandbox", id, "snapshot", snap, "children", count,
+		"freeze", frozen.Round(time.Microsecond), "total", time.Since(start).Round(time.Millisecond))
+	return c, o.Finish(nil)
 }
 
-// freeze stops a parent that has a RAM file of its own, saves its device
-// state and turns its RAM file and disk overlay into a read-only (full)
-// snapshot; the parent's QEMU exits. The parent's record then points at the
-// snapshot: it runs on, and resumes, from it, mapping its RAM image
-// copy-on-write. (Copy-on-write sandboxes are captured by snapshotLive.)
-func (n *Node) freeze(ctx context.Context, parent *Sandbox) (string, error) {
-	m := n.machine(parent.ID)
+// alive reports whether a machine's QEMU still runs.
+func alive(m *vmm.Machine) bool {
 	if m == nil {
-		return "", errors.New("no running machine")
+		return false
 	}
-	snapID, sdir := n.newSnapshotID()
-	pdir := n.sandboxDir(parent.ID)
-	if err := os.MkdirAll(sdir, 0o700); err != nil {
-		return "", err
+	select {
+	case <-m.Exited():
+		return false
+	default:
+		return true
 	}
-	if parent.MemPrivate {
-		os.RemoveAll(sdir)
-		return "", fmt.Errorf("sandbox %s has no RAM file of its own to freeze", parent.ID)
+}
+
+// resumeOnFailure pushes the cleanup that puts a sandbox whose vCPUs an
+// operation stopped back to running; when its QEMU died meanwhile, nothing
+// of it can run again and it is removed as a crashed machine would be.
+func (n *Node) resumeOnFailure(o *operation.Op, s *Sandbox, from State) {
+	o.OnFailure("run the sandbox on", func(ctx context.Context) error {
+		if m := n.machines.get(s.ID); alive(m) {
+			if err := m.Resume(ctx); err == nil {
+				return n.move(ctx, s.ID, from, StateRunning, "")
+			}
+		}
+		n.machineLost(ctx, s, from)
+		return nil
+	})
+}
+
+// machineLost removes a sandbox whose QEMU died in the middle of an
+// operation before its state was saved anywhere: like a guest that crashed,
+// nothing of it can run again.
+func (n *Node) machineLost(ctx context.Context, s *Sandbox, from State) {
+	n.log.Error("the sandbox's QEMU died before its state was saved; removing it", "sandbox", s.ID, "during", from)
+	if err := n.move(ctx, s.ID, from, StateKilling, ""); err != nil {
+		n.log.Error("record a lost sandbox", "sandbox", s.ID, "err", err)
 	}
-	// Record the snapshot before touching anything: its manifest names the
-	// layer the parent's disk stacks on, and the parent's record names the
-	// snapshot, so garbage collection keeps both and a restart after a crash
-	// from here on can rebuild the parent from the snapshot's files
+	n.destroy(ctx, s)
+}
+
+// freeze stops a sandbox that has a RAM file of its own, saves its device
+// state and turns its RAM file and disk overlay into a read-only (full)
+// snapshot; its QEMU exits. Its record then points at the snapshot: it
+// runs on, and resumes, from it, mapping its RAM image copy-on-write.
+// (Copy-on-write sandboxes are captured by snapshotLive.) Before QEMU
+// exits a failure puts the sandbox back to running; after, the freeze is
+// completed as far as it needs to be for the sandbox to rest paused on the
+// snapshot.
+func (n *Node) freeze(o *operation.Op, s *Sandbox, opState State) (string, *store.Lease, error) {
+	ctx := o.Context()
+	m := n.machines.get(s.ID)
+	if !alive(m) {
+		return "", nil, errors.New("no running machine")
+	}
+	if s.MemPrivate {
+		return "", nil, fmt.Errorf("sandbox %s has no RAM file of its own to freeze", s.ID)
+	}
+	pdir := n.sandboxDir(s.ID)
+	var snapID string
+	var lease *store.Lease
+	prev := *s
+	// Record the snapshot before touching anything: the store keeps it, and
+	// the sandbox's record names it, so that a restart after a crash from
+	// here on can rebuild the sandbox from the snapshot's files
 	// (recoverFreeze).
-	before, err := storage.Info(ctx, filepath.Join(pdir, overlayName))
+	if err := o.Do("record-snapshot", func(ctx context.Context) error {
+		var err error
+		if snapID, lease, err = n.newSnapshot(ctx, o.Name()+" of "+s.ID, n.storeRefs(s)...); err != nil {
+			return err
+		}
+		sdir := n.snapshotDir(snapID)
+		if err := os.MkdirAll(sdir, 0o700); err != nil {
+			return err
+		}
+		before, err := storage.Info(ctx, filepath.Join(pdir, overlayName))
+		if err != nil {
+			return err
+		}
+		early := snapshotManifest{ID: snapID, SandboxID: s.ID, TemplateID: s.TemplateID,
+			ParentLayer: before.BackingFilename, MemoryMiB: s.MemoryMiB, CreatedAt: time.Now().UTC()}
+		if err := writeJSONAtomic(filepath.Join(sdir, snapManifestName), early); err != nil {
+			return err
+		}
+		next := *s
+		next.SnapshotID = snapID
+		return n.saveSandbox(ctx, &next)
+	}); err != nil {
+		if lease != nil {
+			lease.Drop(context.WithoutCancel(ctx))
+		}
+		return "", nil, err
+	}
+	o.OnFailure("forget the snapshot", func(ctx context.Context) error {
+		if err := lease.Drop(ctx); err != nil {
+			return err
+		}
+		n.gc(ctx)
+		return nil
+	})
+	o.OnFailure("the sandbox's record as it was", func(ctx context.Context) error {
+		cur, err := n.loadSandbox(ctx, s.ID)
+		if err != nil || cur.SnapshotID != snapID || cur.MemPrivate {
+			return err // the freeze went further: restOnSnapshot settled it
+		}
+		p := prev
+		p.State = cur.State
+		return n.saveSandbox(ctx, &p)
+	})
+	n.resumeOnFailure(o, s, opState)
+	sdir := n.snapshotDir(snapID)
+	if err := o.Do("stop-vcpus", func(ctx context.Context) error { return m.Pause(ctx) }); err != nil {
+		return "", nil, err
+	}
+	if err := o.Do("save-state", func(ctx context.Context) error {
+		return m.SaveState(ctx, filepath.Join(sdir, snapStateName))
+	}); err != nil {
+		return "", nil, err
+	}
+	// QEMU exits: from here the sandbox's state is the snapshot's, and a
+	// failure completes the freeze (recoverFreeze) rather than undo it.
+	if err := n.stopMachine(s.ID); err != nil {
+		return "", nil, err
+	}
+	err := n.finishFreeze(o, s, snapID)
+	if err == nil {
+		err = n.runOnSnapshot(ctx, s, snapID)
+	}
 	if err != nil {
-		os.RemoveAll(sdir)
-		return "", err
+		n.log.Error("freeze failed after the sandbox's QEMU stopped; completing it", "sandbox", s.ID, "err", err)
+		if rerr := n.restOnSnapshot(context.WithoutCancel(ctx), s, snapID, opState); rerr != nil {
+			n.log.Error("complete an interrupted freeze", "sandbox", s.ID, "err", rerr)
+			return "", nil, err
+		}
+		// Resting paused on the snapshot, held by its record: nothing to undo.
+		o.Settle()
+		lease.Drop(context.WithoutCancel(ctx))
+		return "", nil, fmt.Errorf("%w; the sandbox is paused at the snapshot (resume it)", err)
 	}
-	early := snapshotManifest{ID: snapID, SandboxID: parent.ID, TemplateID: parent.TemplateID,
-		ParentLayer: before.BackingFilename, MemoryMiB: parent.MemoryMiB, CreatedAt: time.Now().UTC()}
-	if err := writeJSONAtomic(filepath.Join(sdir, snapManifestName), early); err != nil {
-		os.RemoveAll(sdir)
-		return "", err
-	}
-	prevSnap := parent.SnapshotID
-	if err := n.setFields(ctx, parent.ID, "snapshot_id = ?", snapID); err != nil {
-		os.RemoveAll(sdir)
-		return "", err
-	}
-	abandon := func() {
-		// Nothing was moved yet: the parent stays as it was.
-		_ = n.setFields(context.WithoutCancel(ctx), parent.ID, "snapshot_id = ?", prevSnap)
-		os.RemoveAll(sdir)
-	}
-	if err := m.Pause(ctx); err != nil {
-		abandon()
-		return "", err
-	}
-	if err := m.SaveState(ctx, filepath.Join(sdir, snapStateName)); err != nil {
-		abandon()
-		return "", err
-	}
+	// The sandbox's state is the snapshot's now: a later failure leaves it
+	// resting there (capture), never undoes the freeze.
+	o.Settle()
+	return snapID, lease, nil
+}
+
+// finishFreeze moves a stopped sandbox's disk overlay and RAM file into its
+// snapshot, read-only, and completes the snapshot's manifest.
+func (n *Node) finishFreeze(o *operation.Op, s *Sandbox, snapID string) error {
+	pdir, sdir := n.sandboxDir(s.ID), n.snapshotDir(snapID)
 	moves := [][2]string{
 		{filepath.Join(pdir, overlayName), filepath.Join(sdir, snapDiskName)},
 		{filepath.Join(pdir, memFileName), filepath.Join(sdir, snapMemName)},
-	}
-	if err := n.stopMachine(parent.ID); err != nil {
-		return "", err
 	}
 	// The state and the disk are made durable; a RAM image is left to the
 	// kernel's writeback, so that freezing stays cheap (a paused sandbox
 	// syncs its RAM file; a named snapshot's durable copy is the one
 	// committed to the repository).
-	for _, f := range []string{filepath.Join(sdir, snapStateName), moves[0][0]} {
-		if err := syncFile(f); err != nil {
-			return "", err
+	if err := o.Do("sync", func(context.Context) error {
+		for _, f := range []string{filepath.Join(sdir, snapStateName), moves[0][0]} {
+			if err := syncFile(f); err != nil {
+				return err
+			}
 		}
+		return nil
+	}); err != nil {
+		return err
 	}
-	for _, mv := range moves {
-		if err := os.Rename(mv[0], mv[1]); err != nil {
-			return "", fmt.Errorf("freeze %s: %w", filepath.Base(mv[0]), err)
+	if err := o.Do("move-files", func(context.Context) error {
+		for _, mv := range moves {
+			if err := os.Rename(mv[0], mv[1]); err != nil {
+				return fmt.Errorf("freeze %s: %w", filepath.Base(mv[0]), err)
+			}
+			if err := os.Chmod(mv[1], 0o400); err != nil {
+				return err
+			}
 		}
-		if err := os.Chmod(mv[1], 0o400); err != nil {
-			return "", err
-		}
+		return nil
+	}); err != nil {
+		return err
+	}
+	return o.Do("manifest", func(ctx context.Context) error { return n.completeManifest(ctx, snapID) })
+}
+
+// completeManifest records a frozen snapshot's state checksum and disk
+// layer in its manifest.
+func (n *Node) completeManifest(ctx context.Context, snapID string) error {
+	sdir := n.snapshotDir(snapID)
+	var man snapshotManifest
+	if err := readJSON(filepath.Join(sdir, snapManifestName), &man); err != nil {
+		return err
 	}
 	sum, err := fileSHA256(filepath.Join(sdir, snapStateName))
 	if err != nil {
-		return "", err
+		return err
 	}
 	info, err := storage.Info(ctx, filepath.Join(sdir, snapDiskName))
 	if err != nil {
-		return "", err
+		return err
 	}
-	early.ParentLayer, early.StateSHA256 = info.BackingFilename, sum
-	if err := writeJSONAtomic(filepath.Join(sdir, snapManifestName), early); err != nil {
-		return "", err
-	}
-	if err := n.setFields(ctx, parent.ID, "pid = 0"); err != nil {
-		return "", err
-	}
-	return snapID, n.runOnSnapshot(ctx, parent, snapID)
+	man.ParentLayer, man.StateSHA256 = info.BackingFilename, sum
+	return writeJSONAtomic(filepath.Join(sdir, snapManifestName), man)
 }
 
-// recoverFreeze rebuilds, as a paused sandbox, a parent whose fork or
-// snapshot was cut short by a crash after its state was saved: it completes
-// the freeze (moving what was not moved yet) and leaves the parent paused on
-// the snapshot. It returns false when the saved state is not there.
+// recoverFreeze rebuilds, as a paused sandbox, a sandbox whose fork or
+// snapshot was cut short by a crash after its state was saved. It returns
+// false when the saved state is not there.
 func (n *Node) recoverFreeze(ctx context.Context, s *Sandbox) bool {
 	if s.SnapshotID == "" {
 		return false
 	}
-	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, s.SnapshotID)
-	pdir := n.sandboxDir(s.ID)
+	if err := n.restOnSnapshot(ctx, s, s.SnapshotID, s.State); err != nil {
+		n.log.Error("recover frozen sandbox", "sandbox", s.ID, "err", err)
+		return false
+	}
+	return true
+}
+
+// restOnSnapshot completes what a freeze of s into snapID left undone
+// (moving what was not moved yet; a snapshot taken live has nothing to
+// move) and leaves s paused on the snapshot: a fresh overlay on its disk,
+// its state as the paused state, its record pointing at it and moved from
+// state from to paused.
+func (n *Node) restOnSnapshot(ctx context.Context, s *Sandbox, snapID string, from State) error {
+	sdir, pdir := n.snapshotDir(snapID), n.sandboxDir(s.ID)
 	exists := func(p string) bool { _, err := os.Stat(p); return err == nil }
 	var man snapshotManifest
-	if readJSON(filepath.Join(sdir, snapManifestName), &man) != nil || !exists(filepath.Join(sdir, snapStateName)) {
-		return false
-	}
-	fail := func(what string, err error) bool {
-		n.log.Error("recover frozen sandbox", "sandbox", s.ID, "step", what, "err", err)
-		return false
+	if err := readJSON(filepath.Join(sdir, snapManifestName), &man); err != nil || !exists(filepath.Join(sdir, snapStateName)) {
+		return fmt.Errorf("snapshot %s has no saved state", snapID)
 	}
 	moves := [][2]string{{filepath.Join(pdir, overlayName), filepath.Join(sdir, snapDiskName)}}
-	if man.MemoryBase == "" {
+	if man.MemoryBase == "" && !man.StateHasRAM {
 		moves = append(moves, [2]string{filepath.Join(pdir, memFileName), filepath.Join(sdir, snapMemName)})
 	}
 	for _, mv := range moves {
 		if !exists(mv[1]) {
 			if err := os.Rename(mv[0], mv[1]); err != nil {
-				return fail("move "+filepath.Base(mv[0]), err)
+				return fmt.Errorf("move %s: %w", filepath.Base(mv[0]), err)
+			}
+			if err := os.Chmod(mv[1], 0o400); err != nil {
+				return err
 			}
 		}
 	}
-	// The parent gets a fresh overlay on the frozen disk.
+	if man.StateSHA256 == "" {
+		if err := n.completeManifest(ctx, snapID); err != nil {
+			return err
+		}
+	}
+	// The sandbox gets a fresh overlay on the frozen disk.
 	_ = os.Remove(filepath.Join(pdir, overlayName))
 	if err := storage.CreateOverlay(ctx, filepath.Join(sdir, snapDiskName), filepath.Join(pdir, overlayName), 0); err != nil {
-		return fail("overlay", err)
+		return err
 	}
 	sum, err := fileSHA256(filepath.Join(sdir, snapStateName))
 	if err != nil {
-		return fail("checksum", err)
+		return err
 	}
-	if man.StateSHA256 == "" {
-		man.StateSHA256 = sum
-		if err := writeJSONAtomic(filepath.Join(sdir, snapManifestName), man); err != nil {
-			return fail("manifest", err)
-		}
-	}
+	_ = os.Remove(filepath.Join(pdir, stateFileName))
 	if _, err := storage.CloneFile(filepath.Join(sdir, snapStateName), filepath.Join(pdir, stateFileName)); err != nil {
-		return fail("state", err)
+		return err
 	}
-	_, hasRAM, err := n.snapshotRAM(s.SnapshotID)
+	_, hasRAM, err := n.snapshotRAM(snapID)
 	if err != nil {
-		return fail("manifest", err)
+		return err
 	}
 	rec := pauseRecord{StateSHA256: sum, RAMInState: hasRAM, RAMDiff: hasRAM, PausedAt: time.Now().UTC()}
 	if err := writeJSONAtomic(filepath.Join(pdir, pauseRecordName), rec); err != nil {
-		return fail("pause record", err)
+		return err
 	}
-	if err := n.runOnSnapshot(ctx, s, s.SnapshotID); err != nil {
-		return fail("record", err)
+	if err := n.runOnSnapshot(ctx, s, snapID); err != nil {
+		return err
 	}
-	return n.setFields(ctx, s.ID, "state = ?, pid = 0", StatePaused) == nil
+	if err := n.move(ctx, s.ID, from, StatePaused, "pid = 0"); err != nil {
+		return err
+	}
+	s.State, s.PID = StatePaused, 0
+	return nil
 }
 
 // copySnapshotRAM gives a sandbox its own RAM file, a copy of a snapshot's
 // frozen image (a reflink where the filesystem can).
 func (n *Node) copySnapshotRAM(snapID, sandboxID string) error {
-	src := filepath.Join(n.cfg.DataDir, snapshotsDir, snapID, snapMemName)
+	src := filepath.Join(n.snapshotDir(snapID), snapMemName)
 	if _, err := storage.CloneFile(src, filepath.Join(n.sandboxDir(sandboxID), memFileName)); err != nil {
 		return fmt.Errorf("copy RAM image of snapshot %s: %w", snapID, err)
 	}
 	return nil
 }
 
-// restoreFromSnapshot starts s from a fork snapshot: a fresh overlay on the
+// restoreFromSnapshot starts s from a snapshot: a fresh overlay on the
 // snapshot's disk, RAM mapped copy-on-write from its memory image, device
 // state loaded, vCPUs resumed, envd re-initialised (authenticated with
 // authToken, the token the snapshot's envd knows).
@@ -402,12 +579,13 @@ func (n *Node) restoreFromSnapshot(ctx context.Context, s *Sandbox, snapID, auth
 // overlay on the snapshot's layer, its network, and a QEMU waiting for the
 // snapshot's device state. The pool of pre-started sandboxes stops here.
 func (n *Node) startIncoming(ctx context.Context, s *Sandbox, snapID string) (*vmm.Machine, error) {
-	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, snapID)
 	dir := n.sandboxDir(s.ID)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
-	if err := storage.CreateOverlay(ctx, filepath.Join(sdir, snapDiskName), filepath.Join(dir, overlayName), 0); err != nil {
+	overlay := filepath.Join(dir, overlayName)
+	_ = os.Remove(overlay)
+	if err := storage.CreateOverlay(ctx, filepath.Join(n.snapshotDir(snapID), snapDiskName), overlay, 0); err != nil {
 		return nil, err
 	}
 	ep, err := n.endpoint(s)
@@ -443,7 +621,7 @@ func (n *Node) finishRestore(ctx context.Context, s *Sandbox, m *vmm.Machine, sn
 	if hasRAM {
 		load = m.LoadFullState
 	}
-	if err := load(ctx, filepath.Join(n.cfg.DataDir, snapshotsDir, snapID, snapStateName)); err != nil {
+	if err := load(ctx, filepath.Join(n.snapshotDir(snapID), snapStateName)); err != nil {
 		return err
 	}
 	phase("load state")
@@ -462,7 +640,10 @@ func (n *Node) finishRestore(ctx context.Context, s *Sandbox, m *vmm.Machine, sn
 	return nil
 }
 
-func (n *Node) forkChild(ctx context.Context, parent *Sandbox, snapID string, timeout time.Duration) ForkResult {
+// forkChild restores one child of parent from snapshot snapID. A child
+// that fails is removed: it is new, and nothing of it was the user's.
+func (n *Node) forkChild(o *operation.Op, parent *Sandbox, snapID string, timeout time.Duration) ForkResult {
+	ctx := o.Context()
 	now := time.Now().UTC().Truncate(time.Millisecond)
 	c := *parent
 	c.ID = NewSandboxID()
@@ -478,35 +659,24 @@ func (n *Node) forkChild(ctx context.Context, parent *Sandbox, snapID string, ti
 	if err != nil {
 		return ForkResult{Err: err}
 	}
-	c.SnapshotID, c.MemFile, c.MemPrivate = snapID, image, true
+	c.SnapshotID, c.BaseLayer, c.MemFile, c.MemPrivate = snapID, "", image, true
 	unlock := n.lockOp(c.ID)
 	defer unlock()
-	n.mu.Lock()
-	slot, err := n.freeSlot(ctx)
+	if err := o.Do("record-child", func(ctx context.Context) error { return n.recordNew(ctx, &c) }); err != nil {
+		return ForkResult{Err: err}
+	}
+	err = o.Do("restore-child", func(ctx context.Context) error {
+		return n.restoreFromSnapshot(ctx, &c, snapID, parent.AccessToken, true)
+	})
 	if err == nil {
-		c.Slot = slot
-		err = n.insertSandbox(ctx, &c)
+		err = n.move(ctx, c.ID, StateCreating, StateRunning, "")
 	}
-	n.mu.Unlock()
 	if err != nil {
-		return ForkResult{Err: err}
-	}
-	if err := n.restoreFromSnapshot(ctx, &c, snapID, parent.AccessToken, true); err != nil {
-		n.destroy(context.WithoutCancel(ctx), &c)
-		return ForkResult{Err: err}
-	}
-	if err := n.transition(ctx, c.ID, StateRunning, StateCreating); err != nil {
 		n.destroy(context.WithoutCancel(ctx), &c)
 		return ForkResult{Err: err}
 	}
 	c.State = StateRunning
 	return ForkResult{Sandbox: n.withAddr(&c)}
-}
-
-// newSnapshotID names a new snapshot and its directory.
-func (n *Node) newSnapshotID() (id, dir string) {
-	id = "fork-" + randomHex(8)
-	return id, filepath.Join(n.cfg.DataDir, snapshotsDir, id)
 }
 
 func randomHex(n int) string {
@@ -515,76 +685,4 @@ func randomHex(n int) string {
 		panic(err)
 	}
 	return hex.EncodeToString(b)
-}
-
-// gcSnapshots deletes fork snapshots no sandbox depends on any more, directly
-// (its overlay or RAM image) or through another snapshot (whose disk layer
-// stacks on it, or whose memory is relative to its RAM image).
-func (n *Node) gcSnapshots(ctx context.Context) {
-	root := filepath.Join(n.cfg.DataDir, snapshotsDir)
-	ents, err := os.ReadDir(root)
-	if err != nil {
-		return
-	}
-	all, err := n.loadSandboxes(ctx, "")
-	if err != nil {
-		return
-	}
-	deps := map[string][]string{}
-	for _, e := range ents {
-		var m snapshotManifest
-		if readJSON(filepath.Join(root, e.Name(), snapManifestName), &m) == nil {
-			if filepath.Dir(filepath.Dir(m.ParentLayer)) == root {
-				deps[e.Name()] = append(deps[e.Name()], filepath.Base(filepath.Dir(m.ParentLayer)))
-			}
-			if m.MemoryBase != "" {
-				deps[e.Name()] = append(deps[e.Name()], m.MemoryBase)
-			}
-		}
-	}
-	used := map[string]bool{}
-	var keep func(id string)
-	keep = func(id string) {
-		if id == "" || used[id] {
-			return
-		}
-		used[id] = true
-		for _, d := range deps[id] {
-			keep(d)
-		}
-	}
-	if named, err := n.Snapshots(); err == nil {
-		for _, ns := range named {
-			keep(ns.SnapshotID)
-		}
-	}
-	if refs, err := os.ReadDir(filepath.Join(n.cfg.DataDir, templateSnapshotsDir)); err == nil {
-		for _, r := range refs {
-			var ts templateSnapshot
-			if readJSON(filepath.Join(n.cfg.DataDir, templateSnapshotsDir, r.Name()), &ts) == nil {
-				keep(ts.SnapshotID)
-			}
-		}
-	}
-	for _, s := range all {
-		keep(s.SnapshotID)
-		keep(n.memoryBaseOf(s))
-	}
-	n.mu.Lock()
-	for id := range n.pinned {
-		keep(id)
-	}
-	n.mu.Unlock()
-	for _, e := range ents {
-		if strings.HasPrefix(e.Name(), ".") {
-			continue // an export or import being staged
-		}
-		if !used[e.Name()] {
-			if err := os.RemoveAll(filepath.Join(root, e.Name())); err != nil {
-				n.log.Error("remove unused snapshot", "snapshot", e.Name(), "err", err)
-			} else {
-				n.log.Info("removed unused fork snapshot", "snapshot", e.Name())
-			}
-		}
-	}
 }

@@ -3,6 +3,7 @@ package orchestrator
 import (
 	"context"
 	"crypto/sha256"
+	"database/sql"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -13,10 +14,13 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/storage/lazy"
 	"github.com/agentenv/agentenv/internal/storage/repository"
+	"github.com/agentenv/agentenv/internal/store"
+	"github.com/agentenv/agentenv/internal/templates"
 )
 
 // Templates in the repository, loaded lazily: PushTemplate stores a
@@ -81,14 +85,14 @@ func (n *Node) PushTemplate(ctx context.Context, name string) error {
 	if n.cfg.Repository == nil {
 		return errors.New("the node has no repository")
 	}
-	return PushTemplate(ctx, n.cfg.DataDir, n.cfg.Repository, name)
+	return PushTemplate(ctx, n.templates, n.cfg.Repository, name)
 }
 
-// PushTemplate stores template name of the data dir (all its layers) in
+// PushTemplate stores template name of a catalog (all its layers) in
 // repo, from where any node can run it without downloading it first.
 // Layers already there (same content) are not uploaded again.
-func PushTemplate(ctx context.Context, dataDir string, repo repository.Repository, name string) error {
-	t, err := LoadTemplate(dataDir, name)
+func PushTemplate(ctx context.Context, cat *templates.Catalog, repo repository.Repository, name string) error {
+	t, err := cat.Get(ctx, name)
 	if err != nil {
 		return err
 	}
@@ -133,12 +137,31 @@ type lazyLayers struct {
 	sock  string
 }
 
+// lazyLayersOnce holds the node's NBD server and chunk cache, started on
+// first use.
+type lazyLayersOnce struct {
+	mu sync.Mutex
+	ll *lazyLayers // guarded by mu
+}
+
+func (o *lazyLayersOnce) get() *lazyLayers {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.ll
+}
+
+func (o *lazyLayersOnce) close() {
+	if ll := o.get(); ll != nil {
+		ll.srv.Close()
+	}
+}
+
 // lazyServer starts the node's NBD server and chunk cache on first use.
 func (n *Node) lazyServer() (*lazyLayers, error) {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if n.lazy != nil {
-		return n.lazy, nil
+	n.lazy.mu.Lock()
+	defer n.lazy.mu.Unlock()
+	if n.lazy.ll != nil {
+		return n.lazy.ll, nil
 	}
 	if n.cfg.Repository == nil {
 		return nil, errors.New("the node has no repository")
@@ -158,8 +181,8 @@ func (n *Node) lazyServer() (*lazyLayers, error) {
 	if err != nil {
 		return nil, err
 	}
-	n.lazy = &lazyLayers{srv: srv, cache: cache, sock: sock}
-	return n.lazy, nil
+	n.lazy.ll = &lazyLayers{srv: srv, cache: cache, sock: sock}
+	return n.lazy.ll, nil
 }
 
 // exportLayers registers a template's layers with the NBD server, each
@@ -214,21 +237,32 @@ func (n *Node) pullTemplateLazily(ctx context.Context, name string) (*Template, 
 	if err != nil {
 		return nil, err
 	}
-	dir := TemplateDir(n.cfg.DataDir, name)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return nil, err
-	}
-	tmp := filepath.Join(dir, ".rootfs.qcow2.tmp")
-	_ = os.Remove(tmp)
-	if out, err := exec.CommandContext(ctx, "qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", backing, tmp).CombinedOutput(); err != nil {
-		return nil, fmt.Errorf("template %s overlay: %v: %s", name, err, strings.TrimSpace(string(out)))
-	}
-	if err := os.Rename(tmp, TemplateRootLayer(n.cfg.DataDir, name)); err != nil {
-		return nil, err
+	// The template's root: a local thin overlay whose backing chain is the
+	// exports, a layer of the store named by the layers it stands for.
+	sum := sha256.Sum256([]byte(strings.Join(rec.Layers, ",")))
+	id := "lazy-" + hex.EncodeToString(sum[:20])
+	final := filepath.Join(n.cfg.DataDir, store.LayersDir, id+".qcow2")
+	if _, err := os.Stat(final); err != nil {
+		tmp := final + ".tmp"
+		_ = os.Remove(tmp)
+		if out, err := exec.CommandContext(ctx, "qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", backing, tmp).CombinedOutput(); err != nil {
+			return nil, fmt.Errorf("template %s overlay: %v: %s", name, err, strings.TrimSpace(string(out)))
+		}
+		if err := os.Chmod(tmp, 0o444); err != nil {
+			return nil, err
+		}
+		if err := os.Rename(tmp, final); err != nil {
+			return nil, err
+		}
 	}
 	t := rec.Template
-	t.Name, t.LazyLayers = name, rec.Layers
-	if err := RegisterTemplate(n.cfg.DataDir, t); err != nil {
+	t.Name, t.LazyLayers, t.Layer = name, rec.Layers, id
+	if err := n.store.Tx(ctx, func(tx *sql.Tx) error {
+		if err := n.store.Add(tx, id, store.KindLayer, final); err != nil {
+			return err
+		}
+		return templates.Set(tx, t)
+	}); err != nil {
 		return nil, err
 	}
 	n.log.Info("template loaded lazily from the repository", "template", name, "layers", len(rec.Layers))
@@ -265,22 +299,18 @@ func (n *Node) peers() *lazy.Peers {
 // token it refuses everything.
 func (n *Node) PeerChunks() http.Handler {
 	return lazy.PeerHandler(n.cfg.PeerToken, func() *lazy.Cache {
-		n.mu.Lock()
-		defer n.mu.Unlock()
-		if n.lazy == nil {
-			return nil
+		if ll := n.lazy.get(); ll != nil {
+			return ll.cache
 		}
-		return n.lazy.cache
+		return nil
 	})
 }
 
 // LayerCacheStats reports the lazy layer cache's counters (zero before the
 // node first loads a template lazily).
 func (n *Node) LayerCacheStats() lazy.CacheStats {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if n.lazy == nil {
-		return lazy.CacheStats{LimitBytes: int64(n.cfg.LayerCacheMiB) << 20}
+	if ll := n.lazy.get(); ll != nil {
+		return ll.cache.Stats()
 	}
-	return n.lazy.cache.Stats()
+	return lazy.CacheStats{LimitBytes: int64(n.cfg.LayerCacheMiB) << 20}
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/storage/lazy"
 	"github.com/agentenv/agentenv/internal/storage/repository"
+	"github.com/agentenv/agentenv/internal/store"
 )
 
 // TestLazyTemplateFromRepository: one node pushes a template (two layers,
@@ -30,16 +31,7 @@ func TestLazyTemplateFromRepository(t *testing.T) {
 	a.cfg.Repository = repo
 	// A template of two layers: base's root layer and an overlay on it.
 	base, _ := a.Template("base")
-	dir := TemplateDir(a.cfg.DataDir, "lazy-base")
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := storage.CreateOverlay(ctx, base.RootDisk, filepath.Join(dir, rootLayerName), 0); err != nil {
-		t.Fatal(err)
-	}
-	if err := RegisterTemplate(a.cfg.DataDir, Template{Name: "lazy-base", DefaultUser: "user", EnvVars: map[string]string{"FROM_REPO": "yes"}}); err != nil {
-		t.Fatal(err)
-	}
+	overlayTemplate(t, a, base, Template{Name: "lazy-base", DefaultUser: "user", EnvVars: map[string]string{"FROM_REPO": "yes"}})
 	start := time.Now()
 	if err := a.PushTemplate(ctx, "lazy-base"); err != nil {
 		t.Fatal(err)
@@ -56,7 +48,7 @@ func TestLazyTemplateFromRepository(t *testing.T) {
 	if err != nil || out.exit != 0 || out.stdout[:3] != "42\n" {
 		t.Fatalf("sandbox of a lazily loaded template: %+v %v", out, err)
 	}
-	st := b.lazy.cache.Stats()
+	st := b.lazy.get().cache.Stats()
 	t.Logf("chunk cache: %+v (layers: 300 MB)", st)
 	if st.UsedBytes > 32<<20 || st.FetchedBytes == 0 || st.FetchedBytes > 250<<20 {
 		t.Fatalf("lazy loading: %+v", st)
@@ -100,14 +92,7 @@ func BenchmarkLazyCreate(b *testing.B) {
 	a := testNode(b)
 	a.cfg.Repository = repo
 	base, _ := a.Template("base")
-	dir := TemplateDir(a.cfg.DataDir, "lazy-base")
-	os.MkdirAll(dir, 0o755)
-	if err := storage.CreateOverlay(ctx, base.RootDisk, filepath.Join(dir, rootLayerName), 0); err != nil {
-		b.Fatal(err)
-	}
-	if err := RegisterTemplate(a.cfg.DataDir, Template{Name: "lazy-base", DefaultUser: "user"}); err != nil {
-		b.Fatal(err)
-	}
+	overlayTemplate(b, a, base, Template{Name: "lazy-base", DefaultUser: "user"})
 	if err := a.PushTemplate(ctx, "lazy-base"); err != nil {
 		b.Fatal(err)
 	}
@@ -130,12 +115,12 @@ func BenchmarkLazyCreate(b *testing.B) {
 	var hits, misses int64
 	for i := 0; i < b.N; i++ {
 		local = append(local, timed("base"))
-		n.lazy.cache.Purge()
-		before := n.lazy.cache.Stats()
+		n.lazy.get().cache.Purge()
+		before := n.lazy.get().cache.Stats()
 		cold = append(cold, timed("lazy-base"))
-		mid := n.lazy.cache.Stats()
+		mid := n.lazy.get().cache.Stats()
 		warm = append(warm, timed("lazy-base"))
-		after := n.lazy.cache.Stats()
+		after := n.lazy.get().cache.Stats()
 		coldBytes += mid.FetchedBytes - before.FetchedBytes
 		warmBytes += after.FetchedBytes - mid.FetchedBytes
 		hits += after.Hits - mid.Hits
@@ -145,4 +130,20 @@ func BenchmarkLazyCreate(b *testing.B) {
 		b.N, percentile(local, 50).Round(time.Millisecond), percentile(cold, 50).Round(time.Millisecond), float64(coldBytes)/float64(b.N)/1e6,
 		percentile(warm, 50).Round(time.Millisecond), float64(warmBytes)/float64(b.N)/1e6, 100*float64(hits)/float64(max(1, hits+misses)))
 	reportPercentiles(b, cold)
+}
+
+// overlayTemplate installs template t on node n as an empty layer over
+// base's root layer.
+func overlayTemplate(tb testing.TB, n *Node, base *Template, t Template) *Template {
+	tb.Helper()
+	ctx := context.Background()
+	tmp := filepath.Join(n.cfg.DataDir, store.LayersDir, ".test-"+t.Name+".qcow2")
+	if err := storage.CreateOverlay(ctx, base.RootDisk, tmp, 0); err != nil {
+		tb.Fatal(err)
+	}
+	got, err := n.templates.InstallFile(ctx, t, tmp, base.Layer)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return got
 }

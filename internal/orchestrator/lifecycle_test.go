@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/operation"
 )
 
 func TestExpiryKillsSandbox(t *testing.T) {
@@ -285,10 +287,10 @@ func TestRestartMidFork(t *testing.T) {
 		t.Fatalf("prepare: %+v %v", r, err)
 	}
 	pid := strings.TrimSpace(r.stdout)
-	if err := n1.transition(ctx, s.ID, StateForking, StateRunning); err != nil {
+	if err := n1.move(ctx, s.ID, StateRunning, StateForking, ""); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := n1.freeze(ctx, s); err != nil {
+	if _, _, err := n1.freeze(operation.Start(ctx, "fork", time.Minute, nil), s, StateForking); err != nil {
 		t.Fatal(err)
 	}
 	n1.Close() // "crash": the parent is not restored

@@ -8,7 +8,9 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/operation"
 	"github.com/agentenv/agentenv/internal/storage"
+	"github.com/agentenv/agentenv/internal/store"
 )
 
 // A sandbox running copy-on-write on a snapshot's RAM image is captured
@@ -28,83 +30,96 @@ func (n *Node) canSnapshotLive(s *Sandbox) bool {
 }
 
 // snapshotLive captures a running copy-on-write sandbox into a new
-// incremental snapshot. On error the sandbox's QEMU is still there, stopped,
-// and the caller resumes it.
-func (n *Node) snapshotLive(ctx context.Context, s *Sandbox) (string, error) {
-	m := n.machine(s.ID)
-	if m == nil {
-		return "", errors.New("no running machine")
+// incremental snapshot, held by the returned lease. On failure the sandbox
+// runs on as before and the half-made snapshot goes.
+func (n *Node) snapshotLive(o *operation.Op, s *Sandbox, opState State) (string, *store.Lease, error) {
+	ctx := o.Context()
+	m := n.machines.get(s.ID)
+	if !alive(m) {
+		return "", nil, errors.New("no running machine")
 	}
-	snapID, sdir := n.newSnapshotID()
 	overlay := filepath.Join(n.sandboxDir(s.ID), overlayName)
 	phase := s.phaseTimer()
+	var snapID string
+	var lease *store.Lease
+	if err := o.Do("record-snapshot", func(ctx context.Context) error {
+		var err error
+		snapID, lease, err = n.newSnapshot(ctx, o.Name()+" of "+s.ID, n.storeRefs(s)...)
+		return err
+	}); err != nil {
+		return "", nil, err
+	}
+	sdir := n.snapshotDir(snapID)
+	// Assembled under a hidden name: a crash leaves nothing that looks like
+	// a snapshot (recovery removes it with the lease).
+	stage := filepath.Join(n.cfg.DataDir, snapshotsDir, ".stage-"+snapID)
+	o.OnFailure("forget the snapshot", func(ctx context.Context) error {
+		os.RemoveAll(stage)
+		if err := lease.Drop(ctx); err != nil {
+			return err
+		}
+		n.gc(ctx)
+		return nil
+	})
+	n.resumeOnFailure(o, s, opState)
 	info, err := storage.Info(ctx, overlay)
 	if err != nil {
-		return "", err
+		return "", nil, err
 	}
 	man := snapshotManifest{ID: snapID, SandboxID: s.ID, TemplateID: s.TemplateID,
 		ParentLayer: info.BackingFilename, MemoryMiB: s.MemoryMiB, CreatedAt: time.Now().UTC(),
 		MemoryBase: n.memoryBaseOf(s), StateHasRAM: true}
-	// Assembled under a hidden name: garbage collection and recovery leave
-	// it alone, and a crash leaves nothing that looks like a snapshot.
-	stage := filepath.Join(n.cfg.DataDir, snapshotsDir, "."+snapID)
 	if err := os.MkdirAll(stage, 0o700); err != nil {
-		return "", err
+		return "", nil, err
 	}
-	defer os.RemoveAll(stage)
-	if err := m.Pause(ctx); err != nil {
-		return "", err
+	if err := o.Do("stop-vcpus", func(ctx context.Context) error { return m.Pause(ctx) }); err != nil {
+		return "", nil, err
 	}
 	phase("stop vcpus")
-	st, err := m.SaveStateDiff(ctx, filepath.Join(stage, snapStateName), s.MemFile)
-	if err != nil {
-		return "", fmt.Errorf("write incremental snapshot: %w", err)
+	var pages, sent int64
+	if err := o.Do("save-state", func(ctx context.Context) error {
+		st, err := m.SaveStateDiff(ctx, filepath.Join(stage, snapStateName), s.MemFile)
+		if err != nil {
+			return fmt.Errorf("write incremental snapshot: %w", err)
+		}
+		man.StateSHA256, man.DiffPages, pages, sent = st.SHA256, st.PagesKept, st.PagesKept, st.PagesSent
+		return nil
+	}); err != nil {
+		return "", nil, err
 	}
 	phase("save state and changed RAM")
-	if _, err := storage.CloneFile(overlay, filepath.Join(stage, snapDiskName)); err != nil {
-		return "", fmt.Errorf("copy disk overlay: %w", err)
+	if err := o.Do("copy-overlay", func(ctx context.Context) error {
+		_, err := storage.CloneFile(overlay, filepath.Join(stage, snapDiskName))
+		return err
+	}); err != nil {
+		return "", nil, err
 	}
 	phase("copy disk overlay")
-	if err := m.Resume(ctx); err != nil {
-		return "", err
+	if err := o.Do("resume-vcpus", func(ctx context.Context) error { return m.Resume(ctx) }); err != nil {
+		return "", nil, err
 	}
 	phase("resume vcpus")
 	// (The state file was synced as it was written.)
-	if err := syncFile(filepath.Join(stage, snapDiskName)); err != nil {
-		return "", err
-	}
-	if err := os.Chmod(filepath.Join(stage, snapDiskName), 0o400); err != nil {
-		return "", err
-	}
-	man.StateSHA256, man.DiffPages = st.SHA256, st.PagesKept
-	if err := writeJSONAtomic(filepath.Join(stage, snapManifestName), man); err != nil {
-		return "", err
-	}
-	// Pinned until a record refers to it (the caller unpins).
-	n.pinSnapshot(snapID)
-	if err := os.Rename(stage, sdir); err != nil {
-		n.unpinSnapshot(snapID)
-		return "", err
-	}
-	if err := storage.SyncDir(filepath.Dir(sdir)); err != nil {
-		return "", err
+	if err := o.Do("commit", func(ctx context.Context) error {
+		disk := filepath.Join(stage, snapDiskName)
+		if err := syncFile(disk); err != nil {
+			return err
+		}
+		if err := os.Chmod(disk, 0o400); err != nil {
+			return err
+		}
+		if err := writeJSONAtomic(filepath.Join(stage, snapManifestName), man); err != nil {
+			return err
+		}
+		if err := os.Rename(stage, sdir); err != nil {
+			return err
+		}
+		return storage.SyncDir(filepath.Dir(sdir))
+	}); err != nil {
+		return "", nil, err
 	}
 	phase("commit")
-	n.log.Info("incremental snapshot", "sandbox", s.ID, "snapshot", snapID, "pages", st.PagesKept, "of", st.PagesSent, "phases", s.Phases)
-	return snapID, nil
-}
-
-// pinSnapshot keeps a snapshot from garbage collection until unpinned.
-func (n *Node) pinSnapshot(id string) {
-	n.mu.Lock()
-	n.pinned[id]++
-	n.mu.Unlock()
-}
-
-func (n *Node) unpinSnapshot(id string) {
-	n.mu.Lock()
-	if n.pinned[id]--; n.pinned[id] <= 0 {
-		delete(n.pinned, id)
-	}
-	n.mu.Unlock()
+	o.Settle()
+	n.log.Info("incremental snapshot", "sandbox", s.ID, "snapshot", snapID, "pages", pages, "of", sent, "phases", s.Phases)
+	return snapID, lease, nil
 }

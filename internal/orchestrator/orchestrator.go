@@ -19,8 +19,13 @@ import (
 	"sync"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/datadir"
+	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/network"
+	"github.com/agentenv/agentenv/internal/statedb"
 	"github.com/agentenv/agentenv/internal/storage/repository"
+	"github.com/agentenv/agentenv/internal/store"
+	"github.com/agentenv/agentenv/internal/templates"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
@@ -43,12 +48,12 @@ const (
 
 // Errors callers map to API responses; returned wrapped with context.
 var (
-	ErrNotFound = errors.New("not found")
-	ErrConflict = errors.New("conflict")
-	ErrInvalid  = errors.New("invalid request")
-	ErrCapacity = errors.New("no capacity")
-	ErrSetup    = errors.New("node not set up")
-	ErrCorrupt  = errors.New("stored state is corrupt")
+	ErrNotFound = errkind.NotFound
+	ErrConflict = errkind.Conflict
+	ErrInvalid  = errkind.Invalid
+	ErrCapacity = errkind.Capacity
+	ErrSetup    = errkind.Setup
+	ErrCorrupt  = errkind.Corrupt
 )
 
 // EnvdPort is the port envd listens on inside every guest.
@@ -87,6 +92,10 @@ type Sandbox struct {
 	// SnapshotID is the fork snapshot whose disk layer backs this sandbox's
 	// overlay (and whose memory image MemFile may be).
 	SnapshotID string
+	// BaseLayer is the layer a cold-booted sandbox's overlay stacks on (its
+	// template's root layer when it was created; the template may have
+	// been rebuilt since). Empty when SnapshotID is set.
+	BaseLayer string
 	// EnvdAddr is host:port where the node reaches the sandbox's envd.
 	EnvdAddr string
 	// Phases times the steps of the operation that produced this value
@@ -128,6 +137,10 @@ type Config struct {
 	Instance string
 	// BootTimeout bounds a cold boot until envd answers.
 	BootTimeout time.Duration
+	// OperationTimeout bounds one operation on a sandbox (pause, resume,
+	// snapshot, fork, kill, a create after its boot) once it has started:
+	// it runs to its end or rolls back whatever the client does meanwhile.
+	OperationTimeout time.Duration
 	// DefaultTimeout is a sandbox's time to live when the request gives none.
 	DefaultTimeout time.Duration
 	// MaxTimeout caps any requested time to live.
@@ -177,6 +190,9 @@ func (c *Config) setDefaults() {
 	if c.DefaultTimeout == 0 {
 		c.DefaultTimeout = 5 * time.Minute
 	}
+	if c.OperationTimeout == 0 {
+		c.OperationTimeout = 5 * time.Minute
+	}
 	if c.MaxTimeout == 0 {
 		c.MaxTimeout = 24 * time.Hour
 	}
@@ -205,36 +221,35 @@ func (c *Config) setDefaults() {
 
 // Node manages the sandboxes on this host.
 type Node struct {
-	cfg Config
-	db  *sql.DB
-	net *network.Manager
-	log *slog.Logger
+	cfg       Config
+	lock      *datadir.Lock // this process's claim on cfg.DataDir
+	db        *sql.DB
+	store     *store.Store
+	templates *templates.Catalog
+	net       *network.Manager
+	log       *slog.Logger
 
 	// initrdSum identifies the initramfs (and so the envd) guests boot with.
 	initrdSum string
 
-	mu       sync.Mutex
-	lastSlot int // guarded by mu
-	machines map[string]*vmm.Machine
-	opLocks  map[string]*sync.Mutex
-	pool     map[string][]*pooledSandbox // by snapshot id; guarded by mu
-	// pinned snapshots are being made and not yet referenced by any record;
-	// garbage collection keeps them. Guarded by mu.
-	pinned map[string]int
-	builds buildRegistry
-	lazy   *lazyLayers // started on first use; guarded by mu
+	machines machineTable
+	ops      opLocks
+	slots    slotAllocator
+	pool     *warmPool
+	builds   buildRegistry
+	lazy     lazyLayersOnce
 	// cgroupWarn says once that sandboxes run without cgroup limits.
 	cgroupWarn sync.Once
-	poolMu     sync.Mutex // one pool filler at a time
 
 	stop      chan struct{}
 	closeOnce sync.Once
 	wg        sync.WaitGroup
 }
 
-// Open starts a node on its data directory: it opens the state database,
-// prepares host networking, re-adopts or cleans up what a previous process
-// left, and starts the expiry loop.
+// Open starts a node on its data directory: it claims the data dir (a
+// second process on it is refused), opens the state database, prepares
+// host networking, re-adopts or cleans up what a previous process left,
+// and starts the expiry loop.
 func Open(ctx context.Context, cfg Config) (*Node, error) {
 	cfg.setDefaults()
 	for name, p := range map[string]string{"guest kernel": cfg.Kernel, "initramfs": cfg.Initrd} {
@@ -248,6 +263,19 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if _, err := vmm.FindQEMU(cfg.QEMU); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrSetup, err)
 	}
+	lock, err := datadir.Acquire(cfg.DataDir, "aenv server")
+	if err != nil {
+		return nil, err
+	}
+	n, err := open(ctx, cfg, lock)
+	if err != nil {
+		lock.Release()
+		return nil, err
+	}
+	return n, nil
+}
+
+func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 	if err := os.MkdirAll(filepath.Join(cfg.DataDir, "sandboxes"), 0o700); err != nil {
 		return nil, fmt.Errorf("create data dir: %w", err)
 	}
@@ -258,34 +286,49 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if err := netm.EnsureHost(ctx); err != nil {
 		return nil, fmt.Errorf("prepare host network: %w", err)
 	}
-	db, err := openDB(filepath.Join(cfg.DataDir, "aenv.db"))
+	db, err := statedb.Open(filepath.Join(cfg.DataDir, statedb.FileName))
 	if err != nil {
 		return nil, err
 	}
-	n := &Node{
-		cfg:      cfg,
-		db:       db,
-		net:      netm,
-		log:      cfg.Logger,
-		machines: map[string]*vmm.Machine{},
-		opLocks:  map[string]*sync.Mutex{},
-		pool:     map[string][]*pooledSandbox{},
-		pinned:   map[string]int{},
-		builds:   buildRegistry{live: map[string]*BuildRecord{}},
-		stop:     make(chan struct{}),
-		lastSlot: -1,
-	}
-	if n.initrdSum, err = fileSHA256(cfg.Initrd); err != nil {
+	fail := func(err error) (*Node, error) {
 		db.Close()
 		return nil, err
+	}
+	if err := migrateSandboxes(db); err != nil {
+		return fail(err)
+	}
+	st, err := store.Open(db, cfg.DataDir, cfg.Logger)
+	if err != nil {
+		return fail(err)
+	}
+	n := &Node{
+		cfg:       cfg,
+		lock:      lock,
+		db:        db,
+		store:     st,
+		templates: templates.NewCatalog(st, cfg.DataDir),
+		net:       netm,
+		log:       cfg.Logger,
+		pool:      newWarmPool(),
+		builds:    buildRegistry{live: map[string]*BuildRecord{}},
+		stop:      make(chan struct{}),
+		slots:     slotAllocator{last: -1},
+	}
+	if n.initrdSum, err = fileSHA256(cfg.Initrd); err != nil {
+		return fail(err)
+	}
+	if err := n.templates.AdoptLegacy(ctx, n.log); err != nil {
+		return fail(fmt.Errorf("adopt the templates of an older release: %w", err))
+	}
+	if err := n.adoptLegacySnapshots(ctx); err != nil {
+		return fail(fmt.Errorf("adopt the snapshots of an older release: %w", err))
 	}
 	n.recoverBuilds()
 	if n.cfg.Repository != nil {
 		n.exportLazyTemplates(ctx)
 	}
 	if err := n.recover(ctx); err != nil {
-		db.Close()
-		return nil, fmt.Errorf("recover node state: %w", err)
+		return fail(fmt.Errorf("recover node state: %w", err))
 	}
 	n.wg.Add(1)
 	go n.expiryLoop()
@@ -311,19 +354,15 @@ func (n *Node) Close() error {
 	close(n.stop)
 	n.wg.Wait()
 	n.drainPool(context.Background())
-	n.mu.Lock()
-	if n.lazy != nil {
-		n.lazy.srv.Close()
-	}
-	n.mu.Unlock()
-	n.mu.Lock()
-	for _, m := range n.machines {
+	n.lazy.close()
+	for _, m := range n.machines.all() {
 		if q := m.QMP(); q != nil {
 			q.Close()
 		}
 	}
-	n.mu.Unlock()
-	return n.db.Close()
+	err := n.db.Close()
+	n.lock.Release()
+	return err
 }
 
 // Accel is the accelerator sandboxes on this node use.
@@ -332,17 +371,7 @@ func (n *Node) Accel() vmm.Accel { return n.cfg.Accel }
 func (n *Node) sandboxDir(id string) string { return filepath.Join(n.cfg.DataDir, "sandboxes", id) }
 
 // lockOp serializes operations on one sandbox.
-func (n *Node) lockOp(id string) func() {
-	n.mu.Lock()
-	l, ok := n.opLocks[id]
-	if !ok {
-		l = &sync.Mutex{}
-		n.opLocks[id] = l
-	}
-	n.mu.Unlock()
-	l.Lock()
-	return l.Unlock
-}
+func (n *Node) lockOp(id string) func() { return n.ops.lock(id) }
 
 func (n *Node) endpoint(s *Sandbox) (*network.Endpoint, error) {
 	return n.net.Endpoint(s.ID, s.Slot, s.AllowInternet)

@@ -14,6 +14,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/faults"
 	"github.com/agentenv/agentenv/internal/network"
+	"github.com/agentenv/agentenv/internal/operation"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
@@ -25,10 +26,10 @@ const stateFileName = "devices.vmstate"
 // Pause stops a running sandbox and keeps it on disk: the guest's vCPUs are
 // stopped, its device state is saved beside its RAM file (guest memory is a
 // shared file mapping, so only devices need writing), and QEMU exits, freeing
-// its memory and CPU. Resume brings it back where it stopped.
+// its memory and CPU. Resume brings it back where it stopped. The pause
+// runs to its end whatever the caller does; when it fails the sandbox runs
+// on as before.
 func (n *Node) Pause(ctx context.Context, id string) (*Sandbox, error) {
-	unlock := n.lockOp(id)
-	defer unlock()
 	s, err := n.loadSandbox(ctx, id)
 	if err != nil {
 		return nil, err
@@ -36,114 +37,148 @@ func (n *Node) Pause(ctx context.Context, id string) (*Sandbox, error) {
 	if s.State == StatePaused {
 		return nil, fmt.Errorf("%w: sandbox %s is already paused", ErrConflict, id)
 	}
-	if err := n.transition(ctx, id, StatePausing, StateRunning); err != nil {
-		return nil, err
+	if !s.State.Resting() {
+		return nil, busy(s)
 	}
-	start := time.Now()
-	if err := n.pause(ctx, s); err != nil {
-		// The machine is still there and may still run: put it back.
-		n.log.Error("pause failed; resuming the sandbox", "sandbox", id, "err", err)
-		if m := n.machine(id); m != nil {
-			_ = m.Resume(context.WithoutCancel(ctx))
-		}
-		_ = n.transition(context.WithoutCancel(ctx), id, StateRunning, StatePausing)
-		return nil, fmt.Errorf("pause %s: %w", id, err)
+	unlock := n.lockOp(id)
+	defer unlock()
+	o := operation.Start(ctx, "pause", n.cfg.OperationTimeout, n.log)
+	octx := o.Context()
+	if s, err = n.loadSandbox(octx, id); err != nil {
+		return nil, o.Finish(err)
 	}
-	if err := n.setFields(ctx, id, "state = ?, pid = 0", StatePaused); err != nil {
-		return nil, err
+	if err := n.move(octx, id, StateRunning, StatePausing, ""); err != nil {
+		return nil, o.Finish(err)
 	}
-	s.State, s.PID = StatePaused, 0
-	n.log.Info("sandbox paused", "sandbox", id, "took", time.Since(start).Round(time.Microsecond))
+	n.resumeOnFailure(o, s, StatePausing)
+	if err := n.pauseMachine(octx, s, StatePausing, o.Do); err != nil {
+		n.log.Error("pause failed; the sandbox runs on", "sandbox", id, "err", err)
+		return nil, o.Finish(fmt.Errorf("pause %s: %w", id, err))
+	}
+	o.Finish(nil)
+	n.log.Info("sandbox paused", "sandbox", id, "took", o.Elapsed().Round(time.Microsecond))
 	if n.sharesPaused() {
 		n.sharePausedLater(id)
 	}
 	return n.withAddr(s), nil
 }
 
-func (n *Node) machine(id string) *vmm.Machine {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	return n.machines[id]
+// stepFunc runs one named step of an operation (operation.Op.Do, or
+// runStep outside one).
+type stepFunc func(name string, fn func(context.Context) error) error
+
+// runStep runs fn on ctx as a step of no operation.
+func runStep(ctx context.Context) stepFunc {
+	return func(_ string, fn func(context.Context) error) error { return fn(ctx) }
 }
 
+func (n *Node) machine(id string) *vmm.Machine { return n.machines.get(id) }
+
 // stopMachine kills a sandbox's QEMU, if the node holds one. The machine
-// leaves the map before it exits, so the exit watcher does not take the exit
-// for a crash.
+// leaves the table before it exits, so the exit watcher does not take the
+// exit for a crash.
 func (n *Node) stopMachine(id string) error {
-	n.mu.Lock()
-	m := n.machines[id]
-	delete(n.machines, id)
-	n.mu.Unlock()
+	m := n.machines.take(id)
 	if m == nil {
 		return nil
 	}
 	return m.Kill()
 }
 
-func (n *Node) pause(ctx context.Context, s *Sandbox) error {
-	m := n.machine(s.ID)
-	if m == nil {
+// pauseMachine saves a running sandbox (in state from) to disk and stops
+// its QEMU: vCPUs stop, the device state (with the changed pages of a
+// copy-on-write sandbox) is written, files are made durable, the pause
+// record and state are published, the record moves to paused, and only
+// then QEMU exits. On failure QEMU is still there, stopped, nothing is
+// published, and the caller runs it on.
+func (n *Node) pauseMachine(ctx context.Context, s *Sandbox, from State, step stepFunc) (err error) {
+	m := n.machines.get(s.ID)
+	if !alive(m) {
 		return errors.New("no running machine")
 	}
 	dir := n.sandboxDir(s.ID)
 	phase := s.phaseTimer()
-	if err := m.Pause(ctx); err != nil {
+	tmp := filepath.Join(dir, stateFileName+".tmp")
+	published := false
+	defer func() {
+		if err != nil {
+			os.Remove(tmp)
+			if published {
+				os.Remove(filepath.Join(dir, stateFileName))
+				os.Remove(filepath.Join(dir, pauseRecordName))
+			}
+		}
+	}()
+	if err := step("stop-vcpus", func(ctx context.Context) error { return m.Pause(ctx) }); err != nil {
 		return err
 	}
 	phase("stop vcpus")
-	tmp := filepath.Join(dir, stateFileName+".tmp")
 	_ = os.Remove(tmp)
 	var sum string // of the state, if known as it was written
-	if s.MemPrivate {
-		// Copy-on-write RAM is no file of the sandbox's own: the pages that
-		// differ from the image it maps go into the state.
-		st, err := m.SaveStateDiff(ctx, tmp, n.ramFile(s))
-		if err != nil {
-			return err
+	if err := step("save-state", func(ctx context.Context) error {
+		if s.MemPrivate {
+			// Copy-on-write RAM is no file of the sandbox's own: the pages
+			// that differ from the image it maps go into the state.
+			st, err := m.SaveStateDiff(ctx, tmp, n.ramFile(s))
+			if err != nil {
+				return err
+			}
+			sum = st.SHA256
+			n.log.Info("incremental memory state", "sandbox", s.ID, "pages", st.PagesKept, "of", st.PagesSent, "bytes", st.Bytes)
+			return nil
 		}
-		sum = st.SHA256
-		n.log.Info("incremental memory state", "sandbox", s.ID, "pages", st.PagesKept, "of", st.PagesSent, "bytes", st.Bytes)
-		phase("save state and changed RAM")
-	} else {
-		if err := m.SaveState(ctx, tmp); err != nil {
-			return err
-		}
-		phase("save device state")
-	}
-	// A completed migration has flushed and released the disk, so QEMU has
-	// nothing left to write: kill it rather than wait for an orderly quit.
-	if err := n.stopMachine(s.ID); err != nil {
+		return m.SaveState(ctx, tmp)
+	}); err != nil {
 		return err
 	}
-	phase("qemu exit")
-	// QEMU has flushed the disk and RAM file mappings; make them and the
-	// state durable, then publish the state file.
-	files := []string{overlayName}
-	if !s.MemPrivate {
-		files = append(files, memFileName, stateFileName+".tmp")
-	}
-	for _, f := range files {
-		if err := syncFile(filepath.Join(dir, f)); err != nil {
+	phase("save state")
+	// A completed migration has flushed the disk and QEMU writes nothing
+	// more: the files are made durable with QEMU still there (to run on if
+	// anything fails).
+	if err := step("sync", func(ctx context.Context) error {
+		files := []string{overlayName}
+		if !s.MemPrivate {
+			files = append(files, memFileName, stateFileName+".tmp")
+		}
+		for _, f := range files {
+			if err := syncFile(filepath.Join(dir, f)); err != nil {
+				return err
+			}
+		}
+		if sum == "" {
+			var err error
+			sum, err = fileSHA256(tmp)
 			return err
 		}
+		return nil
+	}); err != nil {
+		return err
 	}
-	if sum == "" {
-		var err error
-		if sum, err = fileSHA256(tmp); err != nil {
-			return err
-		}
-	}
+	phase("sync to disk")
 	// The record is written first, then the state file takes its final
 	// name: a state file under its final name always has a valid record.
-	rec := pauseRecord{StateSHA256: sum, RAMInState: s.MemPrivate, RAMDiff: s.MemPrivate, PausedAt: time.Now().UTC()}
-	if err := writeJSONAtomic(filepath.Join(dir, pauseRecordName), rec); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, filepath.Join(dir, stateFileName)); err != nil {
+	if err := step("publish", func(ctx context.Context) error {
+		rec := pauseRecord{StateSHA256: sum, RAMInState: s.MemPrivate, RAMDiff: s.MemPrivate, PausedAt: time.Now().UTC()}
+		if err := writeJSONAtomic(filepath.Join(dir, pauseRecordName), rec); err != nil {
+			return err
+		}
+		published = true
+		return os.Rename(tmp, filepath.Join(dir, stateFileName))
+	}); err != nil {
 		return err
 	}
 	faults.Point(faults.PauseSaved)
-	phase("sync to disk")
+	if err := step("commit", func(ctx context.Context) error {
+		return n.move(ctx, s.ID, from, StatePaused, "pid = 0")
+	}); err != nil {
+		return err
+	}
+	s.State, s.PID = StatePaused, 0
+	// Paused: QEMU has nothing left to do.
+	if err := n.stopMachine(s.ID); err != nil {
+		n.log.Warn("stop the QEMU of a paused sandbox", "sandbox", s.ID, "err", err)
+	}
+	phase("qemu exit")
 	return nil
 }
 
@@ -255,7 +290,9 @@ func syncFile(path string) error {
 
 // Resume restarts a paused sandbox exactly where it stopped and gives it a
 // new time to live (0: the node's default). envd gets a fresh /init so the
-// guest's wall clock is corrected.
+// guest's wall clock is corrected. The resume runs to its end whatever the
+// caller does; when it fails the sandbox stays paused (or, if its guest
+// already ran, is paused again).
 func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*Sandbox, error) {
 	if timeout == 0 {
 		timeout = n.cfg.DefaultTimeout
@@ -263,47 +300,71 @@ func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*S
 	if timeout < 0 || timeout > n.cfg.MaxTimeout {
 		return nil, fmt.Errorf("%w: timeout must be between 1s and %s", ErrInvalid, n.cfg.MaxTimeout)
 	}
+	s, err := n.loadSandbox(ctx, id)
+	if err == nil {
+		if s.State == StateRunning {
+			return nil, fmt.Errorf("%w: sandbox %s is already running", ErrConflict, id)
+		}
+		if !s.State.Resting() {
+			return nil, busy(s)
+		}
+	} else if !errors.Is(err, ErrNotFound) || !n.sharesPaused() {
+		return nil, err
+	}
 	unlock := n.lockOp(id)
 	defer unlock()
-	s, err := n.loadSandbox(ctx, id)
+	o := operation.Start(ctx, "resume", n.cfg.OperationTimeout, n.log)
+	octx := o.Context()
+	s, err = n.loadSandbox(octx, id)
 	if errors.Is(err, ErrNotFound) && n.sharesPaused() {
-		s, err = n.adoptShared(ctx, id) // paused on another node, in shared storage
+		s, err = n.adoptShared(octx, id) // paused on another node, in shared storage
 	}
 	if err != nil {
-		return nil, err
+		return nil, o.Finish(err)
 	}
 	if s.State == StateRunning {
-		return nil, fmt.Errorf("%w: sandbox %s is already running", ErrConflict, id)
+		return nil, o.Finish(fmt.Errorf("%w: sandbox %s is already running", ErrConflict, id))
 	}
 	if s.State == StatePaused {
-		if err := n.takeBackShared(ctx, s); err != nil {
-			return nil, err
+		if err := n.takeBackShared(octx, s); err != nil {
+			return nil, o.Finish(err)
 		}
 	}
-	if err := n.transition(ctx, id, StateResuming, StatePaused); err != nil {
-		return nil, err
+	if err := n.move(octx, id, StatePaused, StateResuming, ""); err != nil {
+		return nil, o.Finish(err)
 	}
-	start := time.Now()
-	if err := n.resume(ctx, s); err != nil {
-		// Nothing of the paused state was changed: the sandbox stays paused.
-		_ = n.stopMachine(id)
-		_ = n.transition(context.WithoutCancel(ctx), id, StatePaused, StateResuming)
-		return nil, fmt.Errorf("resume %s: %w", id, err)
+	if err := n.resumeMachine(o, s); err != nil {
+		return nil, o.Finish(fmt.Errorf("resume %s: %w", id, err))
 	}
 	now := time.Now().UTC().Truncate(time.Millisecond)
-	s.StartedAt, s.EndAt, s.State = now, now.Add(timeout), StateRunning
-	if err := n.setFields(ctx, id, "state = ?, pid = ?, started_at = ?, end_at = ?",
-		StateRunning, s.PID, s.StartedAt.UnixMilli(), s.EndAt.UnixMilli()); err != nil {
-		return nil, err
+	if err := o.Do("commit", func(ctx context.Context) error {
+		return n.move(ctx, id, StateResuming, StateRunning, "pid = ?, started_at = ?, end_at = ?",
+			s.PID, now.UnixMilli(), now.Add(timeout).UnixMilli())
+	}); err != nil {
+		return nil, o.Finish(fmt.Errorf("resume %s: %w", id, err))
 	}
-	n.log.Info("sandbox resumed", "sandbox", id, "took", time.Since(start).Round(time.Microsecond))
+	o.Finish(nil)
+	s.StartedAt, s.EndAt, s.State = now, now.Add(timeout), StateRunning
+	n.log.Info("sandbox resumed", "sandbox", id, "took", o.Elapsed().Round(time.Microsecond))
 	return n.withAddr(s), nil
 }
 
-func (n *Node) resume(ctx context.Context, s *Sandbox) error {
+// resumeMachine starts a paused sandbox's QEMU on its saved state and runs
+// it. Until the guest runs, a failure stops that QEMU and the sandbox stays
+// paused, its files untouched; once it ran (its RAM and disk moved on), a
+// failure pauses it again.
+func (n *Node) resumeMachine(o *operation.Op, s *Sandbox) error {
+	o.OnFailure("stay paused", func(ctx context.Context) error {
+		_ = n.stopMachine(s.ID)
+		return n.move(ctx, s.ID, StateResuming, StatePaused, "pid = 0")
+	})
 	dir := n.sandboxDir(s.ID)
 	state := filepath.Join(dir, stateFileName)
-	if err := n.verifyPausedState(s); err != nil {
+	if err := o.Do("verify", func(context.Context) error { return n.verifyPausedState(s) }); err != nil {
+		return err
+	}
+	rec, err := readPauseRecord(dir)
+	if err != nil {
 		return err
 	}
 	phase := s.phaseTimer()
@@ -311,36 +372,56 @@ func (n *Node) resume(ctx context.Context, s *Sandbox) error {
 	if err != nil {
 		return err
 	}
-	tap, err := n.openTap(ctx, ep)
-	if err != nil {
+	var tap *os.File
+	if err := o.Do("network", func(ctx context.Context) error {
+		tap, err = n.openTap(ctx, ep)
+		return err
+	}); err != nil {
 		return err
 	}
 	defer tap.Close()
 	phase("network")
-	m, err := vmm.Start(ctx, n.vmConfig(s, tap, true))
-	if err != nil {
+	var m *vmm.Machine
+	if err := o.Do("qemu-start", func(ctx context.Context) error {
+		var err error
+		if m, err = vmm.Start(ctx, n.vmConfig(s, tap, true)); err != nil {
+			return err
+		}
+		n.adopt(s.ID, m)
+		s.PID = m.PID()
+		return nil
+	}); err != nil {
 		return err
 	}
-	n.adopt(s.ID, m)
-	s.PID = m.PID()
 	phase("qemu start")
-	rec, err := readPauseRecord(dir)
-	if err != nil {
-		return err
-	}
 	load := m.LoadState
 	if rec.RAMDiff {
 		load = m.LoadFullState
 	}
-	if err := load(ctx, state); err != nil {
+	if err := o.Do("load-state", func(ctx context.Context) error { return load(ctx, state) }); err != nil {
 		return err
 	}
 	phase("load state")
-	if err := m.Resume(ctx); err != nil {
+	if err := o.Do("resume-vcpus", func(ctx context.Context) error { return m.Resume(ctx) }); err != nil {
 		return err
 	}
 	phase("resume vcpus")
-	if err := initEnvd(ctx, ep.GuestAddr(EnvdPort), s); err != nil {
+	// The guest runs: its paused state is history. A failure from here
+	// pauses it again, as it is now.
+	o.Settle()
+	o.OnFailure("pause again", func(ctx context.Context) error {
+		if m := n.machines.get(s.ID); alive(m) {
+			if err := n.pauseMachine(ctx, s, StateResuming, runStep(ctx)); err == nil {
+				return nil
+			} else if m.Resume(ctx) == nil {
+				n.log.Error("a failed resume could not pause the sandbox again; it runs", "sandbox", s.ID, "err", err)
+				return n.move(ctx, s.ID, StateResuming, StateRunning, "pid = ?", m.PID())
+			}
+		}
+		n.machineLost(ctx, s, StateResuming)
+		return nil
+	})
+	if err := o.Do("envd-init", func(ctx context.Context) error { return initEnvd(ctx, ep.GuestAddr(EnvdPort), s) }); err != nil {
 		return err
 	}
 	phase("envd init")

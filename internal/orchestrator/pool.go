@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/vmm"
@@ -13,8 +14,11 @@ import (
 // last step: RAM image copied, disk overlay created, network namespace up,
 // QEMU restored from the snapshot and running idle with a warmed-up envd.
 // Creating a sandbox from the template then takes one and gives it the
-// request's identity, env vars, clock and fresh entropy through envd /init. Pooled sandboxes are
-// recorded (state "pooled", hidden from listings) so a restart cleans them.
+// request's identity, env vars, clock and fresh entropy through envd /init.
+// Pooled sandboxes are recorded (state "pooled", hidden from listings, their
+// record holding the template snapshot in the store) so a restart cleans
+// them. A pooled QEMU that dies leaves the pool and is replaced; when a
+// template's snapshot changes (a rebuild), the entries of the old one go.
 
 // StatePooled marks a pre-started sandbox no user owns yet.
 const StatePooled State = "pooled"
@@ -28,43 +32,120 @@ type pooledSandbox struct {
 	m *vmm.Machine
 }
 
-// takePooled hands out a pre-started sandbox of the snapshot, if any.
-func (n *Node) takePooled(snapID string, vcpus, memMiB int) *pooledSandbox {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	list := n.pool[snapID]
-	for i, p := range list {
-		if p.s.VCPUs == vcpus && p.s.MemoryMiB == memMiB {
-			select {
-			case <-p.m.Exited():
-				continue // died while waiting; the exit watcher cleans it
-			default:
-			}
-			n.pool[snapID] = append(list[:i:i], list[i+1:]...)
-			return p
+// warmPool is the node's pre-started sandboxes, by template snapshot.
+type warmPool struct {
+	mu      sync.Mutex
+	entries map[string][]*pooledSandbox // guarded by mu
+	filling sync.Mutex                  // one filler at a time
+}
+
+func newWarmPool() *warmPool { return &warmPool{entries: map[string][]*pooledSandbox{}} }
+
+// take hands out a live pre-started sandbox of the snapshot, if any.
+func (p *warmPool) take(snapID string, vcpus, memMiB int) *pooledSandbox {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	list := p.entries[snapID]
+	for i, e := range list {
+		if e.s.VCPUs != vcpus || e.s.MemoryMiB != memMiB {
+			continue
 		}
+		select {
+		case <-e.m.Exited():
+			continue // died while waiting; its exit watcher removes it
+		default:
+		}
+		p.entries[snapID] = append(list[:i:i], list[i+1:]...)
+		return e
 	}
 	return nil
+}
+
+func (p *warmPool) add(snapID string, e *pooledSandbox) {
+	p.mu.Lock()
+	p.entries[snapID] = append(p.entries[snapID], e)
+	p.mu.Unlock()
+}
+
+func (p *warmPool) size(snapID string) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.entries[snapID])
+}
+
+// remove takes sandbox id out of the pool; it reports whether it was in.
+func (p *warmPool) remove(id string) (*pooledSandbox, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for snap, list := range p.entries {
+		for i, e := range list {
+			if e.s.ID == id {
+				p.entries[snap] = append(list[:i:i], list[i+1:]...)
+				return e, true
+			}
+		}
+	}
+	return nil, false
+}
+
+// takeAll empties the pool of the entries keep rejects.
+func (p *warmPool) takeAll(drop func(snapID string, e *pooledSandbox) bool) []*pooledSandbox {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []*pooledSandbox
+	for snap, list := range p.entries {
+		var kept []*pooledSandbox
+		for _, e := range list {
+			if drop(snap, e) {
+				out = append(out, e)
+			} else {
+				kept = append(kept, e)
+			}
+		}
+		if len(kept) == 0 {
+			delete(p.entries, snap)
+		} else {
+			p.entries[snap] = kept
+		}
+	}
+	return out
+}
+
+// drainTemplate kills the pooled sandboxes of a template.
+func (p *warmPool) drainTemplate(ctx context.Context, n *Node, name string) {
+	for _, e := range p.takeAll(func(_ string, e *pooledSandbox) bool { return e.s.TemplateID == name }) {
+		n.destroy(ctx, e.s)
+	}
+}
+
+// drainStale kills the pooled sandboxes of template snapshots that are no
+// template's current one (the template was rebuilt or deleted).
+func (n *Node) drainStalePool(ctx context.Context) {
+	current := map[string]bool{}
+	if ls, err := n.templateSnapshotLabels(ctx); err == nil {
+		for _, l := range ls {
+			current[l.Object] = true
+		}
+	}
+	for _, e := range n.pool.takeAll(func(snap string, _ *pooledSandbox) bool { return !current[snap] }) {
+		n.log.Info("pooled sandbox of an old template snapshot removed", "sandbox", e.s.ID, "template", e.s.TemplateID)
+		n.destroy(ctx, e.s)
+	}
 }
 
 // fillPool starts pooled sandboxes of a template snapshot until the
 // configured number wait.
 func (n *Node) fillPool(ctx context.Context, t *Template, ts *templateSnapshot) {
-	for {
-		n.mu.Lock()
-		have := len(n.pool[ts.SnapshotID])
-		n.mu.Unlock()
-		if have >= n.cfg.PoolSize || ctx.Err() != nil {
-			return
+	for n.pool.size(ts.SnapshotID) < n.cfg.PoolSize && ctx.Err() == nil {
+		if cur, err := n.currentTemplateSnapshot(t); err != nil || cur.SnapshotID != ts.SnapshotID {
+			return // the template changed meanwhile
 		}
 		p, err := n.prestart(ctx, t, ts)
 		if err != nil {
 			n.log.Error("pre-start pooled sandbox", "template", t.Name, "err", err)
 			return
 		}
-		n.mu.Lock()
-		n.pool[ts.SnapshotID] = append(n.pool[ts.SnapshotID], p)
-		n.mu.Unlock()
+		n.pool.add(ts.SnapshotID, p)
 	}
 }
 
@@ -78,8 +159,8 @@ func (n *Node) refillPool(t *Template, ts *templateSnapshot) {
 		defer n.wg.Done()
 		ctx, cancel := n.stopContext()
 		defer cancel()
-		n.poolMu.Lock()
-		defer n.poolMu.Unlock()
+		n.pool.filling.Lock()
+		defer n.pool.filling.Unlock()
 		n.fillPool(ctx, t, ts)
 	}()
 }
@@ -91,14 +172,7 @@ func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) 
 		DiskMiB: t.DiskMiB, AllowInternet: true, PublicTraffic: true, DefaultUser: t.DefaultUser, SnapshotID: ts.SnapshotID,
 		CreatedAt: now, StartedAt: now, EndAt: now,
 	}
-	n.mu.Lock()
-	slot, err := n.freeSlot(ctx)
-	if err == nil {
-		s.Slot = slot
-		err = n.insertSandbox(ctx, s)
-	}
-	n.mu.Unlock()
-	if err != nil {
+	if err := n.recordNew(ctx, s); err != nil {
 		return nil, err
 	}
 	m, err := func() (*vmm.Machine, error) {
@@ -121,6 +195,25 @@ func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) 
 	return &pooledSandbox{s: s, m: m}, nil
 }
 
+// poolMachineExited cleans up after a pooled QEMU that died and tops the
+// pool up again.
+func (n *Node) poolMachineExited(id string, m *vmm.Machine) {
+	e, ok := n.pool.remove(id)
+	if !ok || e.m != m {
+		return
+	}
+	n.log.Warn("a pooled sandbox's QEMU exited; replacing it", "sandbox", id, "exit", m.ExitErr())
+	ctx := context.Background()
+	n.destroy(ctx, e.s)
+	t, err := n.Template(e.s.TemplateID)
+	if err != nil {
+		return
+	}
+	if ts, err := n.currentTemplateSnapshot(t); err == nil && ts.SnapshotID == e.s.SnapshotID {
+		n.refillPool(t, ts)
+	}
+}
+
 // makePooledDir creates the directory of a pooled sandbox with its marker
 // already inside: it is made under a hidden name and renamed into place, so
 // no one listing the sandboxes ever sees it unmarked (a crash leaves only the
@@ -139,37 +232,25 @@ func (n *Node) makePooledDir(id string) error {
 
 // drainPool kills every pooled sandbox (on close).
 func (n *Node) drainPool(ctx context.Context) {
-	n.mu.Lock()
-	var all []*pooledSandbox
-	for id, list := range n.pool {
-		all = append(all, list...)
-		delete(n.pool, id)
-	}
-	n.mu.Unlock()
-	for _, p := range all {
-		n.destroy(ctx, p.s)
+	for _, e := range n.pool.takeAll(func(string, *pooledSandbox) bool { return true }) {
+		n.destroy(ctx, e.s)
 	}
 }
 
 // claimPooled turns a pooled sandbox into the one a create asked for:
-// identity, limits and records from s, then network rules, device state,
-// resume and envd init.
-func (n *Node) claimPooled(ctx context.Context, s *Sandbox, p *pooledSandbox, ts *templateSnapshot) error {
+// identity, limits and records from s, then network rules and envd init.
+func (n *Node) claimPooled(ctx context.Context, s *Sandbox) error {
 	if err := os.Remove(filepath.Join(n.sandboxDir(s.ID), PooledMarker)); err != nil {
 		return err
-	}
-	if !s.AllowInternet {
-		ep, err := n.endpoint(s)
-		if err != nil {
-			return err
-		}
-		if err := n.net.SetInternet(ctx, ep, false); err != nil {
-			return err
-		}
 	}
 	ep, err := n.endpoint(s)
 	if err != nil {
 		return err
+	}
+	if !s.AllowInternet {
+		if err := n.net.SetInternet(ctx, ep, false); err != nil {
+			return err
+		}
 	}
 	phase := s.phaseTimer()
 	if err := initEnvdAs(ctx, ep.GuestAddr(EnvdPort), s, "", true); err != nil {
@@ -185,7 +266,7 @@ func (n *Node) claimPooled(ctx context.Context, s *Sandbox, p *pooledSandbox, ts
 // moves that cost out of the create path. The guest has no identity yet:
 // no token, env vars or user, until a create claims it and sends /init.
 func (n *Node) warmUp(ctx context.Context, s *Sandbox, m *vmm.Machine, snapID string) error {
-	if err := m.LoadState(ctx, filepath.Join(n.cfg.DataDir, snapshotsDir, snapID, snapStateName)); err != nil {
+	if err := m.LoadState(ctx, filepath.Join(n.snapshotDir(snapID), snapStateName)); err != nil {
 		return err
 	}
 	if err := m.Resume(ctx); err != nil {

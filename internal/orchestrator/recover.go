@@ -2,6 +2,7 @@ package orchestrator
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -11,6 +12,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 
+	"github.com/agentenv/agentenv/internal/storage"
+	"github.com/agentenv/agentenv/internal/store"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
@@ -40,6 +43,11 @@ func (n *Node) recover(ctx context.Context) error {
 			}
 			n.log.Warn("running sandbox lost its QEMU; removing it", "sandbox", s.ID, "err", err)
 		case StatePaused:
+			// A crash between a pause's commit and its QEMU's exit leaves a
+			// stopped QEMU behind.
+			if m, err := vmm.Attach(ctx, n.sandboxDir(s.ID)); err == nil {
+				_ = m.Kill()
+			}
 			known[s.ID] = true
 			slots[fmt.Sprint(s.Slot)] = true
 			continue
@@ -89,16 +97,6 @@ func (n *Node) recover(ctx context.Context) error {
 			}
 		}
 	}
-	// Snapshots, exports and imports being assembled carry a leading dot;
-	// at start none is, so any left is a crash's debris.
-	if ents, err := os.ReadDir(filepath.Join(n.cfg.DataDir, snapshotsDir)); err == nil {
-		for _, e := range ents {
-			if strings.HasPrefix(e.Name(), ".") {
-				n.log.Warn("removing an unfinished snapshot", "dir", e.Name())
-				_ = os.RemoveAll(filepath.Join(n.cfg.DataDir, snapshotsDir, e.Name()))
-			}
-		}
-	}
 	// Cgroups of sandboxes no record owns (their QEMU is gone: removal
 	// fails while a process is inside).
 	for _, name := range vmm.CgroupNames() {
@@ -108,7 +106,11 @@ func (n *Node) recover(ctx context.Context) error {
 			}
 		}
 	}
-	n.gcSnapshots(ctx)
+	// Leases of operations the restart cut short end; what they and no one
+	// else held goes, with the debris of unfinished snapshots.
+	if err := n.store.Recover(ctx); err != nil {
+		return err
+	}
 	ents, err := os.ReadDir(filepath.Join(n.cfg.DataDir, "sandboxes"))
 	if err != nil {
 		return err
@@ -139,13 +141,18 @@ func (n *Node) recoverInterrupted(ctx context.Context, s *Sandbox) State {
 			} else if aerr == nil {
 				_ = m.Kill()
 			}
-			if n.setFields(ctx, s.ID, "state = ?, pid = 0", StatePaused) == nil {
+			if n.move(ctx, s.ID, s.State, StatePaused, "pid = 0") == nil {
 				return StatePaused
 			}
 			return ""
 		}
 	}
 	if m, err := vmm.Attach(ctx, dir); err == nil {
+		// The QEMU lives: a capture did not get as far as freezing its
+		// files. The record points back at what the overlay stacks on.
+		if s.State == StateForking || s.State == StateSnapshotting {
+			n.pointAtOverlayBase(ctx, s)
+		}
 		if n.finishInterruptedResume(ctx, s, m) {
 			return StateRunning
 		}
@@ -177,5 +184,29 @@ func (n *Node) finishInterruptedResume(ctx context.Context, s *Sandbox, m *vmm.M
 		_ = n.stopMachine(s.ID)
 		return false
 	}
-	return n.setFields(ctx, s.ID, "state = ?, pid = ?", StateRunning, m.PID()) == nil
+	return n.move(ctx, s.ID, s.State, StateRunning, "pid = ?", m.PID()) == nil
+}
+
+// pointAtOverlayBase makes a sandbox's record name what its disk overlay
+// really stacks on (a capture cut short may have named its new snapshot).
+func (n *Node) pointAtOverlayBase(ctx context.Context, s *Sandbox) {
+	info, err := storage.Info(ctx, filepath.Join(n.sandboxDir(s.ID), overlayName))
+	if err != nil || info.BackingFilename == "" {
+		return
+	}
+	var base string
+	if err := n.store.Tx(ctx, func(tx *sql.Tx) error {
+		base = n.objectOfPath(ctx, tx, info.BackingFilename)
+		return nil
+	}); err != nil || base == "" {
+		return
+	}
+	if o, err := n.store.Get(ctx, base); err == nil && o.Kind == store.KindSnapshot {
+		s.SnapshotID, s.BaseLayer = base, ""
+	} else {
+		s.SnapshotID, s.BaseLayer = "", base
+	}
+	if err := n.saveSandbox(ctx, s); err != nil {
+		n.log.Error("repoint an interrupted capture's record", "sandbox", s.ID, "err", err)
+	}
 }

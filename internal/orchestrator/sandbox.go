@@ -15,6 +15,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/faults"
 	"github.com/agentenv/agentenv/internal/network"
+	"github.com/agentenv/agentenv/internal/operation"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
@@ -74,8 +75,11 @@ func (n *Node) validate(req *CreateRequest, t *Template) error {
 	return nil
 }
 
-// Create cold-boots a new sandbox from a template and waits until its envd
-// answers. On failure nothing of it is left behind.
+// Create makes a new sandbox from a template (restoring its template
+// snapshot, taking a pre-started one from the pool, or cold-booting) or
+// from a named snapshot, and waits until its envd answers. Once the
+// request is checked the create runs to its end whatever the caller does;
+// on failure nothing of it is left behind.
 func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) {
 	t, err := req.template, error(nil)
 	if t == nil {
@@ -139,7 +143,6 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 	if req.Secure {
 		s.AccessToken = newToken()
 	}
-	start := time.Now()
 	var ts *templateSnapshot
 	tsErr := errors.New("named snapshot")
 	if named == nil {
@@ -147,78 +150,86 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 	}
 	fromTemplateSnapshot := named == nil && !req.noSnapshot && tsErr == nil &&
 		ts.VCPUs == s.VCPUs && ts.MemoryMiB == s.MemoryMiB && s.DiskMiB == t.DiskMiB
+	switch {
+	case named != nil:
+		s.SnapshotID = named.SnapshotID
+	case fromTemplateSnapshot:
+		s.SnapshotID = ts.SnapshotID
+	default:
+		s.BaseLayer = t.Layer
+	}
+
+	o := operation.Start(ctx, "create", n.cfg.BootTimeout+n.cfg.OperationTimeout, n.log)
 	// A pre-started sandbox of the template snapshot, if one waits, becomes
 	// this sandbox: it keeps its id and network slot, takes everything else.
 	var pooled *pooledSandbox
 	if fromTemplateSnapshot {
-		if pooled = n.takePooled(ts.SnapshotID, s.VCPUs, s.MemoryMiB); pooled != nil {
-			s.ID, s.Slot, s.PID, s.SnapshotID = pooled.s.ID, pooled.s.Slot, pooled.s.PID, ts.SnapshotID
+		if pooled = n.pool.take(ts.SnapshotID, s.VCPUs, s.MemoryMiB); pooled != nil {
+			s.ID, s.Slot, s.PID = pooled.s.ID, pooled.s.Slot, pooled.s.PID
 		}
 		defer n.refillPool(t, ts)
 	}
 	unlock := n.lockOp(s.ID)
 	defer unlock()
-
 	// Record first, then act: a crash from here on leaves a row that
-	// recovery cleans up.
-	if pooled != nil {
-		err = n.saveSandbox(ctx, s)
-	} else {
-		n.mu.Lock()
-		var slot int
-		slot, err = n.freeSlot(ctx)
-		if err == nil {
-			s.Slot = slot
-			err = n.insertSandbox(ctx, s)
+	// recovery cleans up; a failure, a sandbox that goes again.
+	o.OnFailure("remove the new sandbox", func(ctx context.Context) error {
+		if os.Getenv("AENV_DEBUG_KEEP_FAILED") != "" {
+			n.log.Warn("AENV_DEBUG_KEEP_FAILED set: leaving the failed sandbox in place", "dir", n.sandboxDir(s.ID))
+			return nil
 		}
-		n.mu.Unlock()
-	}
-	if err != nil {
+		n.destroy(ctx, s)
+		return nil
+	})
+	if err := o.Do("record", func(ctx context.Context) error {
+		if pooled != nil {
+			if err := n.move(ctx, s.ID, StatePooled, StateCreating, ""); err != nil {
+				return err
+			}
+			return n.saveSandbox(ctx, s)
+		}
+		return n.recordNew(ctx, s)
+	}); err != nil {
 		if pooled != nil {
 			n.destroy(context.WithoutCancel(ctx), pooled.s)
 		}
-		return nil, err
+		return nil, o.Finish(err)
 	}
 	faults.Point(faults.CreateRecorded)
 	how := "cold boot"
 	switch {
 	case pooled != nil:
 		how = "pre-started template snapshot"
-		err = n.claimPooled(ctx, s, pooled, ts)
+		err = o.Do("claim-pooled", func(ctx context.Context) error { return n.claimPooled(ctx, s) })
 	case named != nil:
 		how = "snapshot " + named.Name
 		// The sandbox maps the snapshot's RAM image copy-on-write, sharing
 		// its page cache with every other sandbox made from it.
-		err = n.runOnSnapshot(ctx, s, named.SnapshotID)
-		if err == nil {
-			err = n.restoreFromSnapshot(ctx, s, named.SnapshotID, named.AccessToken, true)
-		}
+		err = o.Do("restore", func(ctx context.Context) error {
+			if err := n.runOnSnapshot(ctx, s, named.SnapshotID); err != nil {
+				return err
+			}
+			return n.restoreFromSnapshot(ctx, s, named.SnapshotID, named.AccessToken, true)
+		})
 	case fromTemplateSnapshot:
 		how = "template snapshot"
-		s.SnapshotID = ts.SnapshotID
-		err = n.setFields(ctx, s.ID, "snapshot_id = ?", ts.SnapshotID)
-		if err == nil {
-			err = n.restoreTemplate(ctx, s, ts, "")
-		}
+		err = o.Do("restore", func(ctx context.Context) error { return n.restoreTemplate(ctx, s, ts, "") })
 	default:
-		err = n.boot(ctx, s, t)
+		err = o.Do("boot", func(ctx context.Context) error { return n.boot(ctx, s, t) })
 	}
 	if err != nil {
 		n.log.Warn("create failed, cleaning up", "sandbox", s.ID, "err", err)
-		if os.Getenv("AENV_DEBUG_KEEP_FAILED") != "" {
-			n.log.Warn("AENV_DEBUG_KEEP_FAILED set: leaving the failed sandbox in place", "dir", n.sandboxDir(s.ID))
-			return nil, err
-		}
-		n.destroy(context.WithoutCancel(ctx), s)
-		return nil, err
+		return nil, o.Finish(err)
 	}
 	faults.Point(faults.CreateStarted)
-	if err := n.transition(ctx, s.ID, StateRunning, StateCreating); err != nil {
-		n.destroy(context.WithoutCancel(ctx), s)
-		return nil, err
+	if err := o.Do("commit", func(ctx context.Context) error {
+		return n.move(ctx, s.ID, StateCreating, StateRunning, "")
+	}); err != nil {
+		return nil, o.Finish(err)
 	}
+	o.Finish(nil)
 	s.State = StateRunning
-	n.log.Info("sandbox created", "sandbox", s.ID, "template", t.Name, "from", how, "took", time.Since(start).Round(time.Millisecond))
+	n.log.Info("sandbox created", "sandbox", s.ID, "template", t.Name, "from", how, "took", o.Elapsed().Round(time.Millisecond))
 	return n.withAddr(s), nil
 }
 
@@ -377,56 +388,67 @@ func (n *Node) adopt(id string, m *vmm.Machine) {
 			n.log.Warn("sandboxes run without cgroup limits (CPU, memory, pids)", "err", m.CgroupErr)
 		})
 	}
-	n.mu.Lock()
-	n.machines[id] = m
-	n.mu.Unlock()
+	n.machines.set(id, m)
 	go func() {
 		<-m.Exited()
-		n.mu.Lock()
-		current := n.machines[id] == m
-		n.mu.Unlock()
-		if !current {
+		// Expected exits (kill, pause) take the machine out of the table
+		// first.
+		if !n.machines.is(id, m) {
 			return
 		}
-		// Expected exits (kill) remove the machine from the map first.
 		ctx := context.Background()
 		s, err := n.loadSandbox(ctx, id)
-		if err != nil || s.State != StateRunning {
+		if err != nil {
 			return
 		}
-		n.log.Warn("sandbox's QEMU exited unexpectedly; removing the sandbox", "sandbox", id, "exit", m.ExitErr())
-		if err := n.Kill(ctx, id); err != nil && !errors.Is(err, ErrNotFound) {
-			n.log.Error("clean up dead sandbox", "sandbox", id, "err", err)
+		switch s.State {
+		case StatePooled:
+			n.poolMachineExited(id, m)
+		case StateRunning:
+			n.log.Warn("sandbox's QEMU exited unexpectedly; removing the sandbox", "sandbox", id, "exit", m.ExitErr())
+			if err := n.Kill(ctx, id); err != nil && !errors.Is(err, ErrNotFound) {
+				n.log.Error("clean up dead sandbox", "sandbox", id, "err", err)
+			}
 		}
+		// Mid-operation, the operation sees the machine gone and settles.
 	}()
 }
 
 // Kill stops a sandbox and removes everything it had: QEMU, network, files,
-// record.
+// record; what its files were made of goes once nothing else needs it.
+// A sandbox in the middle of another operation is refused (ErrConflict).
 func (n *Node) Kill(ctx context.Context, id string) error {
+	s, err := n.loadSandbox(ctx, id)
+	if err == nil && !s.State.Resting() {
+		return busy(s)
+	}
+	if err != nil && (!errors.Is(err, ErrNotFound) || !n.sharesPaused()) {
+		return err
+	}
 	unlock := n.lockOp(id)
 	defer unlock()
-	s, err := n.loadSandbox(ctx, id)
+	o := operation.Start(ctx, "kill", n.cfg.OperationTimeout, n.log)
+	octx := o.Context()
+	s, err = n.loadSandbox(octx, id)
 	if errors.Is(err, ErrNotFound) && n.sharesPaused() {
-		return n.killShared(ctx, id) // paused on another node, in shared storage
+		return o.Finish(n.killShared(octx, id)) // paused on another node, in shared storage
 	}
 	if err != nil {
-		return err
+		return o.Finish(err)
 	}
-	if err := n.transition(ctx, id, StateKilling, StateRunning, StatePaused); err != nil {
-		return err
+	if s.State != StateRunning && s.State != StatePaused {
+		return o.Finish(busy(s))
+	}
+	if err := o.Do("record", func(ctx context.Context) error { return n.move(ctx, id, s.State, StateKilling, "") }); err != nil {
+		return o.Finish(err)
 	}
 	if m, ok := n.readSharedMark(id); ok {
-		n.forgetShared(ctx, id, m.Generation)
+		n.forgetShared(octx, id, m.Generation)
 	}
-	n.destroy(ctx, s)
-	n.mu.Lock()
-	delete(n.opLocks, id)
-	n.mu.Unlock()
-	if s.SnapshotID != "" {
-		n.gcSnapshots(ctx)
-	}
-	return nil
+	n.destroy(octx, s)
+	n.ops.forget(id)
+	n.gc(octx)
+	return o.Finish(nil)
 }
 
 // destroy tears a sandbox down completely; every step tolerates pieces that

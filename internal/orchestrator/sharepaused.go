@@ -2,6 +2,7 @@ package orchestrator
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"os"
@@ -9,10 +10,12 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/storage/repository"
+	"github.com/agentenv/agentenv/internal/store"
 )
 
 // Paused sandboxes in shared storage (Config.SharePaused): after a pause the
@@ -109,6 +112,15 @@ func (n *Node) baseTemplate(ctx context.Context, s *Sandbox) (*Template, error) 
 }
 
 var identityCache sync.Map // layer path + identity → content identity
+
+// layerIdentity names a file's current version (inode, size, mtime).
+func layerIdentity(path string) string {
+	var st syscall.Stat_t
+	if err := syscall.Stat(path, &st); err != nil {
+		return ""
+	}
+	return fmt.Sprintf("%d-%d-%d", st.Ino, st.Size, st.Mtim.Nano())
+}
 
 // templateIdentity names the content of a template's layer chain: the same
 // on every node that has the same layers (built, pushed or loaded lazily).
@@ -307,11 +319,13 @@ func (n *Node) adoptShared(ctx context.Context, id string) (*Sandbox, error) {
 		return nil, fmt.Errorf("%w: sandbox %s was paused over another build of template %s than this node has", ErrConflict, id, up.Template)
 	}
 	s := up.Sandbox
-	s.State, s.PID, s.SnapshotID, s.MemFile, s.MemPrivate = StatePaused, 0, "", "", false
+	s.State, s.PID, s.SnapshotID, s.MemFile, s.MemPrivate, s.BaseLayer = StatePaused, 0, "", "", false, t.Layer
 	if up.RAM != "" {
-		if s.MemFile, err = n.fetchRAM(ctx, up.RAM); err != nil {
+		var lease *store.Lease
+		if s.MemFile, lease, err = n.fetchRAM(ctx, up.RAM); err != nil {
 			return nil, err
 		}
+		defer lease.Drop(context.WithoutCancel(ctx)) // once the record holds it
 		s.MemPrivate = true
 	}
 	disk := filepath.Join(stage, exportDiskName)
@@ -334,14 +348,7 @@ func (n *Node) adoptShared(ctx context.Context, id string) (*Sandbox, error) {
 	if err := os.Rename(stage, dir); err != nil {
 		return nil, err
 	}
-	n.mu.Lock()
-	slot, err := n.freeSlot(ctx)
-	if err == nil {
-		s.Slot = slot
-		err = n.insertSandbox(ctx, &s)
-	}
-	n.mu.Unlock()
-	if err != nil {
+	if err := n.recordNew(ctx, &s); err != nil {
 		os.RemoveAll(dir)
 		return nil, err
 	}
@@ -353,32 +360,52 @@ func (n *Node) adoptShared(ctx context.Context, id string) (*Sandbox, error) {
 }
 
 // fetchRAM makes a RAM image of the repository available as a local
-// snapshot dir (kept while sandboxes map it) and returns its path.
-func (n *Node) fetchRAM(ctx context.Context, ramID string) (string, error) {
-	root := filepath.Join(n.cfg.DataDir, snapshotsDir)
-	final := filepath.Join(root, ramSnapshotPrefix+ramID)
+// snapshot (kept while sandboxes map it; held by the returned lease until
+// a record does) and returns its path.
+func (n *Node) fetchRAM(ctx context.Context, ramID string) (string, *store.Lease, error) {
+	id := ramSnapshotPrefix + ramID
+	final := n.snapshotDir(id)
 	path := filepath.Join(final, snapMemName)
-	if _, err := os.Stat(path); err == nil {
-		return path, nil
-	}
-	if err := os.MkdirAll(root, 0o700); err != nil {
-		return "", err
-	}
-	stage, err := os.MkdirTemp(root, ".ram-")
+	lease, err := n.store.NewLease(ctx, "RAM image "+ramID, n.cfg.OperationTimeout)
 	if err != nil {
-		return "", err
+		return "", nil, err
+	}
+	hold := func() error {
+		return n.store.Tx(ctx, func(tx *sql.Tx) error {
+			if err := n.store.Add(tx, id, store.KindSnapshot, final); err != nil {
+				return err
+			}
+			return lease.Hold(tx, id)
+		})
+	}
+	fail := func(err error) (string, *store.Lease, error) {
+		lease.Drop(context.WithoutCancel(ctx))
+		return "", nil, err
+	}
+	if _, err := os.Stat(path); err == nil {
+		if err := hold(); err != nil {
+			return fail(err)
+		}
+		return path, lease, nil
+	}
+	stage, err := os.MkdirTemp(filepath.Join(n.cfg.DataDir, snapshotsDir), ".ram-")
+	if err != nil {
+		return fail(err)
 	}
 	defer os.RemoveAll(stage)
 	if _, err := n.cfg.Repository.Get(ctx, repoKindRAM, ramID, stage); err != nil {
-		return "", fmt.Errorf("fetch RAM image %s: %w", ramID, err)
+		return fail(fmt.Errorf("fetch RAM image %s: %w", ramID, err))
+	}
+	if err := hold(); err != nil {
+		return fail(err)
 	}
 	if err := os.Rename(stage, final); err != nil {
-		if _, serr := os.Stat(path); serr == nil {
-			return path, nil // fetched meanwhile
+		if _, serr := os.Stat(path); serr != nil {
+			return fail(err)
 		}
-		return "", err
+		// fetched meanwhile
 	}
-	return path, nil
+	return path, lease, nil
 }
 
 // forgetShared removes a shared sandbox that is killed: no node may adopt

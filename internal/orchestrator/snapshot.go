@@ -2,23 +2,26 @@ package orchestrator
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"sort"
-	"strings"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/storage/repository"
+	"github.com/agentenv/agentenv/internal/store"
 )
 
 // A named snapshot freezes a running sandbox (processes, memory, files) under
 // a name that POST /sandboxes then accepts as a templateID: each sandbox
 // created from it resumes from that instant with an identity of its own.
 
-const namedSnapshotsDir = "named-snapshots"
+// namedSnapshotLabel is the store label kind of named snapshots (data:
+// the NamedSnapshot record).
+const namedSnapshotLabel = "snapshot"
 
 // NamedSnapshot is a user's snapshot of a sandbox.
 type NamedSnapshot struct {
@@ -42,12 +45,27 @@ type NamedSnapshot struct {
 	StateHasRAM bool `json:"stateHasRAM,omitempty"`
 }
 
-func (n *Node) namedSnapshotPath(name string) string {
-	return filepath.Join(n.cfg.DataDir, namedSnapshotsDir, name+".json")
+// setNamedSnapshot points label ns.Name at snapshot ns.SnapshotID, in tx;
+// a name that exists is refused (ErrConflict).
+func setNamedSnapshot(tx *sql.Tx, ns *NamedSnapshot) error {
+	var exists int
+	if err := tx.QueryRow(`SELECT COUNT(*) FROM labels WHERE kind = ? AND name = ?`, namedSnapshotLabel, ns.Name).Scan(&exists); err != nil {
+		return err
+	}
+	if exists > 0 {
+		return fmt.Errorf("%w: snapshot %q exists", ErrConflict, ns.Name)
+	}
+	b, err := json.Marshal(ns)
+	if err != nil {
+		return err
+	}
+	return store.SetLabel(tx, namedSnapshotLabel, ns.Name, ns.SnapshotID, string(b))
 }
 
 // Snapshot captures a running sandbox under name. The sandbox is paused for
-// the capture and then runs on.
+// the capture and then runs on. The capture runs to its end whatever the
+// caller does; when the sandbox cannot run on afterwards, the snapshot is
+// kept and the sandbox rests paused at it.
 func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, error) {
 	if !templateNameRE.MatchString(name) {
 		return nil, fmt.Errorf("%w: snapshot name %q must match %s", ErrInvalid, name, templateNameRE)
@@ -58,6 +76,11 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 	if _, err := n.namedSnapshot(name); err == nil {
 		return nil, fmt.Errorf("%w: snapshot %q exists", ErrConflict, name)
 	}
+	if n.cfg.Repository != nil {
+		if _, err := n.cfg.Repository.Stat(ctx, repoKindSnapshot, name); err == nil {
+			return nil, fmt.Errorf("%w: the repository holds a snapshot named %q (made on another node)", ErrConflict, name)
+		}
+	}
 	s, err := n.loadSandbox(ctx, id)
 	if err != nil {
 		return nil, err
@@ -67,26 +90,29 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 	if err == nil && defaultUser == "" {
 		defaultUser = t.DefaultUser
 	}
-	snapID, _, err := n.capture(ctx, id, 0, 0, StateSnapshotting)
-	if snapID == "" && err != nil {
+	c, err := n.capture(ctx, "snapshot", id, 0, 0, StateSnapshotting)
+	if c == nil || c.snapID == "" {
 		return nil, err
 	}
-	defer n.unpinSnapshot(snapID) // once the record below refers to it
+	defer c.lease.Drop(context.WithoutCancel(ctx)) // once the label below holds it
 	ns := &NamedSnapshot{
-		Name: name, SnapshotID: snapID, SandboxID: id, TemplateID: s.TemplateID, VCPUs: s.VCPUs,
+		Name: name, SnapshotID: c.snapID, SandboxID: id, TemplateID: s.TemplateID, VCPUs: s.VCPUs,
 		MemoryMiB: s.MemoryMiB, DiskMiB: s.DiskMiB, DefaultUser: defaultUser,
 		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), AccessToken: s.AccessToken,
 	}
-	if err := os.MkdirAll(filepath.Join(n.cfg.DataDir, namedSnapshotsDir), 0o700); err != nil {
-		return nil, err
-	}
-	if werr := writeJSONAtomic(n.namedSnapshotPath(name), ns); werr != nil {
+	if werr := n.store.Tx(context.WithoutCancel(ctx), func(tx *sql.Tx) error { return setNamedSnapshot(tx, ns) }); werr != nil {
 		return nil, werr
 	}
 	if err != nil {
 		return ns, err
 	}
-	if err := n.exportSnapshot(ctx, ns); err != nil {
+	if err := n.exportSnapshot(context.WithoutCancel(ctx), ns); err != nil {
+		if errors.Is(err, ErrConflict) {
+			// Another node took the name meanwhile: this one is withdrawn.
+			n.store.Tx(context.WithoutCancel(ctx), func(tx *sql.Tx) error { return store.DeleteLabel(tx, namedSnapshotLabel, name) })
+			n.gc(ctx)
+			return nil, err
+		}
 		// The local snapshot is complete and usable; only its durable copy failed.
 		n.log.Error("commit snapshot to the repository", "snapshot", name, "err", err)
 		return ns, fmt.Errorf("snapshot %s was taken but not committed to the repository: %w", name, err)
@@ -99,11 +125,13 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 func (n *Node) lookupSnapshot(ctx context.Context, name string) (*NamedSnapshot, error) {
 	ns, err := n.namedSnapshot(name)
 	if err == nil {
-		if _, serr := os.Stat(filepath.Join(n.cfg.DataDir, snapshotsDir, ns.SnapshotID, snapStateName)); serr == nil {
+		if _, serr := os.Stat(filepath.Join(n.snapshotDir(ns.SnapshotID), snapStateName)); serr == nil || n.cfg.Repository == nil {
 			return ns, nil
 		}
 		n.log.Warn("local copy of snapshot lost; fetching it from the repository", "snapshot", name)
-		_ = os.Remove(n.namedSnapshotPath(name))
+		if err := n.store.Tx(ctx, func(tx *sql.Tx) error { return store.DeleteLabel(tx, namedSnapshotLabel, name) }); err != nil {
+			return nil, err
+		}
 	} else if !errors.Is(err, ErrNotFound) {
 		return nil, err
 	}
@@ -114,38 +142,35 @@ func (n *Node) namedSnapshot(name string) (*NamedSnapshot, error) {
 	if !templateNameRE.MatchString(name) {
 		return nil, fmt.Errorf("%w: snapshot %q", ErrNotFound, name)
 	}
-	b, err := os.ReadFile(n.namedSnapshotPath(name))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("%w: snapshot %q", ErrNotFound, name)
-	}
+	l, err := n.store.Label(context.Background(), namedSnapshotLabel, name)
 	if err != nil {
 		return nil, err
 	}
+	return decodeNamedSnapshot(l)
+}
+
+func decodeNamedSnapshot(l *store.Label) (*NamedSnapshot, error) {
 	var ns NamedSnapshot
-	if err := json.Unmarshal(b, &ns); err != nil {
-		return nil, fmt.Errorf("%w: snapshot %q record: %v", ErrCorrupt, name, err)
+	if err := json.Unmarshal([]byte(l.Data), &ns); err != nil {
+		return nil, fmt.Errorf("%w: snapshot %q record: %v", ErrCorrupt, l.Name, err)
 	}
+	ns.Name, ns.SnapshotID = l.Name, l.Object
 	return &ns, nil
 }
 
 // Snapshots lists the named snapshots, oldest first.
 func (n *Node) Snapshots() ([]*NamedSnapshot, error) {
-	ents, err := os.ReadDir(filepath.Join(n.cfg.DataDir, namedSnapshotsDir))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
+	ls, err := n.store.Labels(context.Background(), namedSnapshotLabel)
 	if err != nil {
 		return nil, err
 	}
 	var out []*NamedSnapshot
-	for _, e := range ents {
-		name, ok := strings.CutSuffix(e.Name(), ".json")
-		if !ok {
-			continue
+	for i := range ls {
+		ns, err := decodeNamedSnapshot(&ls[i])
+		if err != nil {
+			return nil, err
 		}
-		if ns, err := n.namedSnapshot(name); err == nil {
-			out = append(out, ns)
-		}
+		out = append(out, ns)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.Before(out[j].CreatedAt) })
 	return out, nil
@@ -157,14 +182,14 @@ func (n *Node) DeleteSnapshot(ctx context.Context, name string) error {
 	if _, err := n.namedSnapshot(name); err != nil {
 		return err
 	}
-	if err := os.Remove(n.namedSnapshotPath(name)); err != nil {
-		return err
-	}
 	if n.cfg.Repository != nil {
 		if err := n.cfg.Repository.Delete(ctx, repoKindSnapshot, name); err != nil && !errors.Is(err, repository.ErrNotFound) {
 			return fmt.Errorf("delete snapshot %s from the repository: %w", name, err)
 		}
 	}
-	n.gcSnapshots(ctx)
+	if err := n.store.Tx(ctx, func(tx *sql.Tx) error { return store.DeleteLabel(tx, namedSnapshotLabel, name) }); err != nil {
+		return err
+	}
+	n.gc(ctx)
 	return nil
 }

@@ -2,6 +2,7 @@ package orchestrator
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"os"
 	"path/filepath"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/storage/repository"
+	"github.com/agentenv/agentenv/internal/store"
 )
 
 func TestNamedSnapshotAsTemplate(t *testing.T) {
@@ -114,7 +116,7 @@ func TestSnapshotRepository(t *testing.T) {
 	if err := os.RemoveAll(filepath.Join(n.cfg.DataDir, snapshotsDir)); err != nil {
 		t.Fatal(err)
 	}
-	os.Remove(n.namedSnapshotPath("durable"))
+	n.store.Tx(ctx, func(tx *sql.Tx) error { return store.DeleteLabel(tx, namedSnapshotLabel, "durable") })
 	var state string
 	filepath.WalkDir(filepath.Join(filepath.Dir(n.cfg.DataDir)), func(p string, d os.DirEntry, err error) error {
 		if err == nil && d.Name() == snapStateName && strings.Contains(p, "repo") {
@@ -276,7 +278,6 @@ func TestIncrementalSnapshotThroughRepository(t *testing.T) {
 		n.Kill(ctx, s.ID)
 	}
 	os.RemoveAll(filepath.Join(n.cfg.DataDir, snapshotsDir))
-	os.RemoveAll(filepath.Join(n.cfg.DataDir, namedSnapshotsDir))
 	s := create(t, n, CreateRequest{TemplateID: "layer-two"})
 	out, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "cat /home/user/one /home/user/two; md5sum /dev/shm/blob | cut -c1-32")
 	if err != nil || out.stdout != "one\ntwo\n"+sum+"\n" {

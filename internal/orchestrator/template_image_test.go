@@ -81,7 +81,7 @@ func TestTemplateFromImage(t *testing.T) {
 	if err := tarball.WriteToFile(archive, name.MustParseReference("test/busybox:1"), busyboxImage(t)); err != nil {
 		t.Fatal(err)
 	}
-	tpl, err := ImportTemplate(ctx, n.cfg.DataDir, "from-image", image.Source{Archive: archive}, 256, t.Logf)
+	tpl, err := n.templates.ImportImage(ctx, "from-image", image.Source{Archive: archive}, 256, t.Logf)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -97,13 +97,13 @@ func TestTemplateFromImage(t *testing.T) {
 	// is registered.
 	bad := filepath.Join(t.TempDir(), "bad.tar")
 	os.WriteFile(bad, []byte("not an image"), 0o600)
-	if _, err := ImportTemplate(ctx, n.cfg.DataDir, "bad-image", image.Source{Archive: bad}, 256, t.Logf); !errors.Is(err, ErrInvalid) {
+	if _, err := n.templates.ImportImage(ctx, "bad-image", image.Source{Archive: bad}, 256, t.Logf); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("import of a broken archive: %v", err)
 	}
 	if _, err := n.Template("bad-image"); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("broken import left a template: %v", err)
 	}
-	if _, err := ImportTemplate(ctx, n.cfg.DataDir, "Bad Name", image.Source{Archive: archive}, 256, t.Logf); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "name") {
+	if _, err := n.templates.ImportImage(ctx, "Bad Name", image.Source{Archive: archive}, 256, t.Logf); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "name") {
 		t.Fatalf("bad template name: %v", err)
 	}
 }

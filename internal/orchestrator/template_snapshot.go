@@ -2,13 +2,16 @@ package orchestrator
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
-	"syscall"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/operation"
+	"github.com/agentenv/agentenv/internal/store"
 )
 
 // A template snapshot is a sandbox of the template booted once, stopped the
@@ -18,13 +21,9 @@ import (
 // reflink on XFS/btrfs), an overlay on the disk layer, and its identity,
 // env vars and clock through envd's /init.
 
-// templateSnapshotsDir holds, per template, which snapshot is its current
-// one on this node: <data>/template-snapshots/<template>.json.
-const templateSnapshotsDir = "template-snapshots"
-
-func (n *Node) templateSnapshotRef(name string) string {
-	return filepath.Join(n.cfg.DataDir, templateSnapshotsDir, name+".json")
-}
+// templateSnapshotLabel is the store label kind that points, per template,
+// at its current template snapshot on this node (data: templateSnapshot).
+const templateSnapshotLabel = "template-snapshot"
 
 type templateSnapshot struct {
 	SnapshotID string `json:"snapshotID"`
@@ -34,33 +33,30 @@ type templateSnapshot struct {
 	// is stale (its envd is not the current one).
 	Initrd string `json:"initrdSHA256"`
 	Kernel string `json:"kernel"`
-	// Layer identifies the template's root layer file the snapshot's disk
-	// was stacked on; a rebuilt template makes the snapshot stale.
+	// Layer is the template's root layer the snapshot's disk stacks on; a
+	// rebuilt template (its label moved to another layer) makes the
+	// snapshot stale.
 	Layer string `json:"layer"`
 }
 
-// layerIdentity names a file's current version (inode, size, mtime).
-func layerIdentity(path string) string {
-	var st syscall.Stat_t
-	if err := syscall.Stat(path, &st); err != nil {
-		return ""
-	}
-	return fmt.Sprintf("%d-%d-%d", st.Ino, st.Size, st.Mtim.Nano())
+func (n *Node) templateSnapshotLabels(ctx context.Context) ([]store.Label, error) {
+	return n.store.Labels(ctx, templateSnapshotLabel)
 }
 
 func (n *Node) currentTemplateSnapshot(t *Template) (*templateSnapshot, error) {
-	b, err := os.ReadFile(n.templateSnapshotRef(t.Name))
+	l, err := n.store.Label(context.Background(), templateSnapshotLabel, t.Name)
 	if err != nil {
 		return nil, err
 	}
 	var ts templateSnapshot
-	if err := json.Unmarshal(b, &ts); err != nil {
+	if err := json.Unmarshal([]byte(l.Data), &ts); err != nil {
 		return nil, fmt.Errorf("%w: template %s snapshot record: %v", ErrCorrupt, t.Name, err)
 	}
-	if ts.Initrd != n.initrdSum || ts.Kernel != n.cfg.Kernel || ts.Layer != layerIdentity(t.RootDisk) {
-		return nil, fmt.Errorf("template %s snapshot is stale (built with other boot files)", t.Name)
+	ts.SnapshotID = l.Object
+	if ts.Initrd != n.initrdSum || ts.Kernel != n.cfg.Kernel || ts.Layer != t.Layer {
+		return nil, fmt.Errorf("template %s snapshot is stale (built with other boot files or another build)", t.Name)
 	}
-	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, ts.SnapshotID)
+	sdir := n.snapshotDir(ts.SnapshotID)
 	for _, f := range []string{snapMemName, snapDiskName, snapStateName, snapManifestName} {
 		if _, err := os.Stat(filepath.Join(sdir, f)); err != nil {
 			return nil, fmt.Errorf("%w: template %s snapshot: %v", ErrCorrupt, t.Name, err)
@@ -71,7 +67,8 @@ func (n *Node) currentTemplateSnapshot(t *Template) (*templateSnapshot, error) {
 
 // PrepareTemplateSnapshot boots a template once and freezes it, so that
 // later creates restore instead of cold-booting. It replaces a stale
-// snapshot; an up-to-date one is kept.
+// snapshot (the pooled sandboxes of the old one go); an up-to-date one is
+// kept.
 func (n *Node) PrepareTemplateSnapshot(ctx context.Context, name string) error {
 	t, err := n.Template(name)
 	if err != nil {
@@ -85,32 +82,33 @@ func (n *Node) PrepareTemplateSnapshot(ctx context.Context, name string) error {
 	if err != nil {
 		return fmt.Errorf("boot template %s for its snapshot: %w", name, err)
 	}
+	// The boot sandbox has served its purpose either way.
+	defer n.destroy(context.WithoutCancel(ctx), s)
 	if t.StartCmd != "" {
 		if err := n.startAndWaitReady(ctx, s, t); err != nil {
-			n.destroy(context.WithoutCancel(ctx), s)
 			return fmt.Errorf("template %s: %w", name, err)
 		}
 	}
 	unlock := n.lockOp(s.ID)
-	err = n.transition(ctx, s.ID, StateSnapshotting, StateRunning)
-	var snapID string
-	if err == nil {
-		snapID, err = n.freeze(ctx, s)
+	defer unlock()
+	o := operation.Start(ctx, "template-snapshot", n.cfg.OperationTimeout, n.log)
+	if err := n.move(o.Context(), s.ID, StateRunning, StateSnapshotting, ""); err != nil {
+		return o.Finish(err)
 	}
-	unlock()
-	// The boot sandbox has served its purpose either way.
-	n.destroy(context.WithoutCancel(ctx), s)
+	snapID, lease, err := n.freeze(o, s, StateSnapshotting)
 	if err != nil {
-		return fmt.Errorf("freeze template %s: %w", name, err)
+		return o.Finish(fmt.Errorf("freeze template %s: %w", name, err))
 	}
-	ref := templateSnapshot{SnapshotID: snapID, VCPUs: s.VCPUs, MemoryMiB: s.MemoryMiB, Initrd: n.initrdSum, Kernel: n.cfg.Kernel, Layer: layerIdentity(t.RootDisk)}
-	if err := os.MkdirAll(filepath.Dir(n.templateSnapshotRef(name)), 0o700); err != nil {
-		return err
+	defer lease.Drop(context.WithoutCancel(ctx))
+	ref := templateSnapshot{VCPUs: s.VCPUs, MemoryMiB: s.MemoryMiB, Initrd: n.initrdSum, Kernel: n.cfg.Kernel, Layer: t.Layer}
+	b, _ := json.Marshal(ref)
+	if err := n.store.Tx(o.Context(), func(tx *sql.Tx) error {
+		return store.SetLabel(tx, templateSnapshotLabel, name, snapID, string(b))
+	}); err != nil {
+		return o.Finish(err)
 	}
-	if err := writeJSONAtomic(n.templateSnapshotRef(name), ref); err != nil {
-		return err
-	}
-	n.gcSnapshots(ctx)
+	o.Finish(nil)
+	n.drainStalePool(ctx)
 	n.log.Info("template snapshot ready", "template", name, "snapshot", snapID, "took", time.Since(start).Round(time.Millisecond))
 	return nil
 }
@@ -151,9 +149,9 @@ func (n *Node) prepareTemplateSnapshots() {
 			continue
 		}
 		if snap, err := n.currentTemplateSnapshot(t); err == nil && n.cfg.PoolSize > 0 {
-			n.poolMu.Lock()
+			n.pool.filling.Lock()
 			n.fillPool(ctx, t, snap)
-			n.poolMu.Unlock()
+			n.pool.filling.Unlock()
 		}
 	}
 }

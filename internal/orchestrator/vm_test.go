@@ -29,6 +29,7 @@ import (
 	"github.com/agentenv/agentenv/internal/envd/gen/processpb"
 	"github.com/agentenv/agentenv/internal/envd/gen/processpb/processpbconnect"
 	"github.com/agentenv/agentenv/internal/guest"
+	"github.com/agentenv/agentenv/internal/templates"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
@@ -91,18 +92,21 @@ func testInstance(slot int) (instance, cidr string) {
 // $AENV_TEST_DATA_DIR.
 var preparedTemplates = []string{"base", "minimal"}
 
-// newTestDataDir returns a fresh node data dir whose templates are the
-// prepared ones in $AENV_TEST_DATA_DIR (linked one by one, so templates a
-// test makes stay in its own data dir).
+// newTestDataDir returns a fresh node data dir holding the prepared
+// templates of $AENV_TEST_DATA_DIR, exported as template directories (their
+// root layers hard-linked) that the node adopts when it opens: templates a
+// test makes stay in its own data dir.
 func newTestDataDir(t testing.TB) string {
 	t.Helper()
 	shared := testData(t)
 	dir := t.TempDir()
-	if err := os.MkdirAll(filepath.Join(dir, "templates"), 0o755); err != nil {
-		t.Fatal(err)
+	cat, closeCat, err := templates.OpenReadOnly(shared)
+	if err != nil {
+		t.Fatalf("prepared data dir %s: %v (run scripts/test, or aenv setup --data-dir %s --templates base,minimal)", shared, err, shared)
 	}
+	defer closeCat()
 	for _, name := range preparedTemplates {
-		if err := os.Symlink(filepath.Join(shared, "templates", name), filepath.Join(dir, "templates", name)); err != nil {
+		if err := cat.Export(context.Background(), name, filepath.Join(dir, templates.LegacyDir, name)); err != nil {
 			t.Fatal(err)
 		}
 	}

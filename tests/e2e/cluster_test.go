@@ -139,11 +139,8 @@ func startCluster(t *testing.T, bin string) *cluster {
 	c.sched.start(t, bin)
 	for i := 1; i <= 3; i++ {
 		dataDir := filepath.Join(root, fmt.Sprintf("node%d", i))
-		for _, l := range []string{"templates/base", "templates/minimal", "cache"} {
-			os.MkdirAll(filepath.Dir(filepath.Join(dataDir, l)), 0o755)
-			if err := os.Symlink(filepath.Join(testData, l), filepath.Join(dataDir, l)); err != nil {
-				t.Fatal(err)
-			}
+		if err := prepareDataDir(testData, dataDir); err != nil {
+			t.Fatal(err)
 		}
 		addr := freeAddr(t)
 		c.nodes = append(c.nodes, &proc{name: fmt.Sprintf("n%d", i), url: "http://" + addr, log: filepath.Join(root, fmt.Sprintf("node%d.log", i)),

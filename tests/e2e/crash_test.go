@@ -26,11 +26,8 @@ func TestCrashRecovery(t *testing.T) {
 	testData := os.Getenv("AENV_TEST_DATA_DIR")
 	root := t.TempDir()
 	dataDir := filepath.Join(root, "data")
-	for _, l := range []string{"templates/base", "templates/minimal", "cache"} {
-		os.MkdirAll(filepath.Dir(filepath.Join(dataDir, l)), 0o755)
-		if err := os.Symlink(filepath.Join(testData, l), filepath.Join(dataDir, l)); err != nil {
-			t.Fatal(err)
-		}
+	if err := prepareDataDir(testData, dataDir); err != nil {
+		t.Fatal(err)
 	}
 	addr := freeAddr(t)
 	const instance = "crsh"

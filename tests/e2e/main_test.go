@@ -27,6 +27,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/templates"
 )
 
 const (
@@ -86,7 +88,7 @@ func startServer() (*server, string, error) {
 	if os.Geteuid() != 0 {
 		return nil, "aenv server needs root (network namespaces, tap devices)", nil
 	}
-	for _, p := range []string{"templates/base", "cache/initramfs.img"} {
+	for _, p := range []string{"aenv.db", "cache/initramfs.img"} {
 		if _, err := os.Stat(filepath.Join(testData, p)); err != nil {
 			return nil, "", fmt.Errorf("AENV_TEST_DATA_DIR %s is not prepared (%v): run `aenv setup --data-dir %s --templates base,minimal`", testData, err, testData)
 		}
@@ -108,15 +110,8 @@ func startServer() (*server, string, error) {
 	if err := os.MkdirAll(dataDir, 0o700); err != nil {
 		return nil, "", err
 	}
-	// The prepared templates are linked one by one: templates the tests
-	// build stay in this server's data dir.
-	for _, l := range []string{"templates/base", "templates/minimal", "cache"} {
-		if err := os.MkdirAll(filepath.Dir(filepath.Join(dataDir, l)), 0o755); err != nil {
-			return nil, "", err
-		}
-		if err := os.Symlink(filepath.Join(testData, l), filepath.Join(dataDir, l)); err != nil {
-			return nil, "", err
-		}
+	if err := prepareDataDir(testData, dataDir); err != nil {
+		return nil, "", err
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -152,6 +147,31 @@ func startServer() (*server, string, error) {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+}
+
+// prepareDataDir gives a node's data dir the kernel and initramfs of the
+// prepared test data dir (linked) and its templates base and minimal
+// (exported as template directories, their layers hard-linked, which the
+// node adopts when it starts): templates the tests build stay in this
+// data dir.
+func prepareDataDir(testData, dataDir string) error {
+	if err := os.MkdirAll(dataDir, 0o700); err != nil {
+		return err
+	}
+	if err := os.Symlink(filepath.Join(testData, "cache"), filepath.Join(dataDir, "cache")); err != nil {
+		return err
+	}
+	cat, closeCat, err := templates.OpenReadOnly(testData)
+	if err != nil {
+		return err
+	}
+	defer closeCat()
+	for _, name := range []string{"base", "minimal"} {
+		if err := cat.Export(context.Background(), name, filepath.Join(dataDir, templates.LegacyDir, name)); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func (s *server) log() string {

@@ -1,9 +1,10 @@
-package orchestrator
+package templates
 
 import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -11,38 +12,40 @@ import (
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/storage/image"
+	"github.com/agentenv/agentenv/internal/store"
 )
 
 // Templates from OCI images: the image's layers become shared disk layers
-// in <data>/layers (one per chain ID, see internal/storage/image); one more
-// layer adds what E2B sandboxes expect (the user `user` with uid 1000 and a
-// home); the template's root layer is an empty qcow2 overlay on top.
-
-const layersDir = "layers"
+// in the store (one per chain ID, see internal/storage/image), kept as a
+// cache for every later import that shares them; one more layer adds what
+// E2B sandboxes expect (the user `user` with uid 1000 and a home); the
+// template's label points at that top layer.
 
 // finishLayerID versions the E2B conventions layer: changing what
 // e2bConventions does must change it.
 const finishLayerID = "aenv-user-v1"
 
-// ImportTemplate builds (or rebuilds) template name from an OCI image.
-func ImportTemplate(ctx context.Context, dataDir, name string, src image.Source, sizeMiB int, log func(string, ...any)) (*Template, error) {
-	if !templateNameRE.MatchString(name) {
-		return nil, fmt.Errorf("%w: template name %q must match %s", ErrInvalid, name, templateNameRE)
+// ImageCacheHolder holds the layers of imported images.
+const ImageCacheHolder = "cache/image-layers"
+
+// ImportImage builds (or rebuilds, moving the label) template name from an
+// OCI image.
+func (c *Catalog) ImportImage(ctx context.Context, name string, src image.Source, sizeMiB int, log func(string, ...any)) (*Template, error) {
+	if !NameRE.MatchString(name) {
+		return nil, fmt.Errorf("%w: template name %q must match %s", errkind.Invalid, name, NameRE)
 	}
 	start := time.Now()
 	res, err := image.Import(ctx, src, image.Options{
-		LayersDir: filepath.Join(dataDir, layersDir), SizeMiB: sizeMiB, Log: log,
+		LayersDir: c.st.Abs(store.LayersDir), SizeMiB: sizeMiB, Log: log,
 		Finish: e2bConventions, FinishID: finishLayerID,
 	})
 	if err != nil {
 		if errors.Is(err, image.ErrImage) {
-			return nil, fmt.Errorf("%w: %v", ErrInvalid, err)
+			return nil, fmt.Errorf("%w: %v", errkind.Invalid, err)
 		}
 		return nil, fmt.Errorf("import %s: %w", src, err)
-	}
-	if err := installTemplateLayer(ctx, dataDir, name, res.Top); err != nil {
-		return nil, err
 	}
 	env := map[string]string{}
 	for _, kv := range res.Env {
@@ -51,7 +54,23 @@ func ImportTemplate(ctx context.Context, dataDir, name string, src image.Source,
 		}
 	}
 	t := Template{Name: name, DefaultUser: "user", EnvVars: env, Image: src.String()}
-	if err := RegisterTemplate(dataDir, t); err != nil {
+	err = c.st.Tx(ctx, func(tx *sql.Tx) error {
+		ids := make([]string, 0, len(res.Layers))
+		parent := ""
+		for _, l := range res.Layers {
+			id := layerID(l.Path)
+			if err := c.st.Add(tx, id, store.KindLayer, l.Path, parent); err != nil {
+				return err
+			}
+			ids, parent = append(ids, id), id
+		}
+		if err := store.SetRefs(tx, ImageCacheHolder+"/"+parent, ids...); err != nil {
+			return err
+		}
+		t.Layer = parent
+		return Set(tx, t)
+	})
+	if err != nil {
 		return nil, err
 	}
 	reused := 0
@@ -61,8 +80,12 @@ func ImportTemplate(ctx context.Context, dataDir, name string, src image.Source,
 		}
 	}
 	log("template %s from %s: %d layers (%d reused) in %s", name, src, len(res.Layers), reused, time.Since(start).Round(time.Millisecond))
-	return LoadTemplate(dataDir, name)
+	return c.Get(ctx, name)
 }
+
+// layerID names a layer file of the store by its file name (layers are
+// named by content: chain IDs, content checksums, build keys).
+func layerID(path string) string { return strings.TrimSuffix(filepath.Base(path), ".qcow2") }
 
 // e2bConventions adds the user `user` (uid and gid 1000, home /home/user)
 // that E2B sandboxes run commands as, unless the image has it. Files of the

@@ -1,0 +1,123 @@
+// Package operation runs the node's state-changing operations (create,
+// pause, resume, snapshot, fork, kill, builds, imports) as named steps with
+// a cleanup stack. An operation runs on a context detached from its
+// caller's (a client that hangs up does not stop it half way) under its own
+// timeout. When a step fails, the cleanups registered so far run in reverse
+// order, on a fresh context, and the operation reports the step's error:
+// the caller's resources are back where they rested. Every step is a fault
+// injection point ("<operation>/<step>", see package faults).
+package operation
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/faults"
+)
+
+// CleanupTimeout bounds the cleanups of a failed operation.
+const CleanupTimeout = 2 * time.Minute
+
+// Op is one running operation.
+type Op struct {
+	name     string
+	ctx      context.Context
+	cancel   context.CancelFunc
+	log      *slog.Logger
+	cleanups []cleanup
+	start    time.Time
+	// Steps times each step that ran.
+	Steps []Step
+}
+
+// Step is one timed step of an operation.
+type Step struct {
+	Name     string
+	Duration time.Duration
+}
+
+type cleanup struct {
+	what string
+	fn   func(context.Context) error
+}
+
+// Start begins operation name on a context that keeps parent's values (an
+// injector of faults among them) but not its cancellation, bounded by
+// timeout.
+func Start(parent context.Context, name string, timeout time.Duration, log *slog.Logger) *Op {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(parent), timeout)
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Op{name: name, ctx: ctx, cancel: cancel, log: log, start: time.Now()}
+}
+
+// Context is the operation's context.
+func (o *Op) Context() context.Context { return o.ctx }
+
+// Name is the operation's name.
+func (o *Op) Name() string { return o.name }
+
+// Do runs step name: a fault point first, then fn; the step is timed.
+func (o *Op) Do(name string, fn func(ctx context.Context) error) error {
+	start := time.Now()
+	err := faults.Check(o.ctx, o.name+"/"+name)
+	if err == nil {
+		err = fn(o.ctx)
+	}
+	o.Steps = append(o.Steps, Step{name, time.Since(start)})
+	if err != nil {
+		return fmt.Errorf("%s: %w", name, err)
+	}
+	return nil
+}
+
+// Check is a fault point between steps, for code that runs its own steps.
+func (o *Op) Check(name string) error {
+	if err := faults.Check(o.ctx, o.name+"/"+name); err != nil {
+		return fmt.Errorf("%s: %w", name, err)
+	}
+	return nil
+}
+
+// OnFailure pushes a cleanup that runs if the operation fails (last pushed,
+// first run).
+func (o *Op) OnFailure(what string, fn func(ctx context.Context) error) {
+	o.cleanups = append(o.cleanups, cleanup{what, fn})
+}
+
+// Settle drops the cleanups registered so far: the operation passed a
+// point after which what they would undo is the new resting state (e.g. a
+// sandbox's state is saved and its old machine gone).
+func (o *Op) Settle() { o.cleanups = nil }
+
+// Finish ends the operation: with err nil the cleanups are dropped; with
+// an error they run, newest first, each on a fresh context (the
+// operation's own may have timed out), and their failures are logged. It
+// returns err.
+func (o *Op) Finish(err error) error {
+	defer o.cancel()
+	if err == nil {
+		o.cleanups = nil
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(o.ctx), CleanupTimeout)
+	defer cancel()
+	for i := len(o.cleanups) - 1; i >= 0; i-- {
+		c := o.cleanups[i]
+		if cerr := c.fn(ctx); cerr != nil {
+			o.log.Error("cleanup after a failed operation", "op", o.name, "cleanup", c.what, "err", cerr, "cause", err)
+		}
+	}
+	o.cleanups = nil
+	if errors.Is(o.ctx.Err(), context.DeadlineExceeded) && !errors.Is(err, context.DeadlineExceeded) {
+		err = fmt.Errorf("%w (the operation's time ran out)", err)
+	}
+	return err
+}
+
+// Elapsed is the time since the operation started.
+func (o *Op) Elapsed() time.Duration { return time.Since(o.start) }
