@@ -144,8 +144,9 @@ func (n *Node) insertSandbox(ctx context.Context, s *Sandbox) error {
 	return nil
 }
 
-// saveSandbox rewrites every recorded field of an existing sandbox, and
-// what it references, in one transaction.
+// saveSandbox rewrites every recorded field of an existing sandbox but its
+// state (which only move changes), and what it references, in one
+// transaction.
 func (n *Node) saveSandbox(ctx context.Context, s *Sandbox) error {
 	return n.store.Tx(ctx, func(tx *sql.Tx) error { return n.saveSandboxTx(ctx, tx, s) })
 }
@@ -153,11 +154,11 @@ func (n *Node) saveSandbox(ctx context.Context, s *Sandbox) error {
 func (n *Node) saveSandboxTx(ctx context.Context, tx *sql.Tx, s *Sandbox) error {
 	meta, _ := json.Marshal(nonNil(s.Metadata))
 	env, _ := json.Marshal(nonNil(s.EnvVars))
-	_, err := tx.ExecContext(ctx, `UPDATE sandboxes SET template_id = ?, state = ?, vcpus = ?, memory_mib = ?,
+	_, err := tx.ExecContext(ctx, `UPDATE sandboxes SET template_id = ?, vcpus = ?, memory_mib = ?,
 		disk_mib = ?, slot = ?, pid = ?, allow_internet = ?, secure = ?, auto_pause = ?, access_token = ?,
 		traffic_token = ?, default_user = ?, metadata = ?, env_vars = ?, created_at = ?, started_at = ?, end_at = ?,
 		mem_file = ?, mem_private = ?, snapshot_id = ?, auto_resume = ?, public_traffic = ?, base_layer = ?, updated_at = ? WHERE id = ?`,
-		s.TemplateID, s.State, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure, s.AutoPause,
+		s.TemplateID, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure, s.AutoPause,
 		s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env), s.CreatedAt.UnixMilli(),
 		s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID, s.AutoResume, s.PublicTraffic,
 		s.BaseLayer, time.Now().UnixMilli(), s.ID)

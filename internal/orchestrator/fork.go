@@ -214,6 +214,7 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 	if err := n.move(octx, id, StateRunning, opState, ""); err != nil {
 		return nil, o.Finish(err)
 	}
+	n.resumeOnFailure(o, s, opState)
 	start := time.Now()
 	// A copy-on-write parent is captured without a restart; any other has
 	// its RAM file frozen and is restored from the snapshot with the
@@ -222,7 +223,7 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 	var snap string
 	var lease *store.Lease
 	if live {
-		snap, lease, err = n.snapshotLive(o, s, opState)
+		snap, lease, err = n.snapshotLive(o, s)
 	} else {
 		snap, lease, err = n.freeze(o, s, opState)
 	}
@@ -262,6 +263,13 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 			n.log.Error(opName+": could not record the sandbox as paused", "sandbox", id, "err", err)
 		}
 		c.parentPaused = true
+		// The fork failed: its children go (nothing of them was the user's).
+		for _, r := range c.children {
+			if r.Sandbox != nil {
+				n.destroy(context.WithoutCancel(octx), r.Sandbox)
+			}
+		}
+		c.children = nil
 		return c, o.Finish(fmt.Errorf("%s %s: the sandbox could not run on after the capture and is paused (resume it): %w", opName, id, parentErr))
 	}
 	if err := n.move(octx, id, opState, StateRunning, ""); err != nil {
@@ -312,7 +320,8 @@ func (n *Node) machineLost(ctx context.Context, s *Sandbox, from State) {
 	n.destroy(ctx, s)
 }
 
-// freeze stops a sandbox that has a RAM file of its own, saves its device
+// freeze stops a sandbox that has a RAM file of its own (its caller has
+// registered the cleanup that runs it on), saves its device
 // state and turns its RAM file and disk overlay into a read-only (full)
 // snapshot; its QEMU exits. Its record then points at the snapshot: it
 // runs on, and resumes, from it, mapping its RAM image copy-on-write.
@@ -377,10 +386,8 @@ func (n *Node) freeze(o *operation.Op, s *Sandbox, opState State) (string, *stor
 			return err // the freeze went further: restOnSnapshot settled it
 		}
 		p := prev
-		p.State = cur.State
 		return n.saveSandbox(ctx, &p)
 	})
-	n.resumeOnFailure(o, s, opState)
 	sdir := n.snapshotDir(snapID)
 	if err := o.Do("stop-vcpus", func(ctx context.Context) error { return m.Pause(ctx) }); err != nil {
 		return "", nil, err

@@ -30,9 +30,9 @@ func (n *Node) canSnapshotLive(s *Sandbox) bool {
 }
 
 // snapshotLive captures a running copy-on-write sandbox into a new
-// incremental snapshot, held by the returned lease. On failure the sandbox
-// runs on as before and the half-made snapshot goes.
-func (n *Node) snapshotLive(o *operation.Op, s *Sandbox, opState State) (string, *store.Lease, error) {
+// incremental snapshot, held by the returned lease. On failure the
+// half-made snapshot goes (and the caller's cleanup runs the sandbox on).
+func (n *Node) snapshotLive(o *operation.Op, s *Sandbox) (string, *store.Lease, error) {
 	ctx := o.Context()
 	m := n.machines.get(s.ID)
 	if !alive(m) {
@@ -61,7 +61,6 @@ func (n *Node) snapshotLive(o *operation.Op, s *Sandbox, opState State) (string,
 		n.gc(ctx)
 		return nil
 	})
-	n.resumeOnFailure(o, s, opState)
 	info, err := storage.Info(ctx, overlay)
 	if err != nil {
 		return "", nil, err

@@ -416,10 +416,11 @@ func (n *Node) adopt(id string, m *vmm.Machine) {
 
 // Kill stops a sandbox and removes everything it had: QEMU, network, files,
 // record; what its files were made of goes once nothing else needs it.
-// A sandbox in the middle of another operation is refused (ErrConflict).
+// A sandbox in the middle of another operation is refused (ErrConflict);
+// a kill that was cut short is finished.
 func (n *Node) Kill(ctx context.Context, id string) error {
 	s, err := n.loadSandbox(ctx, id)
-	if err == nil && !s.State.Resting() {
+	if err == nil && !s.State.Resting() && s.State != StateKilling {
 		return busy(s)
 	}
 	if err != nil && (!errors.Is(err, ErrNotFound) || !n.sharesPaused()) {
@@ -436,12 +437,24 @@ func (n *Node) Kill(ctx context.Context, id string) error {
 	if err != nil {
 		return o.Finish(err)
 	}
-	if s.State != StateRunning && s.State != StatePaused {
-		return o.Finish(busy(s))
+	if s.State != StateKilling {
+		from := s.State
+		if from != StateRunning && from != StatePaused {
+			return o.Finish(busy(s))
+		}
+		if err := o.Do("record", func(ctx context.Context) error { return n.move(ctx, id, from, StateKilling, "") }); err != nil {
+			return o.Finish(err)
+		}
+		o.OnFailure("keep the sandbox", func(ctx context.Context) error {
+			return n.move(ctx, id, StateKilling, from, "")
+		})
 	}
-	if err := o.Do("record", func(ctx context.Context) error { return n.move(ctx, id, s.State, StateKilling, "") }); err != nil {
+	// QEMU stops: from here the kill only goes forward (every step below
+	// tolerates what is gone already, and a kill retried finishes it).
+	if err := o.Do("stop-qemu", func(context.Context) error { return n.stopMachine(id) }); err != nil {
 		return o.Finish(err)
 	}
+	o.Settle()
 	if m, ok := n.readSharedMark(id); ok {
 		n.forgetShared(octx, id, m.Generation)
 	}

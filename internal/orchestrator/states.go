@@ -23,7 +23,7 @@ var transitions = map[State][]State{
 	StateResuming:     {StateRunning, StatePaused},                                   // done, or rolled back
 	StateSnapshotting: {StateRunning, StatePaused},                                   // the sandbox runs on, or rests paused on the snapshot
 	StateForking:      {StateRunning, StatePaused},                                   // likewise
-	StateKilling:      {},                                                            // its record goes
+	StateKilling:      {StateRunning, StatePaused},                                   // rolled back before anything stopped; else its record goes
 }
 
 // Resting reports whether a sandbox in state s is between operations.

@@ -40,7 +40,7 @@ func TestTransitionTable(t *testing.T) {
 		{StatePaused, StateForking, false}, // fork needs a running sandbox
 		{StatePaused, StatePausing, false},
 		{StateForking, StatePaused, true}, // the parent rests on its snapshot
-		{StateKilling, StateRunning, false},
+		{StateKilling, StateForking, false},
 		{StateCreating, StatePaused, false},
 	} {
 		if got := canMove(tc.from, tc.to); got != tc.ok {

@@ -43,9 +43,11 @@ func testNode(t testing.TB) *Node {
 	slot := takeTestSlot()
 	n := openTestNodeIn(t, dir, slot)
 	t.Cleanup(func() {
-		all, _ := n.List(context.Background())
+		all, _ := n.loadSandboxes(context.Background(), "")
 		for _, s := range all {
-			_ = n.Kill(context.Background(), s.ID)
+			if err := n.Kill(context.Background(), s.ID); err != nil {
+				n.destroy(context.Background(), s) // left mid-operation by a failed test
+			}
 		}
 		n.Close()
 		releaseTestSlot(slot)
