@@ -912,6 +912,22 @@ func TestInitSetsTokenOnce(t *testing.T) {
 	if r := collect(t, st); r.stdout != "/tmp\n" {
 		t.Fatalf("default workdir not used: %q", r.stdout)
 	}
+	// Whoever holds the token may clear it (a non-secure sandbox made
+	// from a secure one's snapshot); without it, nobody may.
+	req, _ := http.NewRequest(http.MethodPost, e.base+"/init", strings.NewReader(`{"accessToken":""}`))
+	if res, err := http.DefaultClient.Do(req); err != nil || res.StatusCode != 401 {
+		t.Fatalf("token cleared without the token: %d", res.StatusCode)
+	}
+	req, _ = http.NewRequest(http.MethodPost, e.base+"/init", strings.NewReader(`{"accessToken":""}`))
+	req.Header.Set("X-Access-Token", "abc")
+	if res, err := http.DefaultClient.Do(req); err != nil || res.StatusCode != 204 {
+		t.Fatalf("clear the token: %v %v", res, err)
+	}
+	res, _ = http.Get(e.base + "/envs")
+	res.Body.Close()
+	if res.StatusCode != 200 {
+		t.Fatalf("cleared token still enforced: %d", res.StatusCode)
+	}
 }
 
 func TestMetricsAndHealth(t *testing.T) {

@@ -113,7 +113,10 @@ func (s *Server) handleInit(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	if req.AccessToken != nil && *req.AccessToken != "" {
+	// A caller allowed to re-initialise may also change the token, or
+	// clear it ("": no token, as a sandbox made non-secure from a secure
+	// one's snapshot needs).
+	if req.AccessToken != nil {
 		s.accessToken = *req.AccessToken
 	}
 	for k, v := range req.EnvVars {

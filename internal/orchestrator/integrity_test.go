@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -18,8 +19,9 @@ import (
 // subject is a sandbox the integrity tests check after every step: a file
 // with known content and a background process.
 type subject struct {
-	s   *Sandbox
-	pid string
+	s      *Sandbox
+	pid    string
+	marker string
 }
 
 func newSubject(t *testing.T, n *Node) *subject {
@@ -31,7 +33,7 @@ func newSubject(t *testing.T, n *Node) *subject {
 	if err != nil || r.exit != 0 {
 		t.Fatalf("prepare subject: %+v %v", r, err)
 	}
-	return &subject{s: s, pid: strings.TrimSpace(r.stdout)}
+	return &subject{s: s, pid: strings.TrimSpace(r.stdout), marker: "precious-" + s.ID}
 }
 
 // check asserts the subject rests, running or paused; a paused subject is
@@ -54,7 +56,7 @@ func (sub *subject) check(t *testing.T, n *Node) {
 		t.Fatalf("subject rests in %s", s.State)
 	}
 	r, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "cat /home/user/marker; kill -0 "+sub.pid+" && echo alive")
-	if err != nil || r.stdout != "precious-"+s.ID+"\nalive\n" {
+	if err != nil || r.stdout != sub.marker+"\nalive\n" {
 		t.Fatalf("subject's files and processes: %+v %v", r, err)
 	}
 	sub.s = s
@@ -341,4 +343,294 @@ func dropSnapshots(n *Node) {
 	for _, ns := range all {
 		n.DeleteSnapshot(context.Background(), ns.Name)
 	}
+}
+
+// fingerprint is what a sandbox of the rebuild test holds on its disk.
+func fingerprint(t *testing.T, s *Sandbox) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	// Caches dropped: the files are read from the disk layers again.
+	r, err := newEnvdClient(s).run(ctx, "root", "/bin/sh", "-c",
+		"sync; echo 3 > /proc/sys/vm/drop_caches; cat /opt/v; md5sum /opt/blob | cut -c1-32; dmesg | grep -ci -e 'ext4-fs error' -e 'structure needs cleaning' -e 'i/o error' || true")
+	if err != nil || r.exit != 0 {
+		t.Fatalf("read sandbox %s: %+v %v", s.ID, r, err)
+	}
+	if !strings.HasSuffix(r.stdout, "\n0\n") {
+		t.Fatalf("sandbox %s reports file system errors: %q", s.ID, r.stdout)
+	}
+	return strings.TrimSuffix(r.stdout, "0\n")
+}
+
+// TestTemplateRebuildKeepsDisks rebuilds a template, then re-imports it
+// from an image, while sandboxes of the first build run, rest paused, wait
+// in the pool and live on in a named snapshot: each keeps exactly its disk
+// (file checksums, no file system error), new sandboxes get the new build,
+// the pool holds only the new build, a template in use cannot be deleted
+// (409 naming the user), and the old build's snapshot goes once nothing
+// uses it.
+func TestTemplateRebuildKeepsDisks(t *testing.T) {
+	n := testNode(t)
+	n.cfg.PoolSize = 1
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	var l buildLog
+	build := func(v string) {
+		t.Helper()
+		spec := BuildSpec{Template: "app", FromTemplate: "minimal", Steps: []BuildStep{{Type: "RUN",
+			Args: []string{"mkdir -p /opt && echo " + v + " > /opt/v && dd if=/dev/urandom of=/opt/blob bs=64k count=16 2>/dev/null"}}}}
+		if err := n.BuildTemplate(ctx, spec, l.log(t)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	build("v1")
+	v1, _ := n.Template("app")
+	ts1, err := n.currentTemplateSnapshot(v1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitPool := func(snap string) {
+		t.Helper()
+		deadline := time.Now().Add(2 * time.Minute)
+		for n.pool.size(snap) < 1 {
+			if time.Now().After(deadline) {
+				t.Fatal("the pool was not filled")
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	waitPool(ts1.SnapshotID)
+
+	running := create(t, n, CreateRequest{TemplateID: "app"})                 // from the pool
+	cold := create(t, n, CreateRequest{TemplateID: "app", MemoryMiB: 320})    // cold boot on the layer
+	paused := create(t, n, CreateRequest{TemplateID: "app"})                  // template snapshot
+	snapSrc := create(t, n, CreateRequest{TemplateID: "app", MemoryMiB: 288}) // named snapshot source
+	want := map[string]string{}
+	for _, s := range []*Sandbox{running, cold, paused, snapSrc} {
+		want[s.ID] = fingerprint(t, s)
+		if !strings.HasPrefix(want[s.ID], "v1\n") {
+			t.Fatalf("sandbox %s of the first build: %q", s.ID, want[s.ID])
+		}
+	}
+	if _, err := n.Pause(ctx, paused.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.Snapshot(ctx, snapSrc.ID, "app-snap"); err != nil {
+		t.Fatal(err)
+	}
+	waitPool(ts1.SnapshotID)
+	n.pool.mu.Lock()
+	pooledV1 := n.pool.entries[ts1.SnapshotID][0].s.ID
+	n.pool.mu.Unlock()
+
+	build("v2")
+	v2, _ := n.Template("app")
+	if v2.Layer == v1.Layer {
+		t.Fatal("the rebuild did not make a new layer")
+	}
+	if err := n.PrepareTemplateSnapshot(ctx, "app"); err != nil {
+		t.Fatal(err)
+	}
+	ts2, _ := n.currentTemplateSnapshot(v2)
+	if n.pool.size(ts1.SnapshotID) != 0 {
+		t.Fatal("the pool still holds sandboxes of the old build")
+	}
+	if _, err := n.loadSandbox(ctx, pooledV1); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("a pooled sandbox of the old build is still recorded: %v", err)
+	}
+	fresh := create(t, n, CreateRequest{TemplateID: "app"})
+	if got := fingerprint(t, fresh); !strings.HasPrefix(got, "v2\n") {
+		t.Fatalf("a new sandbox after the rebuild reads %q", got)
+	}
+	n.Kill(ctx, fresh.ID)
+	_ = ts2
+
+	// Re-import the name from an image: the label moves again.
+	archive := filepath.Join(t.TempDir(), "img.tar")
+	writeBusyboxArchive(t, archive)
+	if _, err := n.templates.ImportImage(ctx, "app", imageSource(archive), 256, t.Logf); err != nil {
+		t.Fatal(err)
+	}
+	imported := create(t, n, CreateRequest{TemplateID: "app", VCPUs: 1, MemoryMiB: 256})
+	r, err := newEnvdClient(imported).run(ctx, "", "/bin/sh", "-c", "cat /data/hello; test -e /opt/v || echo no-v")
+	if err != nil || r.stdout != "hello from an OCI layer\nno-v\n" {
+		t.Fatalf("sandbox of the re-imported template: %+v %v", r, err)
+	}
+	n.Kill(ctx, imported.ID)
+
+	// Every sandbox of the first build kept exactly its disk.
+	for _, s := range []*Sandbox{running, cold, snapSrc} {
+		cur, _ := n.Get(ctx, s.ID)
+		if got := fingerprint(t, cur); got != want[s.ID] {
+			t.Errorf("sandbox %s reads %q after the rebuild, had %q", s.ID, got, want[s.ID])
+		}
+	}
+	resumed, err := n.Resume(ctx, paused.ID, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := fingerprint(t, resumed); got != want[paused.ID] {
+		t.Errorf("paused sandbox reads %q after the rebuild, had %q", got, want[paused.ID])
+	}
+	fromSnap := create(t, n, CreateRequest{TemplateID: "app-snap"})
+	if got := fingerprint(t, fromSnap); got != want[snapSrc.ID] {
+		t.Errorf("sandbox of the named snapshot reads %q, had %q", got, want[snapSrc.ID])
+	}
+
+	// In use: deleting the template is refused, naming a user.
+	if err := n.DeleteTemplate(ctx, "app"); !errors.Is(err, ErrConflict) || !strings.Contains(err.Error(), "sandbox ") {
+		t.Fatalf("delete of a template in use: %v", err)
+	}
+	// The first build's template snapshot lives while sandboxes need it,
+	// and goes with the last of them.
+	if _, err := n.store.Get(ctx, ts1.SnapshotID); err != nil {
+		t.Fatalf("the old template snapshot went while in use: %v", err)
+	}
+	for _, s := range []*Sandbox{running, cold, resumed, snapSrc, fromSnap} {
+		if err := n.Kill(ctx, s.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := n.DeleteSnapshot(ctx, "app-snap"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.store.Get(ctx, ts1.SnapshotID); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("the old template snapshot outlived its last user: %v", err)
+	}
+	if _, err := os.Stat(n.snapshotDir(ts1.SnapshotID)); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("its files are still there: %v", err)
+	}
+	// What is left of the first build's layer is the build cache's.
+	if h, _ := n.store.Holders(ctx, v1.Layer); !slices.Equal(h, []string{buildCacheHolder}) {
+		t.Fatalf("holders of the first build's layer: %v", h)
+	}
+	if err := n.DeleteTemplate(ctx, "app"); err != nil {
+		t.Fatal(err)
+	}
+	assertNoLeaks(t, n)
+}
+
+// TestPooledQEMUDies kills a pooled sandbox's QEMU: the pool drops it,
+// cleans up after it and starts another, and a create still gets one.
+func TestPooledQEMUDies(t *testing.T) {
+	n := testNode(t)
+	n.cfg.PoolSize = 1
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	if err := n.PrepareTemplateSnapshot(ctx, "minimal"); err != nil {
+		t.Fatal(err)
+	}
+	tpl, _ := n.Template("minimal")
+	ts, err := n.currentTemplateSnapshot(tpl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.refillPool(tpl, ts)
+	pooled := func() *pooledSandbox {
+		deadline := time.Now().Add(2 * time.Minute)
+		for {
+			n.pool.mu.Lock()
+			var e *pooledSandbox
+			if l := n.pool.entries[ts.SnapshotID]; len(l) > 0 {
+				e = l[0]
+			}
+			n.pool.mu.Unlock()
+			if e != nil {
+				return e
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("the pool was not filled")
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	first := pooled()
+	if err := syscall.Kill(first.m.PID(), syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		if e := pooled(); e.s.ID != first.s.ID && alive(e.m) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the pool did not replace its dead sandbox")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if _, err := n.loadSandbox(ctx, first.s.ID); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("the dead pooled sandbox is still recorded: %v", err)
+	}
+	s := create(t, n, CreateRequest{TemplateID: "minimal"})
+	if r, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "echo ok"); err != nil || r.stdout != "ok\n" {
+		t.Fatalf("sandbox from the refilled pool: %+v %v", r, err)
+	}
+	n.Kill(ctx, s.ID)
+	assertNoLeaks(t, n)
+}
+
+// TestGCRacesForksAndSnapshots runs garbage collection without pause while
+// sandboxes are forked, snapshotted, created from snapshots and killed:
+// nothing in use is ever collected, and in the end nothing is left over.
+func TestGCRacesForksAndSnapshots(t *testing.T) {
+	n := testNode(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+	stop := make(chan struct{})
+	done := make(chan int)
+	go func() {
+		runs := 0
+		defer func() { done <- runs }()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if _, err := n.store.GC(ctx); err != nil {
+				if ctx.Err() == nil {
+					t.Error(err)
+				}
+				return
+			}
+			runs++
+		}
+	}()
+	parent := newSubject(t, n)
+	for i := 0; i < 4; i++ {
+		res, err := n.Fork(ctx, parent.s.ID, 2, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range res {
+			if r.Err != nil {
+				t.Fatalf("round %d: child: %v", i, r.Err)
+			}
+		}
+		child := &subject{s: res[0].Sandbox, pid: parent.pid, marker: parent.marker}
+		child.check(t, n)
+		name := fmt.Sprintf("race-%d", i)
+		if _, err := n.Snapshot(ctx, child.s.ID, name); err != nil {
+			t.Fatalf("round %d: snapshot: %v", i, err)
+		}
+		grand := &subject{s: create(t, n, CreateRequest{TemplateID: name}), pid: parent.pid, marker: parent.marker}
+		n.Kill(ctx, res[1].Sandbox.ID)
+		n.Kill(ctx, child.s.ID)
+		if err := n.DeleteSnapshot(ctx, name); err != nil {
+			t.Fatal(err)
+		}
+		// The sandbox of the deleted snapshot still has everything.
+		ctx2, cancel2 := context.WithTimeout(ctx, time.Minute)
+		r, err := newEnvdClient(grand.s).run(ctx2, "", "/bin/sh", "-c", "cat /home/user/marker; kill -0 "+parent.pid+" && echo alive")
+		cancel2()
+		if err != nil || !strings.HasSuffix(r.stdout, "alive\n") {
+			t.Fatalf("round %d: sandbox of a deleted snapshot: %+v %v", i, r, err)
+		}
+		n.Kill(ctx, grand.s.ID)
+		parent.check(t, n)
+	}
+	close(stop)
+	t.Logf("%d garbage collections ran meanwhile", <-done)
+	n.Kill(ctx, parent.s.ID)
+	assertNoLeaks(t, n)
 }

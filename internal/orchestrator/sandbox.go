@@ -341,8 +341,8 @@ func initEnvdAs(ctx context.Context, addr string, s *Sandbox, authToken string, 
 	if reseed {
 		body["entropySeed"] = randomHex(64)
 	}
-	if s.AccessToken != "" {
-		body["accessToken"] = s.AccessToken
+	if s.AccessToken != "" || authToken != "" {
+		body["accessToken"] = s.AccessToken // "" clears the token the guest held
 	}
 	if s.DefaultUser != "" {
 		body["defaultUser"] = s.DefaultUser

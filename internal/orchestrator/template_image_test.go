@@ -107,3 +107,13 @@ func TestTemplateFromImage(t *testing.T) {
 		t.Fatalf("bad template name: %v", err)
 	}
 }
+
+// writeBusyboxArchive writes busyboxImage as a `docker save` tarball.
+func writeBusyboxArchive(t *testing.T, path string) {
+	t.Helper()
+	if err := tarball.WriteToFile(path, name.MustParseReference("test/busybox:1"), busyboxImage(t)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func imageSource(archive string) image.Source { return image.Source{Archive: archive} }
