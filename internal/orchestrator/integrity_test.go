@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand"
 	"os"
 	"path/filepath"
 	"slices"
@@ -632,5 +633,209 @@ func TestGCRacesForksAndSnapshots(t *testing.T) {
 	close(stop)
 	t.Logf("%d garbage collections ran meanwhile", <-done)
 	n.Kill(ctx, parent.s.ID)
+	assertNoLeaks(t, n)
+}
+
+// TestSoak drives a few sandboxes through random creates, pauses, resumes,
+// snapshots, forks, kills, template rebuilds and callers that give up, for
+// a bounded time (AENV_SOAK, default 2m), checking after every step that
+// every sandbox rests and holds what was written to it; at the end nothing
+// is left behind.
+func TestSoak(t *testing.T) {
+	d := 2 * time.Minute
+	if v := os.Getenv("AENV_SOAK"); v != "" {
+		var err error
+		if d, err = time.ParseDuration(v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	n := testNode(t)
+	seed := time.Now().UnixNano()
+	t.Logf("seed %d, for %s", seed, d)
+	rnd := rand.New(rand.NewSource(seed))
+	ctx := context.Background()
+	build := func(v int) {
+		spec := BuildSpec{Template: "soak", FromTemplate: "minimal", Steps: []BuildStep{{Type: "RUN",
+			Args: []string{fmt.Sprintf("mkdir -p /opt && echo build-%d > /opt/v", v)}}}}
+		if err := n.BuildTemplate(ctx, spec, func(string, string, string) {}); err != nil {
+			t.Fatalf("build %d: %v", v, err)
+		}
+	}
+	builds := 1
+	build(builds)
+	type model struct {
+		marker, pid string
+		state       State
+	}
+	live := map[string]*model{}
+	var snaps []string
+	snapSource := map[string]model{}
+	pick := func(state State) string {
+		var ids []string
+		for id, m := range live {
+			if m.state == state {
+				ids = append(ids, id)
+			}
+		}
+		slices.Sort(ids)
+		if len(ids) == 0 {
+			return ""
+		}
+		return ids[rnd.Intn(len(ids))]
+	}
+	// opCtx is a caller that, one time in four, gives up after a while.
+	opCtx := func() (context.Context, context.CancelFunc) {
+		if rnd.Intn(4) == 0 {
+			return context.WithTimeout(ctx, time.Duration(1+rnd.Intn(400))*time.Millisecond)
+		}
+		return context.WithTimeout(ctx, 3*time.Minute)
+	}
+	check := func(step string) {
+		t.Helper()
+		all, _ := n.loadSandboxes(ctx, "")
+		for _, s := range all {
+			if !s.State.Resting() {
+				t.Fatalf("after %s: sandbox %s is %s", step, s.ID, s.State)
+			}
+			if s.State != StatePooled && live[s.ID] == nil {
+				t.Fatalf("after %s: sandbox %s (%s) is not one the test made", step, s.ID, s.State)
+			}
+		}
+		for id, m := range live {
+			s, err := n.Get(ctx, id)
+			if err != nil {
+				t.Fatalf("after %s: sandbox %s lost: %v", step, id, err)
+			}
+			m.state = s.State
+			if s.State != StateRunning {
+				continue
+			}
+			cctx, cancel := context.WithTimeout(ctx, time.Minute)
+			r, err := newEnvdClient(s).run(cctx, "", "/bin/sh", "-c", "cat /home/user/marker; kill -0 "+m.pid+" && echo alive")
+			cancel()
+			if err != nil || r.stdout != m.marker+"\nalive\n" {
+				t.Fatalf("after %s: sandbox %s holds %+v (%v), want %q", step, id, r, err, m.marker)
+			}
+		}
+	}
+	adopt := func(s *Sandbox, m model) { m.state = s.State; live[s.ID] = &m }
+	steps := 0
+	for end := time.Now().Add(d); time.Now().Before(end); steps++ {
+		var step string
+		cctx, cancel := opCtx()
+		// A caller that gave up before the operation began: nothing changed.
+		gaveUp := func(err error) bool {
+			return cctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded))
+		}
+		switch k := rnd.Intn(10); {
+		case k == 0 && len(live) < 4 || len(live) == 0:
+			tpl := []string{"minimal", "soak"}[rnd.Intn(2)]
+			if len(snaps) > 0 && rnd.Intn(2) == 0 {
+				tpl = snaps[rnd.Intn(len(snaps))]
+			}
+			step = "create from " + tpl
+			s, err := n.Create(cctx, CreateRequest{TemplateID: tpl})
+			if gaveUp(err) {
+				break
+			}
+			if err != nil {
+				t.Fatalf("%s: %v", step, err)
+			}
+			if strings.HasPrefix(tpl, "soak-") { // a named snapshot: what it holds
+				src := snapSource[tpl]
+				adopt(s, src)
+				break
+			}
+			r, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "echo m-"+s.ID+" > /home/user/marker; sleep 100000 >/dev/null 2>&1 & echo $!")
+			if err != nil || r.exit != 0 {
+				t.Fatalf("prepare %s: %+v %v", s.ID, r, err)
+			}
+			adopt(s, model{marker: "m-" + s.ID, pid: strings.TrimSpace(r.stdout)})
+		case k <= 2:
+			if id := pick(StateRunning); id != "" {
+				step = "pause " + id
+				_, err := n.Pause(cctx, id)
+				if err != nil && !gaveUp(err) {
+					t.Fatalf("%s: %v", step, err)
+				}
+			}
+		case k <= 4:
+			if id := pick(StatePaused); id != "" {
+				step = "resume " + id
+				if _, err := n.Resume(cctx, id, time.Minute); err != nil && !gaveUp(err) {
+					t.Fatalf("%s: %v", step, err)
+				}
+			}
+		case k == 5:
+			if id := pick(StateRunning); id != "" {
+				name := fmt.Sprintf("soak-%d", steps)
+				step = "snapshot " + id + " as " + name
+				if _, err := n.Snapshot(cctx, id, name); err != nil {
+					if gaveUp(err) {
+						break
+					}
+					t.Fatalf("%s: %v", step, err)
+				}
+				snaps = append(snaps, name)
+				snapSource[name] = *live[id]
+				if len(snaps) > 3 {
+					if err := n.DeleteSnapshot(ctx, snaps[0]); err != nil {
+						t.Fatal(err)
+					}
+					snaps = snaps[1:]
+				}
+			}
+		case k == 6:
+			if id := pick(StateRunning); id != "" && len(live) < 6 {
+				step = "fork " + id
+				res, err := n.Fork(cctx, id, 1+rnd.Intn(2), time.Minute)
+				if gaveUp(err) {
+					break
+				}
+				if err != nil {
+					t.Fatalf("%s: %v", step, err)
+				}
+				for _, r := range res {
+					if r.Err != nil {
+						t.Fatalf("%s: child: %v", step, r.Err)
+					}
+					adopt(r.Sandbox, *live[id])
+				}
+			}
+		case k <= 8:
+			id := pick(StateRunning)
+			if id == "" {
+				id = pick(StatePaused)
+			}
+			if id != "" && len(live) > 1 {
+				step = "kill " + id
+				if err := n.Kill(cctx, id); err != nil {
+					if gaveUp(err) {
+						break
+					}
+					t.Fatalf("%s: %v", step, err)
+				}
+				delete(live, id)
+			}
+		default:
+			if steps%3 == 0 {
+				builds++
+				step = fmt.Sprintf("rebuild soak (%d)", builds)
+				build(builds)
+			}
+		}
+		cancel()
+		if step != "" {
+			check(step)
+		}
+	}
+	t.Logf("%d steps, %d builds", steps, builds)
+	for id := range live {
+		n.Kill(ctx, id)
+	}
+	dropSnapshots(n)
+	if err := n.DeleteTemplate(ctx, "soak"); err != nil {
+		t.Fatal(err)
+	}
 	assertNoLeaks(t, n)
 }
