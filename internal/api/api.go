@@ -20,27 +20,47 @@ import (
 
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/proxy"
+	"github.com/agentenv/agentenv/internal/storage/lazy"
 )
 
 // APIKeyPattern is the form of API keys the E2B SDKs accept.
 var APIKeyPattern = regexp.MustCompile(`^e2b_[0-9a-f]+$`)
 
-// Node is what the API needs from the orchestrator.
+// Node is what the API needs from the orchestrator: the sandboxes, their
+// lifecycle, named snapshots, templates and builds, and what the node
+// reports (console logs, memory, layer cache). orchestrator.Node is the
+// one implementation; errors wrap the kinds of package errkind, which
+// decide the status code.
 type Node interface {
 	Create(ctx context.Context, req orchestrator.CreateRequest) (*orchestrator.Sandbox, error)
 	Get(ctx context.Context, id string) (*orchestrator.Sandbox, error)
 	List(ctx context.Context) ([]*orchestrator.Sandbox, error)
 	Kill(ctx context.Context, id string) error
 	SetTimeout(ctx context.Context, id string, d time.Duration) (*orchestrator.Sandbox, error)
-}
-
-// ConsoleLogReader is implemented by nodes that can hand out a sandbox's
-// guest console log (kernel, init and envd output). ConsoleLog returns at
-// most the last maxBytes bytes of it, and an error wrapping
-// orchestrator.ErrNotFound for unknown sandboxes. Nodes without it answer
-// GET /sandboxes/{id}/logs with 501.
-type ConsoleLogReader interface {
+	// Pause stops a running sandbox and keeps it on disk; Resume brings it
+	// back (timeout 0: the node default).
+	Pause(ctx context.Context, id string) (*orchestrator.Sandbox, error)
+	Resume(ctx context.Context, id string, timeout time.Duration) (*orchestrator.Sandbox, error)
+	// Fork clones a running sandbox into count children (timeout 0: the
+	// node default).
+	Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]orchestrator.ForkResult, error)
+	Snapshot(ctx context.Context, id, name string) (*orchestrator.NamedSnapshot, error)
+	Snapshots() ([]*orchestrator.NamedSnapshot, error)
+	DeleteSnapshot(ctx context.Context, name string) error
+	// ConsoleLog returns at most the last maxBytes of a sandbox's guest
+	// console (kernel, init and envd output).
 	ConsoleLog(ctx context.Context, id string, maxBytes int64) ([]byte, error)
+	// The E2B template API: POST /v3/templates, file uploads, POST
+	// /v2/templates/{id}/builds/{build}, status polling, deletion.
+	RequestBuild(name string, vcpus, memMiB int) (*orchestrator.BuildRecord, error)
+	StartBuild(templateID, buildID string, spec orchestrator.BuildSpec) error
+	Build(templateID, buildID string) (*orchestrator.BuildRecord, error)
+	Template(name string) (*orchestrator.Template, error)
+	Templates() ([]*orchestrator.Template, error)
+	DeleteTemplate(ctx context.Context, name string) error
+	DataDir() string
+	Memory(ctx context.Context) (*orchestrator.NodeMemory, error)
+	LayerCacheStats() lazy.CacheStats
 }
 
 // Config configures the API server.
@@ -216,23 +236,6 @@ func notYetMessage(op string) string {
 	return op + " is not implemented on this node yet"
 }
 
-// Pauser and Resumer are implemented by nodes that can pause sandboxes and
-// resume them where they stopped; without them pause, resume and connecting
-// to a paused sandbox answer 501. Resume's timeout 0 means the node default.
-type (
-	Pauser interface {
-		Pause(ctx context.Context, id string) (*orchestrator.Sandbox, error)
-	}
-	Resumer interface {
-		Resume(ctx context.Context, id string, timeout time.Duration) (*orchestrator.Sandbox, error)
-	}
-	// Forker clones a running sandbox into count children (timeout 0: the
-	// node default); without it fork answers 501.
-	Forker interface {
-		Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]orchestrator.ForkResult, error)
-	}
-)
-
 // Error is the JSON body of every error response.
 type Error struct {
 	Code    int    `json:"code"`
@@ -344,11 +347,7 @@ func routeOf(sb *orchestrator.Sandbox) proxy.Route {
 // Resume implements proxy.Resumer with the node's Resume (node default
 // timeout); a sandbox some other request resumed first is fine.
 func (res Resolver) Resume(ctx context.Context, id string) (proxy.Route, error) {
-	rn, ok := res.Node.(Resumer)
-	if !ok {
-		return proxy.Route{}, errors.New("this node cannot resume sandboxes")
-	}
-	sb, err := rn.Resume(ctx, id, 0)
+	sb, err := res.Node.Resume(ctx, id, 0)
 	if errors.Is(err, orchestrator.ErrConflict) {
 		sb, err = res.Node.Get(ctx, id)
 	}

@@ -3,11 +3,13 @@ package api
 import (
 	"context"
 	"fmt"
+	"os"
 	"sort"
 	"sync"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/orchestrator"
+	"github.com/agentenv/agentenv/internal/storage/lazy"
 )
 
 // fakeNode is an in-memory Node for testing the API layer alone.
@@ -29,6 +31,9 @@ func (f *fakeNode) add(sb *orchestrator.Sandbox) *orchestrator.Sandbox {
 	defer f.mu.Unlock()
 	if sb.State == "" {
 		sb.State = orchestrator.StateRunning
+	}
+	if sb.EnvdVersion == "" {
+		sb.EnvdVersion = fakeEnvdVersion
 	}
 	f.sandboxes[sb.ID] = sb
 	return sb
@@ -56,7 +61,7 @@ func (f *fakeNode) Create(ctx context.Context, req orchestrator.CreateRequest) (
 		VCPUs: 2, MemoryMiB: 512, DiskMiB: 1024, Secure: req.Secure, AutoPause: req.AutoPause,
 		AllowInternet: req.AllowInternet == nil || *req.AllowInternet,
 		Metadata:      req.Metadata, EnvVars: req.EnvVars, StartedAt: now, CreatedAt: now, EndAt: now.Add(timeout),
-		TrafficToken: "traffic", PublicTraffic: !req.PrivateTraffic, AutoResume: req.AutoResume,
+		TrafficToken: "traffic", PublicTraffic: !req.PrivateTraffic, AutoResume: req.AutoResume, EnvdVersion: fakeEnvdVersion,
 	}
 	if req.Secure {
 		sb.AccessToken = "envd-token-" + sb.ID
@@ -185,28 +190,41 @@ func (f *fakeNode) Fork(ctx context.Context, id string, count int, timeout time.
 	return out, nil
 }
 
-// basicNode hides the optional capabilities of a fakeNode.
-type basicNode struct{ n *fakeNode }
+// fakeEnvdVersion is the envd version the fake's sandboxes report.
+const fakeEnvdVersion = "0.0.7-fake"
 
-func (b basicNode) Create(ctx context.Context, req orchestrator.CreateRequest) (*orchestrator.Sandbox, error) {
-	return b.n.Create(ctx, req)
-}
-func (b basicNode) Get(ctx context.Context, id string) (*orchestrator.Sandbox, error) {
-	return b.n.Get(ctx, id)
-}
-func (b basicNode) List(ctx context.Context) ([]*orchestrator.Sandbox, error) { return b.n.List(ctx) }
-func (b basicNode) Kill(ctx context.Context, id string) error                 { return b.n.Kill(ctx, id) }
-func (b basicNode) SetTimeout(ctx context.Context, id string, d time.Duration) (*orchestrator.Sandbox, error) {
-	return b.n.SetTimeout(ctx, id, d)
-}
+// The real node must keep offering what the API needs.
+var _ Node = (*orchestrator.Node)(nil)
 
-// The real node must keep offering what the API looks for.
-var (
-	_ Node    = (*orchestrator.Node)(nil)
-	_ Pauser  = (*orchestrator.Node)(nil)
-	_ Resumer = (*orchestrator.Node)(nil)
-	_ Forker  = (*orchestrator.Node)(nil)
-)
+// The parts of the node the fake has no use for: nothing there.
+func (f *fakeNode) Snapshot(ctx context.Context, id, name string) (*orchestrator.NamedSnapshot, error) {
+	return nil, fmt.Errorf("%w: the fake node keeps no snapshots", orchestrator.ErrConflict)
+}
+func (f *fakeNode) Snapshots() ([]*orchestrator.NamedSnapshot, error) { return nil, nil }
+func (f *fakeNode) DeleteSnapshot(ctx context.Context, name string) error {
+	return fmt.Errorf("%w: snapshot %q", orchestrator.ErrNotFound, name)
+}
+func (f *fakeNode) RequestBuild(name string, vcpus, memMiB int) (*orchestrator.BuildRecord, error) {
+	return nil, fmt.Errorf("%w: the fake node builds nothing", orchestrator.ErrConflict)
+}
+func (f *fakeNode) StartBuild(templateID, buildID string, spec orchestrator.BuildSpec) error {
+	return fmt.Errorf("%w: build %s", orchestrator.ErrNotFound, buildID)
+}
+func (f *fakeNode) Build(templateID, buildID string) (*orchestrator.BuildRecord, error) {
+	return nil, fmt.Errorf("%w: build %s", orchestrator.ErrNotFound, buildID)
+}
+func (f *fakeNode) Template(name string) (*orchestrator.Template, error) {
+	return nil, fmt.Errorf("%w: template %q", orchestrator.ErrNotFound, name)
+}
+func (f *fakeNode) Templates() ([]*orchestrator.Template, error) { return nil, nil }
+func (f *fakeNode) DeleteTemplate(ctx context.Context, name string) error {
+	return fmt.Errorf("%w: template %q", orchestrator.ErrNotFound, name)
+}
+func (f *fakeNode) DataDir() string { return os.TempDir() }
+func (f *fakeNode) Memory(ctx context.Context) (*orchestrator.NodeMemory, error) {
+	return &orchestrator.NodeMemory{States: map[orchestrator.State]int{}}, nil
+}
+func (f *fakeNode) LayerCacheStats() lazy.CacheStats { return lazy.CacheStats{} }
 
 func (f *fakeNode) ConsoleLog(ctx context.Context, id string, maxBytes int64) ([]byte, error) {
 	f.mu.Lock()

@@ -13,22 +13,22 @@ import (
 	"github.com/agentenv/agentenv/internal/storage/lazy"
 )
 
-// MemoryReporter is implemented by nodes that report their memory use;
-// they serve GET /metrics (Prometheus text format, same API key as the
-// REST API, as X-API-Key or a bearer token).
-type MemoryReporter interface {
+// memorySource is what the memory collector reads at each scrape of GET
+// /metrics (Prometheus text format, same API key as the REST API, as
+// X-API-Key or a bearer token).
+type memorySource interface {
 	Memory(ctx context.Context) (*orchestrator.NodeMemory, error)
 }
 
 // memoryCollector reads the node's memory report at each scrape.
 type memoryCollector struct {
-	node MemoryReporter
+	node memorySource
 
 	sandboxes, hostTotal, hostAvail         *prometheus.Desc
 	guest, rss, pss, anon, sumPSS, sumGuest *prometheus.Desc
 }
 
-func newMemoryCollector(node MemoryReporter) *memoryCollector {
+func newMemoryCollector(node memorySource) *memoryCollector {
 	sb := []string{"sandbox_id", "template_id"}
 	return &memoryCollector{
 		node:      node,
@@ -79,15 +79,15 @@ func (c *memoryCollector) Collect(ch chan<- prometheus.Metric) {
 	gauge(c.sumGuest, guest)
 }
 
-// LayerCacheReporter is implemented by nodes with a chunk cache for lazily
-// loaded layers; its counters join /metrics.
-type LayerCacheReporter interface {
+// layerCacheSource is what the layer cache collector reads: the counters
+// of the chunk cache of lazily loaded layers.
+type layerCacheSource interface {
 	LayerCacheStats() lazy.CacheStats
 }
 
 // layerCacheCollector reads the chunk cache's counters at each scrape.
 type layerCacheCollector struct {
-	node  LayerCacheReporter
+	node  layerCacheSource
 	descs map[string]*prometheus.Desc
 }
 
@@ -107,7 +107,7 @@ var layerCacheMetrics = []struct {
 	{"aenv_layer_cache_limit_bytes", "The layer cache's configured limit.", false, func(s lazy.CacheStats) int64 { return s.LimitBytes }},
 }
 
-func newLayerCacheCollector(node LayerCacheReporter) *layerCacheCollector {
+func newLayerCacheCollector(node layerCacheSource) *layerCacheCollector {
 	c := &layerCacheCollector{node: node, descs: map[string]*prometheus.Desc{}}
 	for _, m := range layerCacheMetrics {
 		c.descs[m.name] = prometheus.NewDesc(m.name, m.help, nil, nil)
@@ -135,20 +135,12 @@ func (c *layerCacheCollector) Collect(ch chan<- prometheus.Metric) {
 // nodeMetrics serves the node's Prometheus metrics, or 501 for nodes that
 // do not report memory.
 func (s *Server) nodeMetrics() http.Handler {
-	mr, ok := s.node.(MemoryReporter)
-	if !ok {
-		return s.requireKey(func(w http.ResponseWriter, r *http.Request) {
-			writeError(w, http.StatusNotImplemented, "this node does not report metrics")
-		})
-	}
 	reg := prometheus.NewRegistry()
 	// The server process itself: goroutines, open files, memory (what a
 	// load test checks for leaks).
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	reg.MustRegister(newMemoryCollector(mr))
-	if lr, ok := s.node.(LayerCacheReporter); ok {
-		reg.MustRegister(newLayerCacheCollector(lr))
-	}
+	reg.MustRegister(newMemoryCollector(s.node))
+	reg.MustRegister(newLayerCacheCollector(s.node))
 	h := promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 	return s.requireKey(h.ServeHTTP)
 }

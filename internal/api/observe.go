@@ -70,12 +70,7 @@ func (s *Server) pauseSandbox(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, "memory=false (filesystem-only pause) is not supported on this node; pauses keep memory")
 		return
 	}
-	p, ok := s.node.(Pauser)
-	if !ok {
-		writeError(w, http.StatusNotImplemented, notYetMessage("pause"))
-		return
-	}
-	if _, err := p.Pause(r.Context(), id); err != nil {
+	if _, err := s.node.Pause(r.Context(), id); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
@@ -100,12 +95,7 @@ func (s *Server) resumeSandbox(w http.ResponseWriter, r *http.Request) {
 // resume resumes a paused sandbox (timeout 0: the node default) and answers
 // 201 with its Sandbox object.
 func (s *Server) resume(w http.ResponseWriter, r *http.Request, id string, timeout time.Duration) {
-	res, ok := s.node.(Resumer)
-	if !ok {
-		writeError(w, http.StatusNotImplemented, notYetMessage("resume"))
-		return
-	}
-	sb, err := res.Resume(r.Context(), id, timeout)
+	sb, err := s.node.Resume(r.Context(), id, timeout)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -154,12 +144,7 @@ func (s *Server) forkSandbox(w http.ResponseWriter, r *http.Request) {
 		}
 		timeout = time.Duration(*body.Timeout) * time.Second
 	}
-	f, ok := s.node.(Forker)
-	if !ok {
-		writeError(w, http.StatusNotImplemented, notYetMessage("fork"))
-		return
-	}
-	results, err := f.Fork(r.Context(), id, int(count), timeout)
+	results, err := s.node.Fork(r.Context(), id, int(count), timeout)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -181,13 +166,6 @@ func (s *Server) forkSandbox(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusCreated, out)
 }
 
-// Snapshotter is implemented by nodes that keep named snapshots (usable as
-// templateIDs); others answer the snapshot routes with 501 / an empty list.
-type Snapshotter interface {
-	Snapshot(ctx context.Context, id, name string) (*orchestrator.NamedSnapshot, error)
-	Snapshots() ([]*orchestrator.NamedSnapshot, error)
-	DeleteSnapshot(ctx context.Context, name string) error
-}
 
 // snapshotJSON describes a named snapshot.
 type snapshotJSON struct {
@@ -213,11 +191,6 @@ func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	sn, ok := s.node.(Snapshotter)
-	if !ok {
-		writeError(w, http.StatusNotImplemented, "snapshots are not supported on this node")
-		return
-	}
 	var body struct {
 		Name *string `json:"name"`
 	}
@@ -231,7 +204,7 @@ func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request) {
 	} else {
 		name += "-" + strconv.FormatInt(time.Now().UnixMilli(), 36)
 	}
-	ns, err := sn.Snapshot(r.Context(), id, name)
+	ns, err := s.node.Snapshot(r.Context(), id, name)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -247,8 +220,8 @@ func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	out := []snapshotJSON{}
-	if sn, ok := s.node.(Snapshotter); ok {
-		all, err := sn.Snapshots()
+	{
+		all, err := s.node.Snapshots()
 		if err != nil {
 			s.writeNodeError(w, err)
 			return
@@ -265,12 +238,7 @@ func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request) {
 
 // deleteSnapshot implements DELETE /snapshots/{name}.
 func (s *Server) deleteSnapshot(w http.ResponseWriter, r *http.Request) {
-	sn, ok := s.node.(Snapshotter)
-	if !ok {
-		writeError(w, http.StatusNotImplemented, "snapshots are not supported on this node")
-		return
-	}
-	if err := sn.DeleteSnapshot(r.Context(), r.PathValue("name")); err != nil {
+	if err := s.node.DeleteSnapshot(r.Context(), r.PathValue("name")); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
@@ -460,12 +428,7 @@ func (s *Server) sandboxLogs(w http.ResponseWriter, r *http.Request) {
 		s.writeNodeError(w, err)
 		return
 	}
-	lr, ok := s.node.(ConsoleLogReader)
-	if !ok {
-		writeError(w, http.StatusNotImplemented, "this node does not expose sandbox logs")
-		return
-	}
-	raw, err := lr.ConsoleLog(r.Context(), id, maxLogBytes)
+	raw, err := s.node.ConsoleLog(r.Context(), id, maxLogBytes)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return

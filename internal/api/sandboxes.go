@@ -14,7 +14,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/agentenv/agentenv/internal/envd"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 )
 
@@ -34,7 +33,6 @@ const (
 	maxRefreshSeconds  = 60 * 60
 	// defaultRefreshSeconds applies to a refresh without a duration.
 	defaultRefreshSeconds = 60
-	envdVersion           = envd.DefaultVersion
 )
 
 // createSandboxRequest is E2B's NewSandbox. Fields we do not act on are
@@ -132,7 +130,7 @@ func (s *Server) sandboxBody(sb *orchestrator.Sandbox) sandboxJSON {
 		TemplateID:  sb.TemplateID,
 		SandboxID:   sb.ID,
 		ClientID:    "aenv",
-		EnvdVersion: envdVersion,
+		EnvdVersion: sb.EnvdVersion,
 		Domain:      s.domainPtr(),
 	}
 	if sb.AccessToken != "" {
@@ -162,7 +160,7 @@ func (s *Server) detailBody(sb *orchestrator.Sandbox) sandboxDetailJSON {
 		CPUCount:    sb.VCPUs,
 		MemoryMB:    sb.MemoryMiB,
 		DiskSizeMB:  sb.DiskMiB,
-		EnvdVersion: envdVersion,
+		EnvdVersion: sb.EnvdVersion,
 		Domain:      s.domainPtr(),
 		State:       state,
 		Metadata:    sb.Metadata,

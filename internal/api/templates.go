@@ -1,7 +1,6 @@
 package api
 
 import (
-	"context"
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
@@ -18,17 +17,6 @@ import (
 	"github.com/agentenv/agentenv/internal/orchestrator"
 )
 
-// TemplateBuilder is implemented by nodes that build templates (the E2B
-// template API: POST /v3/templates, file uploads, POST
-// /v2/templates/{id}/builds/{build}, status polling).
-type TemplateBuilder interface {
-	RequestBuild(name string, vcpus, memMiB int) (*orchestrator.BuildRecord, error)
-	StartBuild(templateID, buildID string, spec orchestrator.BuildSpec) error
-	Build(templateID, buildID string) (*orchestrator.BuildRecord, error)
-	Template(name string) (*orchestrator.Template, error)
-	Templates() ([]*orchestrator.Template, error)
-	DataDir() string
-}
 
 func (s *Server) templateRoutes() {
 	auth := s.requireKey
@@ -44,20 +32,9 @@ func (s *Server) templateRoutes() {
 	s.mux.Handle("DELETE /templates/{templateID}", auth(s.deleteTemplate))
 }
 
-func (s *Server) builder(w http.ResponseWriter) (TemplateBuilder, bool) {
-	b, ok := s.node.(TemplateBuilder)
-	if !ok {
-		writeError(w, http.StatusNotImplemented, "template builds are not supported on this node")
-	}
-	return b, ok
-}
-
 // requestBuild implements POST /v3/templates.
 func (s *Server) requestBuild(w http.ResponseWriter, r *http.Request) {
-	b, ok := s.builder(w)
-	if !ok {
-		return
-	}
+	b := s.node
 	var req struct {
 		Name          string   `json:"name"`
 		Alias         string   `json:"alias"`
@@ -110,10 +87,7 @@ type buildStepJSON struct {
 
 // startBuild implements POST /v2/templates/{templateID}/builds/{buildID}.
 func (s *Server) startBuild(w http.ResponseWriter, r *http.Request) {
-	b, ok := s.builder(w)
-	if !ok {
-		return
-	}
+	b := s.node
 	var req struct {
 		FromTemplate string          `json:"fromTemplate"`
 		FromImage    string          `json:"fromImage"`
@@ -154,10 +128,7 @@ type buildLogJSON struct {
 
 // buildStatus implements GET /templates/{templateID}/builds/{buildID}/status.
 func (s *Server) buildStatus(w http.ResponseWriter, r *http.Request) {
-	b, ok := s.builder(w)
-	if !ok {
-		return
-	}
+	b := s.node
 	offset, err := queryInt(r, "logsOffset", 0, 1<<31)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
@@ -200,10 +171,7 @@ func (s *Server) uploadSignature(templateID, hash string) string {
 
 // fileUploadLink implements GET /templates/{templateID}/files/{hash}.
 func (s *Server) fileUploadLink(w http.ResponseWriter, r *http.Request) {
-	b, ok := s.builder(w)
-	if !ok {
-		return
-	}
+	b := s.node
 	id, hash := r.PathValue("templateID"), r.PathValue("hash")
 	if !filesHashRE.MatchString(hash) {
 		writeError(w, http.StatusBadRequest, "files hash must be lowercase hex")
@@ -226,10 +194,7 @@ const maxBuildFiles = 8 << 30
 // uploadBuildFiles implements the upload link: the body (a tar archive,
 // gzip-compressed or not) is stored under its hash.
 func (s *Server) uploadBuildFiles(w http.ResponseWriter, r *http.Request) {
-	b, ok := s.builder(w)
-	if !ok {
-		return
-	}
+	b := s.node
 	id, hash := r.PathValue("templateID"), r.PathValue("hash")
 	if !filesHashRE.MatchString(hash) {
 		writeError(w, http.StatusBadRequest, "files hash must be lowercase hex")
@@ -273,10 +238,7 @@ func (s *Server) uploadBuildFiles(w http.ResponseWriter, r *http.Request) {
 
 // templateAlias implements GET /templates/aliases/{alias}.
 func (s *Server) templateAlias(w http.ResponseWriter, r *http.Request) {
-	b, ok := s.builder(w)
-	if !ok {
-		return
-	}
+	b := s.node
 	t, err := b.Template(r.PathValue("alias"))
 	if err != nil {
 		s.writeNodeError(w, err)
@@ -286,20 +248,11 @@ func (s *Server) templateAlias(w http.ResponseWriter, r *http.Request) {
 }
 
 // listTemplates implements GET /templates and GET /v2/templates.
-// TemplateDeleter is implemented by nodes that delete templates.
-type TemplateDeleter interface {
-	DeleteTemplate(ctx context.Context, name string) error
-}
 
 // deleteTemplate implements DELETE /templates/{templateID}: 204, 404, or
 // 409 while sandboxes or snapshots use the template.
 func (s *Server) deleteTemplate(w http.ResponseWriter, r *http.Request) {
-	d, ok := s.node.(TemplateDeleter)
-	if !ok {
-		writeError(w, http.StatusNotImplemented, "this node does not delete templates")
-		return
-	}
-	if err := d.DeleteTemplate(r.Context(), r.PathValue("templateID")); err != nil {
+	if err := s.node.DeleteTemplate(r.Context(), r.PathValue("templateID")); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
@@ -307,10 +260,7 @@ func (s *Server) deleteTemplate(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) listTemplates(w http.ResponseWriter, r *http.Request) {
-	b, ok := s.builder(w)
-	if !ok {
-		return
-	}
+	b := s.node
 	all, err := b.Templates()
 	if err != nil {
 		s.writeNodeError(w, err)

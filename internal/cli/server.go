@@ -203,15 +203,8 @@ func newHTTPServer(h http.Handler) *http.Server {
 	}
 }
 
-// The node implements every optional part of the API.
-var (
-	_ api.TemplateBuilder    = (*orchestrator.Node)(nil)
-	_ api.MemoryReporter     = (*orchestrator.Node)(nil)
-	_ api.Snapshotter        = (*orchestrator.Node)(nil)
-	_ api.ConsoleLogReader   = (*orchestrator.Node)(nil)
-	_ api.LayerCacheReporter = (*orchestrator.Node)(nil)
-	_ api.TemplateDeleter    = (*orchestrator.Node)(nil)
-)
+// The node is what the API serves.
+var _ api.Node = (*orchestrator.Node)(nil)
 
 // loadPeerToken reads the peer group's token from file, else from
 // AENV_P2P_TOKEN ("" when neither is set: peer exchange off).

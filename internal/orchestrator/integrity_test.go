@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/faults"
+	"github.com/agentenv/agentenv/internal/storage/repository"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
@@ -838,4 +839,40 @@ func TestSoak(t *testing.T) {
 		t.Fatal(err)
 	}
 	assertNoLeaks(t, n)
+}
+
+// unsureRepo is a repository whose puts this node cannot know to be
+// atomic (a real posix_fs repository behind a type CheckAtomicPut does not
+// vouch for, as an S3 server that ignores conditional writes would be).
+type unsureRepo struct{ repository.Repository }
+
+// TestSharingNeedsAtomicPuts: on a repository without atomic puts a node
+// asked to share paused sandboxes does not (claims could have two
+// winners), and a sandbox it does not have is refused saying why.
+func TestSharingNeedsAtomicPuts(t *testing.T) {
+	repo, err := repository.OpenPosixFS(filepath.Join(t.TempDir(), "repo"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	slot := takeTestSlot()
+	defer releaseTestSlot(slot)
+	n := openTestNodeIn(t, newTestDataDir(t), slot, func(c *Config) {
+		c.SharePaused, c.Repository = true, unsureRepo{repo}
+	})
+	if n.sharesPaused() {
+		t.Fatal("the node shares paused sandboxes over a repository without atomic puts")
+	}
+	_, err = n.Resume(context.Background(), "elsewhere00000000000", time.Minute)
+	if !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), "not shared between nodes") {
+		t.Fatalf("resume of a sandbox of another node: %v", err)
+	}
+	n.Close()
+	// The same repository, vouched for: sharing is on.
+	m := openTestNodeIn(t, newTestDataDir(t), slot, func(c *Config) {
+		c.SharePaused, c.Repository = true, repo
+	})
+	defer m.Close()
+	if !m.sharesPaused() {
+		t.Fatalf("a posix_fs repository: sharing off (%v)", m.shareErr)
+	}
 }

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/datadir"
+	"github.com/agentenv/agentenv/internal/envd"
 	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/statedb"
@@ -96,8 +97,11 @@ type Sandbox struct {
 	// template's root layer when it was created; the template may have
 	// been rebuilt since). Empty when SnapshotID is set.
 	BaseLayer string
-	// EnvdAddr is host:port where the node reaches the sandbox's envd.
-	EnvdAddr string
+	// EnvdAddr is host:port where the node reaches the sandbox's envd, and
+	// EnvdVersion the version of that envd (the one the node's initramfs
+	// carries; not persisted).
+	EnvdAddr    string
+	EnvdVersion string
 	// Phases times the steps of the operation that produced this value
 	// (set by Create; not persisted).
 	Phases []Phase
@@ -240,6 +244,9 @@ type Node struct {
 	lazy     lazyLayersOnce
 	// cgroupWarn says once that sandboxes run without cgroup limits.
 	cgroupWarn sync.Once
+	// shareErr says why paused sandboxes are not shared although
+	// Config.SharePaused asks for it (set once at start).
+	shareErr error
 
 	stop      chan struct{}
 	closeOnce sync.Once
@@ -323,6 +330,7 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 	if err := n.adoptLegacySnapshots(ctx); err != nil {
 		return fail(fmt.Errorf("adopt the snapshots of an older release: %w", err))
 	}
+	n.checkSharing(ctx)
 	n.recoverBuilds()
 	if n.cfg.Repository != nil {
 		n.exportLazyTemplates(ctx)
@@ -381,6 +389,7 @@ func (n *Node) withAddr(s *Sandbox) *Sandbox {
 	if ep, err := n.endpoint(s); err == nil {
 		s.EnvdAddr = ep.GuestAddr(EnvdPort)
 	}
+	s.EnvdVersion = envd.DefaultVersion
 	return s
 }
 

@@ -309,7 +309,7 @@ func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*S
 			return nil, busy(s)
 		}
 	} else if !errors.Is(err, ErrNotFound) || !n.sharesPaused() {
-		return nil, err
+		return nil, n.notHere(err)
 	}
 	unlock := n.lockOp(id)
 	defer unlock()

@@ -424,7 +424,7 @@ func (n *Node) Kill(ctx context.Context, id string) error {
 		return busy(s)
 	}
 	if err != nil && (!errors.Is(err, ErrNotFound) || !n.sharesPaused()) {
-		return err
+		return n.notHere(err)
 	}
 	unlock := n.lockOp(id)
 	defer unlock()

@@ -64,7 +64,31 @@ type sharedMark struct {
 	SharedAt   time.Time `json:"sharedAt"`
 }
 
-func (n *Node) sharesPaused() bool { return n.cfg.SharePaused && n.cfg.Repository != nil }
+func (n *Node) sharesPaused() bool {
+	return n.cfg.SharePaused && n.cfg.Repository != nil && n.shareErr == nil
+}
+
+// checkSharing decides at start whether paused sandboxes can be shared:
+// claims need a repository that refuses concurrent puts atomically
+// (probed once); without it sharing is off and asking for a sandbox of
+// another node says why.
+func (n *Node) checkSharing(ctx context.Context) {
+	if !n.cfg.SharePaused || n.cfg.Repository == nil {
+		return
+	}
+	if err := repository.CheckAtomicPut(ctx, n.cfg.Repository); err != nil {
+		n.shareErr = fmt.Errorf("%w: paused sandboxes are not shared between nodes: %v", ErrSetup, err)
+		n.log.Error("cluster resume is off", "err", err)
+	}
+}
+
+// notHere is the error for a sandbox this node does not have.
+func (n *Node) notHere(err error) error {
+	if n.shareErr != nil && errors.Is(err, ErrNotFound) {
+		return fmt.Errorf("%w (it may be paused on another node: %v)", err, n.shareErr)
+	}
+	return err
+}
 
 func (n *Node) readSharedMark(id string) (*sharedMark, bool) {
 	var m sharedMark

@@ -133,7 +133,7 @@ func openTestNode(t testing.TB, dir string) *Node {
 	return openTestNodeIn(t, dir, 0)
 }
 
-func openTestNodeIn(t testing.TB, dir string, slot int) *Node {
+func openTestNodeIn(t testing.TB, dir string, slot int, opts ...func(*Config)) *Node {
 	t.Helper()
 	instance, cidr := testInstance(slot)
 	shared := testData(t)
@@ -146,7 +146,7 @@ func openTestNodeIn(t testing.TB, dir string, slot int) *Node {
 		level = slog.LevelInfo
 	}
 	accel := vmm.ProbeAccel().Accel
-	n, err := Open(context.Background(), Config{
+	cfg := Config{
 		DataDir:     dir,
 		Kernel:      k.BootImage(),
 		KernelArgs:  k.BootArgs(accel == vmm.AccelTCG),
@@ -157,7 +157,11 @@ func openTestNodeIn(t testing.TB, dir string, slot int) *Node {
 		QEMUUser:    testQEMUUser(),
 		BootTimeout: 60 * time.Second,
 		Logger:      slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})),
-	})
+	}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	n, err := Open(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

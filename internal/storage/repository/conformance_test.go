@@ -287,6 +287,12 @@ func runConformance(t *testing.T, env backendEnv) {
 		}
 	})
 
+	t.Run("AtomicPut", func(t *testing.T) {
+		if err := CheckAtomicPut(ctx, env.open(t)); err != nil {
+			t.Fatalf("claims need atomic puts: %v", err)
+		}
+	})
+
 	t.Run("ConcurrentPut", func(t *testing.T) {
 		r := env.open(t)
 		const n = 8
