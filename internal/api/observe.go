@@ -166,7 +166,6 @@ func (s *Server) forkSandbox(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusCreated, out)
 }
 
-
 // snapshotJSON describes a named snapshot.
 type snapshotJSON struct {
 	SnapshotID string    `json:"snapshotID"`

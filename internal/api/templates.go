@@ -17,7 +17,6 @@ import (
 	"github.com/agentenv/agentenv/internal/orchestrator"
 )
 
-
 func (s *Server) templateRoutes() {
 	auth := s.requireKey
 	s.mux.Handle("POST /v3/templates", auth(s.requestBuild))
