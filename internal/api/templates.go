@@ -33,7 +33,6 @@ func (s *Server) templateRoutes() {
 
 // requestBuild implements POST /v3/templates.
 func (s *Server) requestBuild(w http.ResponseWriter, r *http.Request) {
-	b := s.node
 	var req struct {
 		Name          string   `json:"name"`
 		Alias         string   `json:"alias"`
@@ -61,7 +60,7 @@ func (s *Server) requestBuild(w http.ResponseWriter, r *http.Request) {
 	if req.MemoryMB != nil {
 		mem = *req.MemoryMB
 	}
-	rec, err := b.RequestBuild(name, cpu, mem)
+	rec, err := s.node.RequestBuild(name, cpu, mem)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -86,7 +85,6 @@ type buildStepJSON struct {
 
 // startBuild implements POST /v2/templates/{templateID}/builds/{buildID}.
 func (s *Server) startBuild(w http.ResponseWriter, r *http.Request) {
-	b := s.node
 	var req struct {
 		FromTemplate string          `json:"fromTemplate"`
 		FromImage    string          `json:"fromImage"`
@@ -111,7 +109,7 @@ func (s *Server) startBuild(w http.ResponseWriter, r *http.Request) {
 	for _, st := range req.Steps {
 		spec.Steps = append(spec.Steps, orchestrator.BuildStep{Type: st.Type, Args: st.Args, FilesHash: st.FilesHash, Force: st.Force})
 	}
-	if err := b.StartBuild(r.PathValue("templateID"), r.PathValue("buildID"), spec); err != nil {
+	if err := s.node.StartBuild(r.PathValue("templateID"), r.PathValue("buildID"), spec); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
@@ -127,13 +125,12 @@ type buildLogJSON struct {
 
 // buildStatus implements GET /templates/{templateID}/builds/{buildID}/status.
 func (s *Server) buildStatus(w http.ResponseWriter, r *http.Request) {
-	b := s.node
 	offset, err := queryInt(r, "logsOffset", 0, 1<<31)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	rec, err := b.Build(r.PathValue("templateID"), r.PathValue("buildID"))
+	rec, err := s.node.Build(r.PathValue("templateID"), r.PathValue("buildID"))
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -170,13 +167,12 @@ func (s *Server) uploadSignature(templateID, hash string) string {
 
 // fileUploadLink implements GET /templates/{templateID}/files/{hash}.
 func (s *Server) fileUploadLink(w http.ResponseWriter, r *http.Request) {
-	b := s.node
 	id, hash := r.PathValue("templateID"), r.PathValue("hash")
 	if !filesHashRE.MatchString(hash) {
 		writeError(w, http.StatusBadRequest, "files hash must be lowercase hex")
 		return
 	}
-	_, err := os.Stat(orchestrator.BuildFilesPath(b.DataDir(), hash))
+	_, err := os.Stat(orchestrator.BuildFilesPath(s.node.DataDir(), hash))
 	present := err == nil
 	scheme := "http"
 	if r.TLS != nil || r.Header.Get("X-Forwarded-Proto") == "https" {
@@ -193,7 +189,6 @@ const maxBuildFiles = 8 << 30
 // uploadBuildFiles implements the upload link: the body (a tar archive,
 // gzip-compressed or not) is stored under its hash.
 func (s *Server) uploadBuildFiles(w http.ResponseWriter, r *http.Request) {
-	b := s.node
 	id, hash := r.PathValue("templateID"), r.PathValue("hash")
 	if !filesHashRE.MatchString(hash) {
 		writeError(w, http.StatusBadRequest, "files hash must be lowercase hex")
@@ -203,7 +198,7 @@ func (s *Server) uploadBuildFiles(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusUnauthorized, "invalid upload signature")
 		return
 	}
-	dst := orchestrator.BuildFilesPath(b.DataDir(), hash)
+	dst := orchestrator.BuildFilesPath(s.node.DataDir(), hash)
 	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -237,8 +232,7 @@ func (s *Server) uploadBuildFiles(w http.ResponseWriter, r *http.Request) {
 
 // templateAlias implements GET /templates/aliases/{alias}.
 func (s *Server) templateAlias(w http.ResponseWriter, r *http.Request) {
-	b := s.node
-	t, err := b.Template(r.PathValue("alias"))
+	t, err := s.node.Template(r.PathValue("alias"))
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -259,8 +253,7 @@ func (s *Server) deleteTemplate(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) listTemplates(w http.ResponseWriter, r *http.Request) {
-	b := s.node
-	all, err := b.Templates()
+	all, err := s.node.Templates()
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
