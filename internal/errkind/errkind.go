@@ -7,10 +7,10 @@ import "errors"
 
 // The kinds.
 var (
-	NotFound = errors.New("not found")               // 404
-	Conflict = errors.New("conflict")                // 409: bad timing, or a name in use
-	Invalid  = errors.New("invalid request")         // 400
-	Capacity = errors.New("no capacity")             // 503
-	Setup    = errors.New("node not set up")         // 503: run aenv setup
-	Corrupt  = errors.New("stored state is corrupt") // 500, with what was found
+	ErrNotFound = errors.New("not found")               // 404
+	ErrConflict = errors.New("conflict")                // 409: bad timing, or a name in use
+	ErrInvalid  = errors.New("invalid request")         // 400
+	ErrCapacity = errors.New("no capacity")             // 503
+	ErrSetup    = errors.New("node not set up")         // 503: run aenv setup
+	ErrCorrupt  = errors.New("stored state is corrupt") // 500, with what was found
 )

@@ -79,6 +79,9 @@ func (n *Node) RequestBuild(name string, vcpus, memMiB int) (*BuildRecord, error
 	if memMiB != 0 && (memMiB < 128 || memMiB > n.cfg.MaxMemoryMiB) {
 		return nil, fmt.Errorf("%w: memoryMB %d is outside 128..%d", ErrInvalid, memMiB, n.cfg.MaxMemoryMiB)
 	}
+	if _, err := n.namedSnapshot(name); err == nil {
+		return nil, fmt.Errorf("%w: %q is a snapshot's name", ErrConflict, name)
+	}
 	b := &BuildRecord{TemplateID: name, BuildID: NewSandboxID(), Status: BuildWaiting, VCPUs: vcpus, MemoryMiB: memMiB,
 		Logs: []BuildLogEntry{}, CreatedAt: time.Now().UTC()}
 	return b, n.saveBuild(b)

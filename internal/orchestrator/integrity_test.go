@@ -876,3 +876,63 @@ func TestSharingNeedsAtomicPuts(t *testing.T) {
 		t.Fatalf("a posix_fs repository: sharing off (%v)", m.shareErr)
 	}
 }
+
+// TestBusySandboxRefusesOperations: while one operation is in the middle
+// of a sandbox (seen from inside it, at one of its steps), every other
+// operation on it is refused at once with ErrConflict and changes nothing;
+// a paused sandbox cannot be forked or snapshotted (resume it first).
+func TestBusySandboxRefusesOperations(t *testing.T) {
+	n := testNode(t)
+	sub := newSubject(t, n)
+	ctx := context.Background()
+	var refusals []error
+	inj := faults.NewInjector()
+	inj.Hook = func(point string) {
+		if point != "pause/save-state" {
+			return
+		}
+		_, e1 := n.Pause(ctx, sub.s.ID)
+		_, e2 := n.Resume(ctx, sub.s.ID, time.Minute)
+		_, e3 := n.Fork(ctx, sub.s.ID, 1, time.Minute)
+		_, e4 := n.Snapshot(ctx, sub.s.ID, "busy")
+		e5 := n.Kill(ctx, sub.s.ID)
+		refusals = []error{e1, e2, e3, e4, e5}
+	}
+	if _, err := n.Pause(faults.With(ctx, inj), sub.s.ID); err != nil {
+		t.Fatal(err)
+	}
+	if len(refusals) != 5 {
+		t.Fatal("the hook did not run")
+	}
+	for i, err := range refusals {
+		if !errors.Is(err, ErrConflict) || !strings.Contains(err.Error(), "pausing") {
+			t.Errorf("operation %d on a pausing sandbox: %v", i, err)
+		}
+	}
+	if _, err := n.Fork(ctx, sub.s.ID, 1, time.Minute); !errors.Is(err, ErrConflict) || !strings.Contains(err.Error(), "resume it first") {
+		t.Errorf("fork of a paused sandbox: %v", err)
+	}
+	if _, err := n.Snapshot(ctx, sub.s.ID, "of-paused"); !errors.Is(err, ErrConflict) {
+		t.Errorf("snapshot of a paused sandbox: %v", err)
+	}
+	if all, _ := n.Snapshots(); len(all) != 0 {
+		t.Errorf("refused snapshots were made: %v", all)
+	}
+	sub.check(t, n)
+	// Template and snapshot names are one namespace.
+	if _, err := n.Snapshot(ctx, sub.s.ID, "minimal"); !errors.Is(err, ErrConflict) {
+		t.Errorf("snapshot named like a template: %v", err)
+	}
+	if _, err := n.Snapshot(ctx, sub.s.ID, "taken"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.RequestBuild("taken", 0, 0); !errors.Is(err, ErrConflict) {
+		t.Errorf("build named like a snapshot: %v", err)
+	}
+	if err := n.templates.Install(ctx, Template{Name: "taken", Layer: "whatever"}); !errors.Is(err, ErrConflict) {
+		t.Errorf("template named like a snapshot: %v", err)
+	}
+	dropSnapshots(n)
+	sub.check(t, n)
+	assertNoLeaks(t, n)
+}

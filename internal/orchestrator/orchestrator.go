@@ -49,12 +49,12 @@ const (
 
 // Errors callers map to API responses; returned wrapped with context.
 var (
-	ErrNotFound = errkind.NotFound
-	ErrConflict = errkind.Conflict
-	ErrInvalid  = errkind.Invalid
-	ErrCapacity = errkind.Capacity
-	ErrSetup    = errkind.Setup
-	ErrCorrupt  = errkind.Corrupt
+	ErrNotFound = errkind.ErrNotFound
+	ErrConflict = errkind.ErrConflict
+	ErrInvalid  = errkind.ErrInvalid
+	ErrCapacity = errkind.ErrCapacity
+	ErrSetup    = errkind.ErrSetup
+	ErrCorrupt  = errkind.ErrCorrupt
 )
 
 // EnvdPort is the port envd listens on inside every guest.

@@ -21,7 +21,7 @@ import (
 
 // namedSnapshotLabel is the store label kind of named snapshots (data:
 // the NamedSnapshot record).
-const namedSnapshotLabel = "snapshot"
+const namedSnapshotLabel = store.LabelSnapshot
 
 // NamedSnapshot is a user's snapshot of a sandbox.
 type NamedSnapshot struct {
@@ -48,12 +48,13 @@ type NamedSnapshot struct {
 // setNamedSnapshot points label ns.Name at snapshot ns.SnapshotID, in tx;
 // a name that exists is refused (ErrConflict).
 func setNamedSnapshot(tx *sql.Tx, ns *NamedSnapshot) error {
-	var exists int
-	if err := tx.QueryRow(`SELECT COUNT(*) FROM labels WHERE kind = ? AND name = ?`, namedSnapshotLabel, ns.Name).Scan(&exists); err != nil {
+	switch kind, err := store.NameTaken(tx, ns.Name); {
+	case err != nil:
 		return err
-	}
-	if exists > 0 {
+	case kind == store.LabelSnapshot:
 		return fmt.Errorf("%w: snapshot %q exists", ErrConflict, ns.Name)
+	case kind == store.LabelTemplate:
+		return fmt.Errorf("%w: %q is a template's name", ErrConflict, ns.Name)
 	}
 	b, err := json.Marshal(ns)
 	if err != nil {

@@ -23,7 +23,7 @@ import (
 
 // templateSnapshotLabel is the store label kind that points, per template,
 // at its current template snapshot on this node (data: templateSnapshot).
-const templateSnapshotLabel = "template-snapshot"
+const templateSnapshotLabel = store.LabelTemplateSnapshot
 
 type templateSnapshot struct {
 	SnapshotID string `json:"snapshotID"`

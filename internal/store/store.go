@@ -51,9 +51,28 @@ const (
 	SnapshotsDir = "snapshots"
 )
 
+// The kinds of labels. Template and snapshot names share one namespace:
+// a name is either (see NameTaken).
+const (
+	LabelTemplate         = "template"          // a template's name → its root layer
+	LabelTemplateSnapshot = "template-snapshot" // a template's name → its snapshot on this node
+	LabelSnapshot         = "snapshot"          // a named snapshot → its snapshot
+)
+
+// NameTaken reports what a template or snapshot name already names, in
+// tx: "template", "snapshot", or "".
+func NameTaken(tx *sql.Tx, name string) (string, error) {
+	var kind string
+	err := tx.QueryRow(`SELECT kind FROM labels WHERE name = ? AND kind IN (?, ?) ORDER BY kind LIMIT 1`, name, LabelSnapshot, LabelTemplate).Scan(&kind)
+	if errors.Is(err, sql.ErrNoRows) {
+		return "", nil
+	}
+	return kind, err
+}
+
 // Errors callers test for.
 var (
-	ErrNotFound = errkind.NotFound
+	ErrNotFound = errkind.ErrNotFound
 	ErrMissing  = errors.New("object is gone") // a reference to an object that no longer exists
 )
 

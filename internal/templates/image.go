@@ -34,7 +34,7 @@ const ImageCacheHolder = "cache/image-layers"
 // OCI image.
 func (c *Catalog) ImportImage(ctx context.Context, name string, src image.Source, sizeMiB int, log func(string, ...any)) (*Template, error) {
 	if !NameRE.MatchString(name) {
-		return nil, fmt.Errorf("%w: template name %q must match %s", errkind.Invalid, name, NameRE)
+		return nil, fmt.Errorf("%w: template name %q must match %s", errkind.ErrInvalid, name, NameRE)
 	}
 	start := time.Now()
 	res, err := image.Import(ctx, src, image.Options{
@@ -43,7 +43,7 @@ func (c *Catalog) ImportImage(ctx context.Context, name string, src image.Source
 	})
 	if err != nil {
 		if errors.Is(err, image.ErrImage) {
-			return nil, fmt.Errorf("%w: %v", errkind.Invalid, err)
+			return nil, fmt.Errorf("%w: %v", errkind.ErrInvalid, err)
 		}
 		return nil, fmt.Errorf("import %s: %w", src, err)
 	}

@@ -60,7 +60,7 @@ type Template struct {
 }
 
 // LabelKind is the store label kind of templates.
-const LabelKind = "template"
+const LabelKind = store.LabelTemplate
 
 // Defaults of a template's sandboxes.
 const (
@@ -88,14 +88,14 @@ func (c *Catalog) Store() *store.Store { return c.st }
 // Get looks a template up by name.
 func (c *Catalog) Get(ctx context.Context, name string) (*Template, error) {
 	if name == "" {
-		return nil, fmt.Errorf("%w: templateID is required", errkind.Invalid)
+		return nil, fmt.Errorf("%w: templateID is required", errkind.ErrInvalid)
 	}
 	if !NameRE.MatchString(name) {
-		return nil, fmt.Errorf("%w: template %q", errkind.NotFound, name)
+		return nil, fmt.Errorf("%w: template %q", errkind.ErrNotFound, name)
 	}
 	l, err := c.st.Label(ctx, LabelKind, name)
-	if errors.Is(err, errkind.NotFound) {
-		return nil, fmt.Errorf("%w: template %q (build it with `aenv setup` or `aenv template build`)", errkind.NotFound, name)
+	if errors.Is(err, errkind.ErrNotFound) {
+		return nil, fmt.Errorf("%w: template %q (build it with `aenv setup` or `aenv template build`)", errkind.ErrNotFound, name)
 	}
 	if err != nil {
 		return nil, err
@@ -106,11 +106,11 @@ func (c *Catalog) Get(ctx context.Context, name string) (*Template, error) {
 func (c *Catalog) fromLabel(ctx context.Context, l *store.Label) (*Template, error) {
 	var t Template
 	if err := json.Unmarshal([]byte(l.Data), &t); err != nil {
-		return nil, fmt.Errorf("%w: template %s record: %v", errkind.Corrupt, l.Name, err)
+		return nil, fmt.Errorf("%w: template %s record: %v", errkind.ErrCorrupt, l.Name, err)
 	}
 	o, err := c.st.Get(ctx, l.Object)
 	if err != nil {
-		return nil, fmt.Errorf("%w: template %s layer %s: %v", errkind.Corrupt, l.Name, l.Object, err)
+		return nil, fmt.Errorf("%w: template %s layer %s: %v", errkind.ErrCorrupt, l.Name, l.Object, err)
 	}
 	t.Name, t.Layer, t.RootDisk = l.Name, l.Object, c.st.Abs(o.Path)
 	return &t, nil
@@ -137,10 +137,15 @@ func (c *Catalog) List(ctx context.Context) ([]*Template, error) {
 // with t's settings, in tx.
 func Set(tx *sql.Tx, t Template) error {
 	if !NameRE.MatchString(t.Name) {
-		return fmt.Errorf("%w: template name %q must match %s", errkind.Invalid, t.Name, NameRE)
+		return fmt.Errorf("%w: template name %q must match %s", errkind.ErrInvalid, t.Name, NameRE)
 	}
 	if t.Layer == "" {
 		return fmt.Errorf("template %s: no layer", t.Name)
+	}
+	if kind, err := store.NameTaken(tx, t.Name); err != nil {
+		return err
+	} else if kind == store.LabelSnapshot {
+		return fmt.Errorf("%w: %q is a snapshot's name", errkind.ErrConflict, t.Name)
 	}
 	if t.VCPUs == 0 {
 		t.VCPUs = DefaultVCPUs
@@ -237,7 +242,7 @@ func OpenOffline(ctx context.Context, dataDir string, log *slog.Logger) (*Catalo
 func OpenReadOnly(dataDir string) (*Catalog, func() error, error) {
 	path := filepath.Join(dataDir, statedb.FileName)
 	if _, err := os.Stat(path); err != nil {
-		return nil, nil, fmt.Errorf("%w: no node state in %s (run aenv setup): %v", errkind.NotFound, dataDir, err)
+		return nil, nil, fmt.Errorf("%w: no node state in %s (run aenv setup): %v", errkind.ErrNotFound, dataDir, err)
 	}
 	db, err := statedb.OpenReadOnly(path)
 	if err != nil {

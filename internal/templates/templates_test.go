@@ -190,7 +190,7 @@ func TestRebuildMovesLabel(t *testing.T) {
 	}
 	// Deleting the label lets the last build go.
 	c.st.Tx(ctx, func(tx *sql.Tx) error { return Delete(tx, "py") })
-	if _, err := c.Get(ctx, "py"); !errors.Is(err, errkind.NotFound) {
+	if _, err := c.Get(ctx, "py"); !errors.Is(err, errkind.ErrNotFound) {
 		t.Fatalf("deleted template: %v", err)
 	}
 	if removed, _ := c.st.GC(ctx); len(removed) != 1 {

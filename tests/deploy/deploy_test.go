@@ -44,7 +44,7 @@ func aenv(t *testing.T) string {
 			return
 		}
 		binPath = filepath.Join(dir, "aenv")
-		out, err := exec.Command("go", "build", "-o", binPath, "github.com/agentenv/agentenv/cmd/aenv").CombinedOutput()
+		out, err := exec.Command("go", "build", "-C", "../..", "-o", binPath, "./cmd/aenv").CombinedOutput()
 		if err != nil {
 			binErr = &buildError{out: string(out), err: err}
 		}
