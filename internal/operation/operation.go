@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/faults"
@@ -21,16 +22,18 @@ import (
 // CleanupTimeout bounds the cleanups of a failed operation.
 const CleanupTimeout = 2 * time.Minute
 
-// Op is one running operation.
+// Op is one running operation. Its steps may run concurrently (a fork
+// restores its children in parallel).
 type Op struct {
-	name     string
-	ctx      context.Context
-	cancel   context.CancelFunc
-	log      *slog.Logger
-	cleanups []cleanup
-	start    time.Time
-	// Steps times each step that ran.
-	Steps []Step
+	name   string
+	ctx    context.Context
+	cancel context.CancelFunc
+	log    *slog.Logger
+	start  time.Time
+
+	mu       sync.Mutex
+	cleanups []cleanup // guarded by mu
+	steps    []Step    // guarded by mu
 }
 
 // Step is one timed step of an operation.
@@ -68,7 +71,9 @@ func (o *Op) Do(name string, fn func(ctx context.Context) error) error {
 	if err == nil {
 		err = fn(o.ctx)
 	}
-	o.Steps = append(o.Steps, Step{name, time.Since(start)})
+	o.mu.Lock()
+	o.steps = append(o.steps, Step{name, time.Since(start)})
+	o.mu.Unlock()
 	if err != nil {
 		return fmt.Errorf("%s: %w", name, err)
 	}
@@ -86,13 +91,26 @@ func (o *Op) Check(name string) error {
 // OnFailure pushes a cleanup that runs if the operation fails (last pushed,
 // first run).
 func (o *Op) OnFailure(what string, fn func(ctx context.Context) error) {
+	o.mu.Lock()
 	o.cleanups = append(o.cleanups, cleanup{what, fn})
+	o.mu.Unlock()
+}
+
+// Steps times each step that ran so far, in the order they ended.
+func (o *Op) Steps() []Step {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return append([]Step(nil), o.steps...)
 }
 
 // Settle drops the cleanups registered so far: the operation passed a
 // point after which what they would undo is the new resting state (e.g. a
 // sandbox's state is saved and its old machine gone).
-func (o *Op) Settle() { o.cleanups = nil }
+func (o *Op) Settle() {
+	o.mu.Lock()
+	o.cleanups = nil
+	o.mu.Unlock()
+}
 
 // Finish ends the operation: with err nil the cleanups are dropped; with
 // an error they run, newest first, each on a fresh context (the
@@ -100,19 +118,21 @@ func (o *Op) Settle() { o.cleanups = nil }
 // returns err.
 func (o *Op) Finish(err error) error {
 	defer o.cancel()
+	o.mu.Lock()
+	cleanups := o.cleanups
+	o.cleanups = nil
+	o.mu.Unlock()
 	if err == nil {
-		o.cleanups = nil
 		return nil
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(o.ctx), CleanupTimeout)
 	defer cancel()
-	for i := len(o.cleanups) - 1; i >= 0; i-- {
-		c := o.cleanups[i]
+	for i := len(cleanups) - 1; i >= 0; i-- {
+		c := cleanups[i]
 		if cerr := c.fn(ctx); cerr != nil {
 			o.log.Error("cleanup after a failed operation", "op", o.name, "cleanup", c.what, "err", cerr, "cause", err)
 		}
 	}
-	o.cleanups = nil
 	if errors.Is(o.ctx.Err(), context.DeadlineExceeded) && !errors.Is(err, context.DeadlineExceeded) {
 		err = fmt.Errorf("%w (the operation's time ran out)", err)
 	}

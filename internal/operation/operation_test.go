@@ -92,7 +92,7 @@ func TestStepsAreFaultPoints(t *testing.T) {
 	if seen := strings.Join(inj.Seen(), ","); seen != "pause/stop-vcpus,pause/save-state" {
 		t.Fatalf("seen %s", seen)
 	}
-	if len(o.Steps) != 2 || o.Steps[1].Name != "save-state" {
-		t.Fatalf("steps %+v", o.Steps)
+	if st := o.Steps(); len(st) != 2 || st[1].Name != "save-state" {
+		t.Fatalf("steps %+v", st)
 	}
 }

@@ -17,8 +17,10 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/storage"
+	"github.com/agentenv/agentenv/internal/operation"
 	"github.com/agentenv/agentenv/internal/storage/image"
 	"github.com/agentenv/agentenv/internal/store"
+	"github.com/agentenv/agentenv/internal/templates"
 )
 
 // Template builds: a template is made from another template (or an imported
@@ -77,20 +79,32 @@ type buildState struct {
 	cwd  string
 }
 
-// BuildTemplate runs a build to the end: the template is registered (and
-// its template snapshot made) only if every step succeeds.
-func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogger) error {
+// buildTimeout bounds one template build.
+const buildTimeout = 2 * time.Hour
+
+// BuildTemplate runs a build to the end, as an operation of named steps:
+// the template's label moves to the new build (and its template snapshot
+// is made) only if every step succeeds; a build that fails leaves the
+// template as it was (the layers its finished steps made stay in the build
+// cache).
+func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogger) (err error) {
 	if !templateNameRE.MatchString(spec.Template) {
 		return fmt.Errorf("%w: template name %q must match %s", ErrInvalid, spec.Template, templateNameRE)
 	}
+	o := operation.Start(ctx, "build", buildTimeout, n.log)
+	defer func() { err = o.Finish(err) }()
+	ctx = o.Context()
 	if spec.FromImage != "" {
 		// The image becomes a template of its own (its layers shared and
 		// cached like any import), which the steps then build on.
 		sum := sha256.Sum256([]byte(spec.FromImage))
 		spec.FromTemplate = "image-" + hex.EncodeToString(sum[:8])
 		logf("info", "", "pulling image "+spec.FromImage)
-		if _, err := n.templates.ImportImage(ctx, spec.FromTemplate, image.Source{Ref: spec.FromImage}, 0,
-			func(format string, a ...any) { logf("info", "", fmt.Sprintf(format, a...)) }); err != nil {
+		if err := o.Do("pull-image", func(ctx context.Context) error {
+			_, err := n.templates.ImportImage(ctx, spec.FromTemplate, image.Source{Ref: spec.FromImage}, 0,
+				func(format string, a ...any) { logf("info", "", fmt.Sprintf(format, a...)) })
+			return err
+		}); err != nil {
 			return fmt.Errorf("base image %s: %w", spec.FromImage, err)
 		}
 	}
@@ -151,27 +165,43 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 			}
 		}
 		cached = false
+		if _, err := n.store.Get(ctx, layerID); err == nil {
+			// Run again although its layer exists (forced): a layer is
+			// immutable, so the new one gets a name of its own, and the
+			// steps after it chain from that.
+			key = hashKey(key+":rerun:"+randomHex(8), st)
+			layerID = "build-" + key
+			layer = filepath.Join(layers, layerID+".qcow2")
+		}
 		if b == nil {
-			if b, err = n.startBuilder(ctx, spec, from, parent, parentID); err != nil {
+			if err := o.Do("start-builder", func(ctx context.Context) error {
+				b, err = n.startBuilder(ctx, spec, from, parent, parentID)
+				return err
+			}); err != nil {
 				return fmt.Errorf("start the builder: %w", err)
 			}
 		}
 		logf("info", name, "running")
-		if err := b.run(ctx, st, &state, func(line string) { logf("info", name, line) }); err != nil {
+		if err := o.Do("run-step", func(ctx context.Context) error {
+			return b.run(ctx, st, &state, func(line string) { logf("info", name, line) })
+		}); err != nil {
 			logf("error", name, err.Error())
 			return &stepError{index: i + 1, err: fmt.Errorf("step %s: %w", name, err)}
 		}
-		if err := b.capture(ctx, parent, layer); err != nil {
+		if err := o.Do("capture-layer", func(ctx context.Context) error { return b.capture(ctx, parent, layer) }); err != nil {
 			return fmt.Errorf("step %s: save its layer: %w", name, err)
 		}
 		// A layer of the store, kept as the build cache.
-		if err := n.store.Tx(ctx, func(tx *sql.Tx) error {
-			if err := n.store.Add(tx, layerID, store.KindLayer, layer, parentID); err != nil {
+		if err := o.Do("record-layer", func(ctx context.Context) error {
+			return n.store.Tx(ctx, func(tx *sql.Tx) error {
+				if err := n.store.Add(tx, layerID, store.KindLayer, layer, parentID); err != nil {
+					return err
+				}
+				_, err := tx.ExecContext(ctx, `INSERT INTO refs (holder, object) VALUES (?, ?) ON CONFLICT DO NOTHING`, buildCacheHolder, layerID)
 				return err
-			}
-			_, err := tx.ExecContext(ctx, `INSERT INTO refs (holder, object) VALUES (?, ?) ON CONFLICT DO NOTHING`, buildCacheHolder, layerID)
-			return err
+			})
 		}); err != nil {
+			os.Remove(layer)
 			return fmt.Errorf("step %s: record its layer: %w", name, err)
 		}
 		parent, parentID = layer, layerID
@@ -191,11 +221,18 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 	if t.MemoryMiB == 0 {
 		t.MemoryMiB = from.MemoryMiB
 	}
-	if err := n.templates.Install(ctx, t); err != nil {
+	prev, prevErr := n.Template(spec.Template)
+	if err := o.Do("install", func(ctx context.Context) error { return n.templates.Install(ctx, t) }); err != nil {
 		return err
 	}
+	o.OnFailure("the template as it was", func(ctx context.Context) error {
+		if prevErr == nil {
+			return n.templates.Install(ctx, *prev)
+		}
+		return n.store.Tx(ctx, func(tx *sql.Tx) error { return templates.Delete(tx, spec.Template) })
+	})
 	logf("info", "", fmt.Sprintf("template %s built in %s; snapshotting it", spec.Template, time.Since(start).Round(time.Millisecond)))
-	if err := n.PrepareTemplateSnapshot(ctx, spec.Template); err != nil {
+	if err := o.Do("template-snapshot", func(ctx context.Context) error { return n.PrepareTemplateSnapshot(ctx, spec.Template) }); err != nil {
 		return fmt.Errorf("snapshot the built template: %w", err)
 	}
 	n.refillTemplatePool(spec.Template)

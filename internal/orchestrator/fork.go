@@ -237,6 +237,10 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 
 	// Restore the parent and the children from the snapshot in parallel.
 	var wg sync.WaitGroup
+	// The children are made from the parent's record as it is now (the
+	// parent's restore changes its copy meanwhile).
+	model := *s
+	model.Phases = nil
 	var parentErr error
 	if !live {
 		wg.Add(1)
@@ -251,7 +255,7 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
-			c.children[i] = n.forkChild(o, s, snap, timeout)
+			c.children[i] = n.forkChild(o, &model, snap, timeout)
 		}(i)
 	}
 	wg.Wait()

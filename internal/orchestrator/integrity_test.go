@@ -141,6 +141,10 @@ type injectedOp struct {
 	prepare func(t *testing.T, n *Node) *subject
 	// run performs the operation; new are sandboxes it made.
 	run func(ctx context.Context, n *Node, sub *subject) (new []*Sandbox, err error)
+	// verify, if set, checks what else a failed run must have left as it was.
+	verify func(t *testing.T, n *Node, before string)
+	// state is what verify compares (taken before the run).
+	state func(n *Node) string
 }
 
 func runningSubject(t *testing.T, n *Node) *subject { return newSubject(t, n) }
@@ -198,22 +202,43 @@ var injectedOps = []injectedOp{
 			return []*Sandbox{s}, err
 		}
 		return nil, err
-	}},
+	}, nil, nil},
 	{"pause", "", runningSubject, func(ctx context.Context, n *Node, sub *subject) ([]*Sandbox, error) {
 		_, err := n.Pause(ctx, sub.s.ID)
 		return nil, err
-	}},
+	}, nil, nil},
 	{"resume", "", pausedSubject, func(ctx context.Context, n *Node, sub *subject) ([]*Sandbox, error) {
 		_, err := n.Resume(ctx, sub.s.ID, time.Minute)
 		return nil, err
-	}},
-	{"snapshot", "frozen", runningSubject, snapshotRun("frozen")},
-	{"snapshot", "live", cowSubject, snapshotRun("live")},
-	{"fork", "frozen", runningSubject, forkRun},
-	{"fork", "live", cowSubject, forkRun},
+	}, nil, nil},
+	{"snapshot", "frozen", runningSubject, snapshotRun("frozen"), nil, nil},
+	{"snapshot", "live", cowSubject, snapshotRun("live"), nil, nil},
+	{"fork", "frozen", runningSubject, forkRun, nil, nil},
+	{"fork", "live", cowSubject, forkRun, nil, nil},
 	{"kill", "", runningSubject, func(ctx context.Context, n *Node, sub *subject) ([]*Sandbox, error) {
 		return nil, n.Kill(ctx, sub.s.ID)
-	}},
+	}, nil, nil},
+	{"build", "", nil, func(ctx context.Context, n *Node, _ *subject) ([]*Sandbox, error) {
+		return nil, n.BuildTemplate(ctx, BuildSpec{Template: "inj-build", FromTemplate: "minimal", Force: true,
+			Steps: []BuildStep{{Type: "RUN", Args: []string{"date +%s%N > /etc/built"}}}}, func(string, string, string) {})
+	}, func(t *testing.T, n *Node, before string) {
+		if got := injBuildState(n); got != before {
+			t.Errorf("a failed build changed the template: %s, was %s", got, before)
+		}
+	}, injBuildState},
+}
+
+// injBuildState is the layer and template snapshot of the template "inj-build".
+func injBuildState(n *Node) string {
+	t, err := n.Template("inj-build")
+	if err != nil {
+		return err.Error()
+	}
+	ts, err := n.currentTemplateSnapshot(t)
+	if err != nil {
+		return t.Layer + " " + err.Error()
+	}
+	return t.Layer + " " + ts.SnapshotID
 }
 
 // distinct keeps the first occurrence of each point of op.
@@ -264,6 +289,10 @@ func TestInjectedFailuresRollBack(t *testing.T) {
 						sub = op.prepare(t, n)
 					}
 					before, _ := n.List(context.Background())
+					var state string
+					if op.state != nil {
+						state = op.state(n)
+					}
 					ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 					defer cancel()
 					made, err := op.run(faults.With(ctx, faults.NewInjector(p)), n, sub)
@@ -280,6 +309,9 @@ func TestInjectedFailuresRollBack(t *testing.T) {
 					}
 					if sub != nil {
 						sub.check(t, n)
+					}
+					if op.verify != nil {
+						op.verify(t, n, state)
 					}
 					if sub != nil {
 						n.Kill(context.Background(), sub.s.ID)
@@ -934,5 +966,93 @@ func TestBusySandboxRefusesOperations(t *testing.T) {
 	}
 	dropSnapshots(n)
 	sub.check(t, n)
+	assertNoLeaks(t, n)
+}
+
+// TestSnapshotNamesAreClusterWide: two nodes sharing a repository never
+// hold different snapshots under one name. A name the repository has is
+// refused before anything is captured; a node that loses the race for a
+// name (the other committed it while this one was capturing) withdraws
+// its snapshot and answers 409; either way its sandbox runs on.
+func TestSnapshotNamesAreClusterWide(t *testing.T) {
+	repo, err := repository.OpenPosixFS(filepath.Join(t.TempDir(), "repo"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	withRepo := func(c *Config) { c.Repository = repo }
+	slotA, slotB := takeTestSlot(), takeTestSlot()
+	defer releaseTestSlot(slotA)
+	defer releaseTestSlot(slotB)
+	a := openTestNodeIn(t, newTestDataDir(t), slotA, withRepo)
+	b := openTestNodeIn(t, newTestDataDir(t), slotB, withRepo)
+	ctx := context.Background()
+	defer func() {
+		for _, n := range []*Node{a, b} {
+			all, _ := n.List(ctx)
+			for _, s := range all {
+				n.Kill(ctx, s.ID)
+			}
+			dropSnapshots(n)
+			n.Close()
+		}
+	}()
+	sa, sb := newSubject(t, a), newSubject(t, b)
+	if _, err := a.Snapshot(ctx, sa.s.ID, "taken-early"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Snapshot(ctx, sb.s.ID, "taken-early"); !errors.Is(err, ErrConflict) {
+		t.Fatalf("a name the repository has: %v", err)
+	}
+	// The race: A commits the name while B is capturing under it.
+	inj := faults.NewInjector()
+	inj.Hook = func(point string) {
+		if point == "snapshot/stop-vcpus" {
+			if _, err := a.Snapshot(ctx, sa.s.ID, "raced"); err != nil {
+				t.Errorf("the other node's snapshot: %v", err)
+			}
+		}
+	}
+	if _, err := b.Snapshot(faults.With(ctx, inj), sb.s.ID, "raced"); !errors.Is(err, ErrConflict) {
+		t.Fatalf("the node that lost the race: %v", err)
+	}
+	if _, err := b.namedSnapshot("raced"); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("the loser kept its snapshot: %v", err)
+	}
+	m, err := repo.Stat(ctx, repoKindSnapshot, "raced")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = m
+	// Sandboxes made from the name anywhere get the winner's.
+	fromB := &subject{s: create(t, b, CreateRequest{TemplateID: "raced"}), pid: sa.pid, marker: sa.marker}
+	fromB.check(t, b)
+	b.Kill(ctx, fromB.s.ID)
+	sb.check(t, b)
+	sa.check(t, a)
+	assertNoLeaks(t, b)
+}
+
+// TestQEMUDiesMidPause kills a sandbox's QEMU in the middle of its pause,
+// before its state is saved: the pause answers an error, and the sandbox,
+// whose machine is gone with nothing saved, is removed as a crashed one is
+// (not left "running" without a machine for the expiry loop to retry).
+func TestQEMUDiesMidPause(t *testing.T) {
+	n := testNode(t)
+	sub := newSubject(t, n)
+	ctx := context.Background()
+	inj := faults.NewInjector()
+	inj.Hook = func(point string) {
+		if point == "pause/save-state" {
+			m := n.machines.get(sub.s.ID)
+			syscall.Kill(m.PID(), syscall.SIGKILL)
+			<-m.Exited()
+		}
+	}
+	if _, err := n.Pause(faults.With(ctx, inj), sub.s.ID); err == nil {
+		t.Fatal("a pause whose QEMU died succeeded")
+	}
+	if _, err := n.Get(ctx, sub.s.ID); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("the sandbox without a machine is still listed: %v", err)
+	}
 	assertNoLeaks(t, n)
 }
