@@ -16,8 +16,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/operation"
+	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/storage/image"
 	"github.com/agentenv/agentenv/internal/store"
 	"github.com/agentenv/agentenv/internal/templates"
