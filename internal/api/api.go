@@ -18,6 +18,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/builds"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/proxy"
 	"github.com/agentenv/agentenv/internal/storage/lazy"
@@ -52,9 +53,9 @@ type Node interface {
 	ConsoleLog(ctx context.Context, id string, maxBytes int64) ([]byte, error)
 	// The E2B template API: POST /v3/templates, file uploads, POST
 	// /v2/templates/{id}/builds/{build}, status polling, deletion.
-	RequestBuild(name string, vcpus, memMiB int) (*orchestrator.BuildRecord, error)
-	StartBuild(templateID, buildID string, spec orchestrator.BuildSpec) error
-	Build(templateID, buildID string) (*orchestrator.BuildRecord, error)
+	RequestBuild(name string, vcpus, memMiB int) (*builds.Record, error)
+	StartBuild(templateID, buildID string, spec builds.Spec) error
+	Build(templateID, buildID string) (*builds.Record, error)
 	Template(name string) (*orchestrator.Template, error)
 	Templates() ([]*orchestrator.Template, error)
 	DeleteTemplate(ctx context.Context, name string) error

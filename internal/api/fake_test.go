@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/builds"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/storage/lazy"
 )
@@ -204,13 +205,13 @@ func (f *fakeNode) Snapshots() ([]*orchestrator.NamedSnapshot, error) { return n
 func (f *fakeNode) DeleteSnapshot(ctx context.Context, name string) error {
 	return fmt.Errorf("%w: snapshot %q", orchestrator.ErrNotFound, name)
 }
-func (f *fakeNode) RequestBuild(name string, vcpus, memMiB int) (*orchestrator.BuildRecord, error) {
+func (f *fakeNode) RequestBuild(name string, vcpus, memMiB int) (*builds.Record, error) {
 	return nil, fmt.Errorf("%w: the fake node builds nothing", orchestrator.ErrConflict)
 }
-func (f *fakeNode) StartBuild(templateID, buildID string, spec orchestrator.BuildSpec) error {
+func (f *fakeNode) StartBuild(templateID, buildID string, spec builds.Spec) error {
 	return fmt.Errorf("%w: build %s", orchestrator.ErrNotFound, buildID)
 }
-func (f *fakeNode) Build(templateID, buildID string) (*orchestrator.BuildRecord, error) {
+func (f *fakeNode) Build(templateID, buildID string) (*builds.Record, error) {
 	return nil, fmt.Errorf("%w: build %s", orchestrator.ErrNotFound, buildID)
 }
 func (f *fakeNode) Template(name string) (*orchestrator.Template, error) {

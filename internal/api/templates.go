@@ -14,7 +14,7 @@ import (
 	"regexp"
 	"time"
 
-	"github.com/agentenv/agentenv/internal/orchestrator"
+	"github.com/agentenv/agentenv/internal/builds"
 )
 
 func (s *Server) templateRoutes() {
@@ -104,10 +104,10 @@ func (s *Server) startBuild(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, "give exactly one of fromTemplate and fromImage")
 		return
 	}
-	spec := orchestrator.BuildSpec{FromTemplate: req.FromTemplate, FromImage: req.FromImage,
+	spec := builds.Spec{FromTemplate: req.FromTemplate, FromImage: req.FromImage,
 		StartCmd: req.StartCmd, ReadyCmd: req.ReadyCmd, Force: req.Force}
 	for _, st := range req.Steps {
-		spec.Steps = append(spec.Steps, orchestrator.BuildStep{Type: st.Type, Args: st.Args, FilesHash: st.FilesHash, Force: st.Force})
+		spec.Steps = append(spec.Steps, builds.Step{Type: st.Type, Args: st.Args, FilesHash: st.FilesHash, Force: st.Force})
 	}
 	if err := s.node.StartBuild(r.PathValue("templateID"), r.PathValue("buildID"), spec); err != nil {
 		s.writeNodeError(w, err)
@@ -146,7 +146,7 @@ func (s *Server) buildStatus(w http.ResponseWriter, r *http.Request) {
 	status := rec.Status
 	body := map[string]any{"templateID": rec.TemplateID, "buildID": rec.BuildID, "status": status,
 		"logEntries": entries, "logs": lines}
-	if status == orchestrator.BuildError {
+	if status == builds.Failed {
 		reason := map[string]any{"message": rec.Reason, "logEntries": []buildLogJSON{}}
 		if rec.ReasonStep != "" {
 			reason["step"] = rec.ReasonStep
@@ -172,7 +172,7 @@ func (s *Server) fileUploadLink(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, "files hash must be lowercase hex")
 		return
 	}
-	_, err := os.Stat(orchestrator.BuildFilesPath(s.node.DataDir(), hash))
+	_, err := os.Stat(builds.FilesPath(s.node.DataDir(), hash))
 	present := err == nil
 	scheme := "http"
 	if r.TLS != nil || r.Header.Get("X-Forwarded-Proto") == "https" {
@@ -198,7 +198,7 @@ func (s *Server) uploadBuildFiles(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusUnauthorized, "invalid upload signature")
 		return
 	}
-	dst := orchestrator.BuildFilesPath(s.node.DataDir(), hash)
+	dst := builds.FilesPath(s.node.DataDir(), hash)
 	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
 		s.writeNodeError(w, err)
 		return

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"github.com/agentenv/agentenv/internal/builds"
 	"os"
 	"path/filepath"
 	"strings"
@@ -19,7 +20,7 @@ type buildLog struct {
 	lines []string
 }
 
-func (l *buildLog) log(t *testing.T) BuildLogger {
+func (l *buildLog) log(t *testing.T) builds.Logger {
 	return func(level, step, msg string) {
 		l.mu.Lock()
 		defer l.mu.Unlock()
@@ -49,7 +50,7 @@ func uploadFiles(t *testing.T, dataDir, hash string, files map[string]string) {
 		tw.Write([]byte(body))
 	}
 	tw.Close()
-	p := BuildFilesPath(dataDir, hash)
+	p := builds.FilesPath(dataDir, hash)
 	os.MkdirAll(filepath.Dir(p), 0o755)
 	if err := os.WriteFile(p, buf.Bytes(), 0o644); err != nil {
 		t.Fatal(err)
@@ -67,7 +68,7 @@ func TestBuildTemplate(t *testing.T) {
 	defer cancel()
 	uploadFiles(t, n.cfg.DataDir, "f00d", map[string]string{"conf/app.txt": "copied\n"})
 	uploadFiles(t, n.cfg.DataDir, "cafe", map[string]string{"hello.txt": "hello file\n"})
-	steps := []BuildStep{
+	steps := []builds.Step{
 		{Type: "ENV", Args: []string{"GREETING", "built-in"}},
 		{Type: "WORKDIR", Args: []string{"/app"}},
 		{Type: "RUN", Args: []string{"echo $GREETING > out.txt && pwd >> out.txt"}},
@@ -75,11 +76,11 @@ func TestBuildTemplate(t *testing.T) {
 		{Type: "COPY", Args: []string{"hello.txt", "h.txt", "user", "0600"}, FilesHash: "cafe"},
 		{Type: "RUN", Args: []string{"echo v1 > /app/version"}},
 	}
-	spec := BuildSpec{Template: "built", FromTemplate: "minimal", Steps: steps,
+	spec := builds.Spec{Template: "built", FromTemplate: "minimal", Steps: steps,
 		StartCmd: "echo started > /tmp/started; exec sleep 100000", ReadyCmd: "test -f /tmp/started"}
 	var l1 buildLog
 	start := time.Now()
-	if err := n.BuildTemplate(ctx, spec, l1.log(t)); err != nil {
+	if err := n.builds.Run(ctx, spec, l1.log(t)); err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("first build took %s", time.Since(start))
@@ -95,10 +96,10 @@ func TestBuildTemplate(t *testing.T) {
 	n.Kill(ctx, s.ID)
 
 	// Change the last step: everything before it comes from the cache.
-	spec.Steps = append(append([]BuildStep{}, steps[:5]...), BuildStep{Type: "RUN", Args: []string{"echo v2 > /app/version"}})
+	spec.Steps = append(append([]builds.Step{}, steps[:5]...), builds.Step{Type: "RUN", Args: []string{"echo v2 > /app/version"}})
 	var l2 buildLog
 	start = time.Now()
-	if err := n.BuildTemplate(ctx, spec, l2.log(t)); err != nil {
+	if err := n.builds.Run(ctx, spec, l2.log(t)); err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("rebuild took %s", time.Since(start))
@@ -118,8 +119,8 @@ func TestBuildTemplate(t *testing.T) {
 
 	// A failing step: an error naming it, no template.
 	var l3 buildLog
-	err = n.BuildTemplate(ctx, BuildSpec{Template: "broken", FromTemplate: "minimal",
-		Steps: []BuildStep{{Type: "RUN", Args: []string{"echo about to fail; exit 3"}}}}, l3.log(t))
+	err = n.builds.Run(ctx, builds.Spec{Template: "broken", FromTemplate: "minimal",
+		Steps: []builds.Step{{Type: "RUN", Args: []string{"echo about to fail; exit 3"}}}}, l3.log(t))
 	if err == nil || !strings.Contains(err.Error(), "exited with code 3") || !l3.has("about to fail") {
 		t.Fatalf("failing build: %v", err)
 	}
@@ -127,8 +128,8 @@ func TestBuildTemplate(t *testing.T) {
 		t.Fatalf("a failed build registered its template: %v", err)
 	}
 	// Bad input: unknown step, COPY of files never uploaded.
-	for _, st := range []BuildStep{{Type: "FROB"}, {Type: "COPY", Args: []string{"a", "/b"}, FilesHash: "beef"}} {
-		if err := n.BuildTemplate(ctx, BuildSpec{Template: "bad", FromTemplate: "minimal", Steps: []BuildStep{st}}, l3.log(t)); !errors.Is(err, ErrInvalid) {
+	for _, st := range []builds.Step{{Type: "FROB"}, {Type: "COPY", Args: []string{"a", "/b"}, FilesHash: "beef"}} {
+		if err := n.builds.Run(ctx, builds.Spec{Template: "bad", FromTemplate: "minimal", Steps: []builds.Step{st}}, l3.log(t)); !errors.Is(err, ErrInvalid) {
 			t.Fatalf("step %+v: %v", st, err)
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/agentenv/agentenv/internal/builds"
 	"math/rand"
 	"os"
 	"path/filepath"
@@ -219,8 +220,8 @@ var injectedOps = []injectedOp{
 		return nil, n.Kill(ctx, sub.s.ID)
 	}, nil, nil},
 	{"build", "", nil, func(ctx context.Context, n *Node, _ *subject) ([]*Sandbox, error) {
-		return nil, n.BuildTemplate(ctx, BuildSpec{Template: "inj-build", FromTemplate: "minimal", Force: true,
-			Steps: []BuildStep{{Type: "RUN", Args: []string{"date +%s%N > /etc/built"}}}}, func(string, string, string) {})
+		return nil, n.builds.Run(ctx, builds.Spec{Template: "inj-build", FromTemplate: "minimal", Force: true,
+			Steps: []builds.Step{{Type: "RUN", Args: []string{"date +%s%N > /etc/built"}}}}, func(string, string, string) {})
 	}, func(t *testing.T, n *Node, before string) {
 		if got := injBuildState(n); got != before {
 			t.Errorf("a failed build changed the template: %s, was %s", got, before)
@@ -411,9 +412,9 @@ func TestTemplateRebuildKeepsDisks(t *testing.T) {
 	var l buildLog
 	build := func(v string) {
 		t.Helper()
-		spec := BuildSpec{Template: "app", FromTemplate: "minimal", Steps: []BuildStep{{Type: "RUN",
+		spec := builds.Spec{Template: "app", FromTemplate: "minimal", Steps: []builds.Step{{Type: "RUN",
 			Args: []string{"mkdir -p /opt && echo " + v + " > /opt/v && dd if=/dev/urandom of=/opt/blob bs=64k count=16 2>/dev/null"}}}}
-		if err := n.BuildTemplate(ctx, spec, l.log(t)); err != nil {
+		if err := n.builds.Run(ctx, spec, l.log(t)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -535,7 +536,7 @@ func TestTemplateRebuildKeepsDisks(t *testing.T) {
 		t.Fatalf("its files are still there: %v", err)
 	}
 	// What is left of the first build's layer is the build cache's.
-	if h, _ := n.store.Holders(ctx, v1.Layer); !slices.Equal(h, []string{buildCacheHolder}) {
+	if h, _ := n.store.Holders(ctx, v1.Layer); !slices.Equal(h, []string{builds.CacheHolder}) {
 		t.Fatalf("holders of the first build's layer: %v", h)
 	}
 	if err := n.DeleteTemplate(ctx, "app"); err != nil {
@@ -688,9 +689,9 @@ func TestSoak(t *testing.T) {
 	rnd := rand.New(rand.NewSource(seed))
 	ctx := context.Background()
 	build := func(v int) {
-		spec := BuildSpec{Template: "soak", FromTemplate: "minimal", Steps: []BuildStep{{Type: "RUN",
+		spec := builds.Spec{Template: "soak", FromTemplate: "minimal", Steps: []builds.Step{{Type: "RUN",
 			Args: []string{fmt.Sprintf("mkdir -p /opt && echo build-%d > /opt/v", v)}}}}
-		if err := n.BuildTemplate(ctx, spec, func(string, string, string) {}); err != nil {
+		if err := n.builds.Run(ctx, spec, func(string, string, string) {}); err != nil {
 			t.Fatalf("build %d: %v", v, err)
 		}
 	}

@@ -19,6 +19,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/builds"
 	"github.com/agentenv/agentenv/internal/datadir"
 	"github.com/agentenv/agentenv/internal/envd"
 	"github.com/agentenv/agentenv/internal/errkind"
@@ -240,7 +241,7 @@ type Node struct {
 	ops      opLocks
 	slots    slotAllocator
 	pool     *warmPool
-	builds   buildRegistry
+	builds   *builds.Builds
 	lazy     lazyLayersOnce
 	// cgroupWarn says once that sandboxes run without cgroup limits.
 	cgroupWarn sync.Once
@@ -317,7 +318,6 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 		net:       netm,
 		log:       cfg.Logger,
 		pool:      newWarmPool(),
-		builds:    buildRegistry{live: map[string]*BuildRecord{}},
 		stop:      make(chan struct{}),
 		slots:     slotAllocator{last: -1},
 	}
@@ -331,7 +331,8 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 		return fail(fmt.Errorf("adopt the snapshots of an older release: %w", err))
 	}
 	n.checkSharing(ctx)
-	n.recoverBuilds()
+	n.builds = builds.New(cfg.DataDir, st, n.templates, buildHost{n}, n.log, cfg.MaxVCPUs, cfg.MaxMemoryMiB)
+	n.builds.Recover()
 	if n.cfg.Repository != nil {
 		n.exportLazyTemplates(ctx)
 	}

@@ -276,17 +276,7 @@ func (n *Node) openTap(ctx context.Context, ep *network.Endpoint) (*os.File, err
 	return n.net.OpenTap(ep)
 }
 
-func syncFile(path string) error {
-	f, err := os.OpenFile(path, os.O_RDWR, 0)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	if err := f.Sync(); err != nil {
-		return fmt.Errorf("sync %s: %w", path, err)
-	}
-	return nil
-}
+func syncFile(path string) error { return storage.SyncFile(path) }
 
 // Resume restarts a paused sandbox exactly where it stopped and gives it a
 // new time to live (0: the node's default). envd gets a fresh /init so the

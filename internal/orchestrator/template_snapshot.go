@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/guestexec"
 	"github.com/agentenv/agentenv/internal/operation"
 	"github.com/agentenv/agentenv/internal/store"
 )
@@ -164,8 +165,9 @@ const readyTimeout = 5 * time.Minute
 func (n *Node) startAndWaitReady(ctx context.Context, s *Sandbox, t *Template) error {
 	// Detached from envd's pipes, so the command outlives the shell
 	// (nohup is not in every image; there is no terminal to hang up anyway).
-	script := "/bin/sh -c " + shellQuote(t.StartCmd) + " </dev/null >/tmp/.aenv-start.log 2>&1 &"
-	if code, err := runInGuest(ctx, s, guestCommand{User: t.StartUser, Cwd: t.StartCwd, Env: t.EnvVars, Script: script}); err != nil || code != 0 {
+	script := "/bin/sh -c " + guestexec.Quote(t.StartCmd) + " </dev/null >/tmp/.aenv-start.log 2>&1 &"
+	g := guestexec.Target{Addr: s.EnvdAddr, Token: s.AccessToken}
+	if code, err := guestexec.Run(ctx, g, guestexec.Command{User: t.StartUser, Cwd: t.StartCwd, Env: t.EnvVars, Script: script}); err != nil || code != 0 {
 		return fmt.Errorf("start command: exit %d: %v", code, err)
 	}
 	if t.ReadyCmd == "" {
@@ -173,7 +175,7 @@ func (n *Node) startAndWaitReady(ctx context.Context, s *Sandbox, t *Template) e
 	}
 	deadline := time.Now().Add(readyTimeout)
 	for {
-		code, err := runInGuest(ctx, s, guestCommand{User: t.StartUser, Cwd: t.StartCwd, Env: t.EnvVars, Script: t.ReadyCmd})
+		code, err := guestexec.Run(ctx, g, guestexec.Command{User: t.StartUser, Cwd: t.StartCwd, Env: t.EnvVars, Script: t.ReadyCmd})
 		if err == nil && code == 0 {
 			return nil
 		}

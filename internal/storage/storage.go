@@ -130,3 +130,16 @@ func SyncDir(dir string) error {
 	}
 	return nil
 }
+
+// SyncFile makes a file's content durable (fsync).
+func SyncFile(path string) error {
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("sync %s: %w", path, err)
+	}
+	return nil
+}

@@ -1,4 +1,7 @@
-package orchestrator
+// Package guestexec runs commands in a guest and puts files into it through
+// the guest's envd (Connect process API and /files), as the node itself
+// needs for template builds and a template's start and ready commands.
+package guestexec
 
 import (
 	"bufio"
@@ -21,9 +24,14 @@ import (
 	"github.com/agentenv/agentenv/internal/envd/gen/processpb/processpbconnect"
 )
 
-// guestCommand is a command the node itself runs in a sandbox through its
-// envd (template builds, start and ready commands).
-type guestCommand struct {
+// Target is the envd of one guest: host:port and its access token ("" if
+// none).
+type Target struct {
+	Addr, Token string
+}
+
+// Command is a command the node itself runs in a guest.
+type Command struct {
 	User string // "" : envd's default
 	Cwd  string
 	Env  map[string]string
@@ -33,16 +41,21 @@ type guestCommand struct {
 	Output func(line string, stderr bool)
 }
 
-// runInGuest runs c in sandbox s and returns its exit code.
-func runInGuest(ctx context.Context, s *Sandbox, c guestCommand) (int32, error) {
-	client := processpbconnect.NewProcessClient(envdHTTP, "http://"+s.EnvdAddr, connect.WithProtoJSON())
+// envdHTTP keeps no idle connections: guest addresses are reused by later
+// sandboxes, and a pooled connection to a gone guest would be reset by its
+// successor.
+var envdHTTP = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+
+// Run runs c in the guest and returns its exit code.
+func Run(ctx context.Context, g Target, c Command) (int32, error) {
+	client := processpbconnect.NewProcessClient(envdHTTP, "http://"+g.Addr, connect.WithProtoJSON())
 	cfg := &processpb.ProcessConfig{Cmd: "/bin/sh", Args: []string{"-c", c.Script}, Envs: c.Env}
 	if c.Cwd != "" {
 		cfg.Cwd = &c.Cwd
 	}
 	req := connect.NewRequest(&processpb.StartRequest{Process: cfg})
-	if s.AccessToken != "" {
-		req.Header().Set("X-Access-Token", s.AccessToken)
+	if g.Token != "" {
+		req.Header().Set("X-Access-Token", g.Token)
 	}
 	if c.User != "" {
 		req.Header().Set("Authorization", "Basic "+base64.StdEncoding.EncodeToString([]byte(c.User+":")))
@@ -108,9 +121,9 @@ func (l *lineSplitter) flush() {
 	}
 }
 
-// uploadToGuest writes a host file into the guest at guestPath (as root)
-// through envd's /files endpoint.
-func uploadToGuest(ctx context.Context, s *Sandbox, hostPath, guestPath string) error {
+// Upload writes a host file into the guest at guestPath (as root) through
+// envd's /files endpoint; a gzip-compressed file goes up uncompressed.
+func Upload(ctx context.Context, g Target, hostPath, guestPath string) error {
 	f, err := os.Open(hostPath)
 	if err != nil {
 		return err
@@ -129,14 +142,14 @@ func uploadToGuest(ctx context.Context, s *Sandbox, hostPath, guestPath string) 
 	} else {
 		body = br
 	}
-	u := "http://" + s.EnvdAddr + "/files?" + url.Values{"path": {guestPath}, "username": {"root"}}.Encode()
+	u := "http://" + g.Addr + "/files?" + url.Values{"path": {guestPath}, "username": {"root"}}.Encode()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u, body)
 	if err != nil {
 		return err
 	}
 	req.Header.Set("Content-Type", "application/octet-stream")
-	if s.AccessToken != "" {
-		req.Header.Set("X-Access-Token", s.AccessToken)
+	if g.Token != "" {
+		req.Header.Set("X-Access-Token", g.Token)
 	}
 	resp, err := envdHTTP.Do(req)
 	if err != nil {
@@ -149,3 +162,6 @@ func uploadToGuest(ctx context.Context, s *Sandbox, hostPath, guestPath string) 
 	}
 	return nil
 }
+
+// Quote quotes s for /bin/sh.
+func Quote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }

@@ -1,4 +1,13 @@
-package orchestrator
+// Package builds owns template builds: a template made from another
+// template (or an imported image) by steps run in a builder sandbox the
+// node boots for it. Every step that changes files leaves a disk layer
+// holding what it changed over the layer below, a layer of the store named
+// by a key hashed from the layer below and the step (and, for COPY, the
+// copied files), kept as the build cache: a rebuild reuses every layer up
+// to the first changed step and runs only the rest. The finished template's
+// label moves to the last layer, and the node snapshots it. Build records
+// (status, logs, the failing step) are kept per template and build.
+package builds
 
 import (
 	"context"
@@ -16,6 +25,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/errkind"
+	"github.com/agentenv/agentenv/internal/guestexec"
 	"github.com/agentenv/agentenv/internal/operation"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/storage/image"
@@ -23,31 +34,49 @@ import (
 	"github.com/agentenv/agentenv/internal/templates"
 )
 
-// Template builds: a template is made from another template (or an imported
-// image) by steps run in a builder sandbox. Every step that changes files
-// leaves a disk layer holding what it changed over the layer below, kept in
-// <data>/layers under a key hashed from the layer below and the step (and,
-// for COPY, the copied files), so a rebuild reuses every layer up to the
-// first changed step and runs only the rest. The finished template is booted
-// once, its start command run until its ready command succeeds, and frozen
-// into its template snapshot.
+// Host is what a build needs from the node.
+type Host interface {
+	// StartBuilder boots a sandbox of template from whose root disk is
+	// the layer layerID at layerPath instead (the layer the first uncached
+	// step builds on), labelled for the build of template name.
+	StartBuilder(ctx context.Context, from *templates.Template, layerPath, layerID string, vcpus, memMiB int, name string) (Builder, error)
+	// PrepareTemplateSnapshot boots the finished template and freezes it;
+	// RefillTemplatePool starts its pre-started sandboxes.
+	PrepareTemplateSnapshot(ctx context.Context, name string) error
+	RefillTemplatePool(name string)
+	// SnapshotExists reports whether a named snapshot has this name
+	// (templates and snapshots share one namespace).
+	SnapshotExists(name string) bool
+	// Go runs fn in the background, cancelled when the node closes, which
+	// waits for it.
+	Go(fn func(ctx context.Context))
+}
 
-// BuildStep is one instruction of a build.
-type BuildStep struct {
+// Builder is the sandbox a build's steps run in.
+type Builder interface {
+	Target() guestexec.Target
+	// Frozen runs fn with the builder's vCPUs stopped; fn gets the path of
+	// its disk overlay.
+	Frozen(ctx context.Context, fn func(overlay string) error) error
+	Close()
+}
+
+// Step is one instruction of a build.
+type Step struct {
 	Type string   `json:"type"` // RUN, ENV, WORKDIR, USER, COPY
 	Args []string `json:"args"`
-	// FilesHash names the uploaded files of a COPY (see BuildFilesPath).
+	// FilesHash names the uploaded files of a COPY (see FilesPath).
 	FilesHash string `json:"filesHash,omitempty"`
 	// Force runs the step (and all after it) even if cached.
 	Force bool `json:"force,omitempty"`
 }
 
-// BuildSpec describes a template build.
-type BuildSpec struct {
+// Spec describes a template build.
+type Spec struct {
 	Template     string // the name of the template built
 	FromTemplate string // the template it starts from, or
 	FromImage    string // an OCI image (registry reference) it starts from
-	Steps        []BuildStep
+	Steps        []Step
 	StartCmd     string // started in the background before the snapshot
 	ReadyCmd     string // polled until it exits 0 (default: none)
 	VCPUs        int
@@ -56,21 +85,21 @@ type BuildSpec struct {
 	Force bool
 }
 
-// BuildLogger receives a build's log lines.
-type BuildLogger func(level, step, msg string)
+// Logger receives a build's log lines.
+type Logger func(level, step, msg string)
 
-// BuildFilesPath is where the files a COPY step uploaded are kept: a tar
+// FilesPath is where the files a COPY step uploaded are kept: a tar
 // archive (gzip-compressed or not) named by the hash the client computed.
-func BuildFilesPath(dataDir, hash string) string {
+func FilesPath(dataDir, hash string) string {
 	return filepath.Join(dataDir, "build-files", hash+".tar")
 }
 
-// buildCacheHolder holds the layers builds made, for later builds.
-const buildCacheHolder = "cache/build-layers"
+// CacheHolder holds the layers builds made, for later builds.
+const CacheHolder = "cache/build-layers"
 
-// filesHashRE is the form of COPY files hashes (lowercase hex, such as a
+// FilesHashRE is the form of COPY files hashes (lowercase hex, such as a
 // SHA-256).
-var filesHashRE = regexp.MustCompile(`^[0-9a-f]{4,128}$`)
+var FilesHashRE = regexp.MustCompile(`^[0-9a-f]{4,128}$`)
 
 // buildState is what steps change besides files.
 type buildState struct {
@@ -87,11 +116,11 @@ const buildTimeout = 2 * time.Hour
 // is made) only if every step succeeds; a build that fails leaves the
 // template as it was (the layers its finished steps made stay in the build
 // cache).
-func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogger) (err error) {
-	if !templateNameRE.MatchString(spec.Template) {
-		return fmt.Errorf("%w: template name %q must match %s", ErrInvalid, spec.Template, templateNameRE)
+func (bs *Builds) Run(ctx context.Context, spec Spec, logf Logger) (err error) {
+	if !templates.NameRE.MatchString(spec.Template) {
+		return fmt.Errorf("%w: template name %q must match %s", errkind.ErrInvalid, spec.Template, templates.NameRE)
 	}
-	o := operation.Start(ctx, "build", buildTimeout, n.log)
+	o := operation.Start(ctx, "build", buildTimeout, bs.log)
 	defer func() { err = o.Finish(err) }()
 	ctx = o.Context()
 	if spec.FromImage != "" {
@@ -101,24 +130,24 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 		spec.FromTemplate = "image-" + hex.EncodeToString(sum[:8])
 		logf("info", "", "pulling image "+spec.FromImage)
 		if err := o.Do("pull-image", func(ctx context.Context) error {
-			_, err := n.templates.ImportImage(ctx, spec.FromTemplate, image.Source{Ref: spec.FromImage}, 0,
+			_, err := bs.cat.ImportImage(ctx, spec.FromTemplate, image.Source{Ref: spec.FromImage}, 0,
 				func(format string, a ...any) { logf("info", "", fmt.Sprintf(format, a...)) })
 			return err
 		}); err != nil {
 			return fmt.Errorf("base image %s: %w", spec.FromImage, err)
 		}
 	}
-	from, err := n.Template(spec.FromTemplate)
+	from, err := bs.cat.Get(ctx, spec.FromTemplate)
 	if err != nil {
 		return fmt.Errorf("base template: %w", err)
 	}
 	for i, st := range spec.Steps {
-		if err := checkStep(n.cfg.DataDir, st); err != nil {
-			return fmt.Errorf("%w: step %d: %v", ErrInvalid, i+1, err)
+		if err := CheckStep(bs.dataDir, st); err != nil {
+			return fmt.Errorf("%w: step %d: %v", errkind.ErrInvalid, i+1, err)
 		}
 	}
 	start := time.Now()
-	layers := filepath.Join(n.cfg.DataDir, store.LayersDir)
+	layers := bs.st.Abs(store.LayersDir)
 	state := buildState{env: map[string]string{}, user: "root", cwd: "/"}
 	for k, v := range from.EnvVars {
 		state.env[k] = v
@@ -128,7 +157,7 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 	var b *builder
 	defer func() {
 		if b != nil {
-			b.close()
+			b.Close()
 		}
 	}()
 	cached := !spec.Force
@@ -155,7 +184,7 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 		layerID := "build-" + key
 		layer := filepath.Join(layers, layerID+".qcow2")
 		if cached {
-			if _, err := n.store.Get(ctx, layerID); err == nil {
+			if _, err := bs.st.Get(ctx, layerID); err == nil {
 				logf("info", name, "CACHED")
 				parent, parentID = layer, layerID
 				if st.Type == "WORKDIR" {
@@ -165,18 +194,22 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 			}
 		}
 		cached = false
-		if _, err := n.store.Get(ctx, layerID); err == nil {
+		if _, err := bs.st.Get(ctx, layerID); err == nil {
 			// Run again although its layer exists (forced): a layer is
 			// immutable, so the new one gets a name of its own, and the
 			// steps after it chain from that.
-			key = hashKey(key+":rerun:"+randomHex(8), st)
+			key = hashKey(key+":rerun:"+newID(), st)
 			layerID = "build-" + key
 			layer = filepath.Join(layers, layerID+".qcow2")
 		}
 		if b == nil {
 			if err := o.Do("start-builder", func(ctx context.Context) error {
-				b, err = n.startBuilder(ctx, spec, from, parent, parentID)
-				return err
+				sb, err := bs.host.StartBuilder(ctx, from, parent, parentID, spec.VCPUs, spec.MemoryMiB, spec.Template)
+				if err != nil {
+					return err
+				}
+				b = &builder{Builder: sb, dataDir: bs.dataDir}
+				return nil
 			}); err != nil {
 				return fmt.Errorf("start the builder: %w", err)
 			}
@@ -193,11 +226,11 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 		}
 		// A layer of the store, kept as the build cache.
 		if err := o.Do("record-layer", func(ctx context.Context) error {
-			return n.store.Tx(ctx, func(tx *sql.Tx) error {
-				if err := n.store.Add(tx, layerID, store.KindLayer, layer, parentID); err != nil {
+			return bs.st.Tx(ctx, func(tx *sql.Tx) error {
+				if err := bs.st.Add(tx, layerID, store.KindLayer, layer, parentID); err != nil {
 					return err
 				}
-				_, err := tx.ExecContext(ctx, `INSERT INTO refs (holder, object) VALUES (?, ?) ON CONFLICT DO NOTHING`, buildCacheHolder, layerID)
+				_, err := tx.ExecContext(ctx, `INSERT INTO refs (holder, object) VALUES (?, ?) ON CONFLICT DO NOTHING`, CacheHolder, layerID)
 				return err
 			})
 		}); err != nil {
@@ -207,12 +240,12 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 		parent, parentID = layer, layerID
 	}
 	if b != nil {
-		b.close()
+		b.Close()
 		b = nil
 	}
 	// The template: its label moves to the last layer (sandboxes and
 	// snapshots of an earlier build keep theirs).
-	t := Template{Name: spec.Template, Layer: parentID, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB, DiskMiB: from.DiskMiB,
+	t := templates.Template{Name: spec.Template, Layer: parentID, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB, DiskMiB: from.DiskMiB,
 		DefaultUser: from.DefaultUser, EnvVars: state.env, StartCmd: spec.StartCmd, ReadyCmd: spec.ReadyCmd,
 		StartUser: state.user, StartCwd: state.cwd}
 	if t.VCPUs == 0 {
@@ -221,26 +254,28 @@ func (n *Node) BuildTemplate(ctx context.Context, spec BuildSpec, logf BuildLogg
 	if t.MemoryMiB == 0 {
 		t.MemoryMiB = from.MemoryMiB
 	}
-	prev, prevErr := n.Template(spec.Template)
-	if err := o.Do("install", func(ctx context.Context) error { return n.templates.Install(ctx, t) }); err != nil {
+	prev, prevErr := bs.cat.Get(ctx, spec.Template)
+	if err := o.Do("install", func(ctx context.Context) error { return bs.cat.Install(ctx, t) }); err != nil {
 		return err
 	}
 	o.OnFailure("the template as it was", func(ctx context.Context) error {
 		if prevErr == nil {
-			return n.templates.Install(ctx, *prev)
+			return bs.cat.Install(ctx, *prev)
 		}
-		return n.store.Tx(ctx, func(tx *sql.Tx) error { return templates.Delete(tx, spec.Template) })
+		return bs.st.Tx(ctx, func(tx *sql.Tx) error { return templates.Delete(tx, spec.Template) })
 	})
 	logf("info", "", fmt.Sprintf("template %s built in %s; snapshotting it", spec.Template, time.Since(start).Round(time.Millisecond)))
-	if err := o.Do("template-snapshot", func(ctx context.Context) error { return n.PrepareTemplateSnapshot(ctx, spec.Template) }); err != nil {
+	if err := o.Do("template-snapshot", func(ctx context.Context) error { return bs.host.PrepareTemplateSnapshot(ctx, spec.Template) }); err != nil {
 		return fmt.Errorf("snapshot the built template: %w", err)
 	}
-	n.refillTemplatePool(spec.Template)
+	bs.host.RefillTemplatePool(spec.Template)
 	logf("info", "", fmt.Sprintf("template %s ready in %s", spec.Template, time.Since(start).Round(time.Millisecond)))
 	return nil
 }
 
-func checkStep(dataDir string, st BuildStep) error {
+// CheckStep refuses a step that cannot run (bad arguments, COPY files
+// not uploaded).
+func CheckStep(dataDir string, st Step) error {
 	switch st.Type {
 	case "RUN", "WORKDIR", "USER":
 		if len(st.Args) < 1 || st.Args[0] == "" {
@@ -254,10 +289,10 @@ func checkStep(dataDir string, st BuildStep) error {
 		if len(st.Args) < 2 || st.Args[1] == "" {
 			return errors.New("COPY needs a source and a destination")
 		}
-		if !filesHashRE.MatchString(st.FilesHash) {
+		if !FilesHashRE.MatchString(st.FilesHash) {
 			return fmt.Errorf("COPY files hash %q is not valid", st.FilesHash)
 		}
-		if _, err := os.Stat(BuildFilesPath(dataDir, st.FilesHash)); err != nil {
+		if _, err := os.Stat(FilesPath(dataDir, st.FilesHash)); err != nil {
 			return fmt.Errorf("COPY files %s were not uploaded", st.FilesHash)
 		}
 	default:
@@ -267,7 +302,7 @@ func checkStep(dataDir string, st BuildStep) error {
 }
 
 // hashKey is the cache key of a step over the key below it.
-func hashKey(below string, st BuildStep) string {
+func hashKey(below string, st Step) string {
 	b, _ := json.Marshal(struct {
 		Type, FilesHash string
 		Args            []string
@@ -276,29 +311,14 @@ func hashKey(below string, st BuildStep) string {
 	return hex.EncodeToString(sum[:])
 }
 
-// builder is the sandbox a build's steps run in.
+// builder runs a build's steps in its builder sandbox.
 type builder struct {
-	n *Node
-	s *Sandbox
+	Builder
+	dataDir string
 }
-
-// startBuilder boots a sandbox on the layer the first uncached step builds
-// on.
-func (n *Node) startBuilder(ctx context.Context, spec BuildSpec, from *Template, layer, layerID string) (*builder, error) {
-	t := *from
-	t.RootDisk, t.Layer = layer, layerID
-	s, err := n.Create(ctx, CreateRequest{TemplateID: spec.Template, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB,
-		Timeout: time.Hour, noSnapshot: true, template: &t, Metadata: map[string]string{"aenv.build": spec.Template}})
-	if err != nil {
-		return nil, err
-	}
-	return &builder{n: n, s: s}, nil
-}
-
-func (b *builder) close() { _ = b.n.Kill(context.Background(), b.s.ID) }
 
 func (b *builder) sh(ctx context.Context, user, cwd string, env map[string]string, script string, out func(string)) error {
-	code, err := runInGuest(ctx, b.s, guestCommand{User: user, Cwd: cwd, Env: env, Script: script,
+	code, err := guestexec.Run(ctx, b.Target(), guestexec.Command{User: user, Cwd: cwd, Env: env, Script: script,
 		Output: func(line string, _ bool) { out(line) }})
 	if err != nil {
 		return err
@@ -310,7 +330,7 @@ func (b *builder) sh(ctx context.Context, user, cwd string, env map[string]strin
 }
 
 // run executes one file-changing step.
-func (b *builder) run(ctx context.Context, st BuildStep, state *buildState, out func(string)) error {
+func (b *builder) run(ctx context.Context, st Step, state *buildState, out func(string)) error {
 	switch st.Type {
 	case "RUN":
 		user := state.user
@@ -323,7 +343,7 @@ func (b *builder) run(ctx context.Context, st BuildStep, state *buildState, out 
 		if !path.IsAbs(dir) {
 			dir = path.Join(state.cwd, dir)
 		}
-		if err := b.sh(ctx, state.user, "/", nil, "mkdir -p "+shellQuote(dir), out); err != nil {
+		if err := b.sh(ctx, state.user, "/", nil, "mkdir -p "+guestexec.Quote(dir), out); err != nil {
 			return err
 		}
 		state.cwd = dir
@@ -339,10 +359,10 @@ func (b *builder) run(ctx context.Context, st BuildStep, state *buildState, out 
 // build context; a directory's contents go into the destination, a file
 // becomes the destination (or goes into it, if it ends in / or is a
 // directory). Args: source, destination, then optional owner and mode.
-func (b *builder) copyFiles(ctx context.Context, st BuildStep, state *buildState, out func(string)) error {
-	archive := BuildFilesPath(b.n.cfg.DataDir, st.FilesHash)
+func (b *builder) copyFiles(ctx context.Context, st Step, state *buildState, out func(string)) error {
+	archive := FilesPath(b.dataDir, st.FilesHash)
 	guestTmp := "/tmp/.aenv-copy-" + st.FilesHash + ".tar"
-	if err := uploadToGuest(ctx, b.s, archive, guestTmp); err != nil {
+	if err := guestexec.Upload(ctx, b.Target(), archive, guestTmp); err != nil {
 		return err
 	}
 	src, dest := path.Clean("/" + st.Args[0])[1:], st.Args[1]
@@ -365,8 +385,8 @@ t=$(mktemp -d)
 chmod 755 "$t"
 tar -xf ` + guestTmp + ` -C "$t"
 rm -f ` + guestTmp + `
-s="$t/"` + shellQuote(src) + `
-d=` + shellQuote(dest) + `
+s="$t/"` + guestexec.Quote(src) + `
+d=` + guestexec.Quote(dest) + `
 if [ -d "$s" ]; then
   mkdir -p "$d"; cp -a "$s"/. "$d"/; target="$d"
 else
@@ -376,8 +396,8 @@ else
   esac
 fi
 rm -rf "$t"
-owner=` + shellQuote(owner) + `
-mode=` + shellQuote(mode) + `
+owner=` + guestexec.Quote(owner) + `
+mode=` + guestexec.Quote(mode) + `
 if [ -n "$owner" ]; then chown -R "$owner" "$target"; fi
 if [ -n "$mode" ]; then chmod "$mode" "$target"; fi
 `
@@ -391,24 +411,16 @@ func (b *builder) capture(ctx context.Context, parent, layer string) error {
 	if err := b.sh(ctx, "root", "/", nil, "sync", func(string) {}); err != nil {
 		return err
 	}
-	m := b.n.machine(b.s.ID)
-	if m == nil {
-		return errors.New("the builder sandbox is gone")
-	}
 	work, err := os.MkdirTemp(filepath.Dir(layer), ".capture-")
 	if err != nil {
 		return err
 	}
 	defer os.RemoveAll(work)
-	if err := m.Pause(ctx); err != nil {
+	if err := b.Frozen(ctx, func(overlay string) error {
+		_, err := storage.CloneFile(overlay, filepath.Join(work, "overlay.qcow2"))
 		return err
-	}
-	_, cerr := storage.CloneFile(filepath.Join(b.n.sandboxDir(b.s.ID), overlayName), filepath.Join(work, "overlay.qcow2"))
-	if err := m.Resume(ctx); err != nil {
+	}); err != nil {
 		return err
-	}
-	if cerr != nil {
-		return cerr
 	}
 	tmp := filepath.Join(work, "layer.qcow2")
 	out, err := exec.CommandContext(ctx, "qemu-img", "convert", "-q", "-O", "qcow2", "-o", "cluster_size=65536",
@@ -416,7 +428,7 @@ func (b *builder) capture(ctx context.Context, parent, layer string) error {
 	if err != nil {
 		return fmt.Errorf("qemu-img convert: %v: %s", err, strings.TrimSpace(string(out)))
 	}
-	if err := syncFile(tmp); err != nil {
+	if err := storage.SyncFile(tmp); err != nil {
 		return err
 	}
 	if err := os.Chmod(tmp, 0o444); err != nil {
@@ -424,5 +436,3 @@ func (b *builder) capture(ctx context.Context, parent, layer string) error {
 	}
 	return os.Rename(tmp, layer)
 }
-
-func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }

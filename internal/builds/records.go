@@ -1,0 +1,293 @@
+package builds
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/errkind"
+	"github.com/agentenv/agentenv/internal/storage"
+	"github.com/agentenv/agentenv/internal/store"
+	"github.com/agentenv/agentenv/internal/templates"
+)
+
+// Build records: the E2B template API creates a build (POST /v3/templates),
+// starts it with its steps, and polls its status and logs. Each build is a
+// record in <data>/builds/<template>/<build>.json, rewritten atomically as
+// the build goes on; a build a restart interrupts is recorded as failed.
+
+const buildsDir = "builds"
+
+// Build states, as the E2B API names them.
+const (
+	Waiting  = "waiting"
+	Building = "building"
+	Ready    = "ready"
+	Failed   = "error"
+)
+
+// LogEntry is one line of a build's log.
+type LogEntry struct {
+	Timestamp time.Time `json:"timestamp"`
+	Level     string    `json:"level"`
+	Message   string    `json:"message"`
+	Step      string    `json:"step,omitempty"`
+}
+
+// Record is a template build.
+type Record struct {
+	TemplateID string     `json:"templateID"`
+	BuildID    string     `json:"buildID"`
+	Status     string     `json:"status"`
+	VCPUs      int        `json:"cpuCount"`
+	MemoryMiB  int        `json:"memoryMB"`
+	Logs       []LogEntry `json:"logs"`
+	// Reason says why a build failed, and at which step.
+	Reason     string    `json:"reason,omitempty"`
+	ReasonStep string    `json:"reasonStep,omitempty"`
+	CreatedAt  time.Time `json:"createdAt"`
+	FinishedAt time.Time `json:"finishedAt,omitempty"`
+}
+
+// maxBuildLogs bounds a build's recorded log.
+const maxBuildLogs = 20000
+
+// Builds is the template builds of one node.
+type Builds struct {
+	dataDir string
+	st      *store.Store
+	cat     *templates.Catalog
+	host    Host
+	log     *slog.Logger
+	// Limits of a build's sandbox.
+	maxVCPUs, maxMemMiB int
+
+	mu   sync.Mutex
+	live map[string]*Record // templateID/buildID of running builds; guarded by mu
+}
+
+// New returns the builds of a node: its data dir, store and templates, the
+// host that boots builder sandboxes and snapshots templates, and the
+// limits of a build's sandbox.
+func New(dataDir string, st *store.Store, cat *templates.Catalog, host Host, log *slog.Logger, maxVCPUs, maxMemMiB int) *Builds {
+	return &Builds{dataDir: dataDir, st: st, cat: cat, host: host, log: log, maxVCPUs: maxVCPUs, maxMemMiB: maxMemMiB,
+		live: map[string]*Record{}}
+}
+
+func (bs *Builds) path(templateID, buildID string) string {
+	return filepath.Join(bs.dataDir, buildsDir, templateID, buildID+".json")
+}
+
+func (bs *Builds) save(b *Record) error {
+	if err := os.MkdirAll(filepath.Dir(bs.path(b.TemplateID, b.BuildID)), 0o755); err != nil {
+		return err
+	}
+	j, err := json.MarshalIndent(b, "", "  ")
+	if err != nil {
+		return err
+	}
+	return storage.WriteFileAtomic(bs.path(b.TemplateID, b.BuildID), append(j, '\n'), 0o600)
+}
+
+func readJSON(path string, v any) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	return json.Unmarshal(b, v)
+}
+
+// newID is a fresh 20-character [a-z0-9] build id.
+func newID() string {
+	const alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+	out := make([]byte, 0, 20)
+	buf := make([]byte, 32)
+	for len(out) < 20 {
+		if _, err := rand.Read(buf); err != nil {
+			panic(err)
+		}
+		for _, c := range buf {
+			if c < 252 && len(out) < 20 { // 252 = 7*36: every letter equally likely
+				out = append(out, alphabet[int(c)%len(alphabet)])
+			}
+		}
+	}
+	return string(out)
+}
+
+// Request registers a new build of template name.
+func (bs *Builds) Request(name string, vcpus, memMiB int) (*Record, error) {
+	if !templates.NameRE.MatchString(name) {
+		return nil, fmt.Errorf("%w: template name %q must match %s", errkind.ErrInvalid, name, templates.NameRE)
+	}
+	if vcpus < 0 || vcpus > bs.maxVCPUs {
+		return nil, fmt.Errorf("%w: cpuCount %d is outside 1..%d", errkind.ErrInvalid, vcpus, bs.maxVCPUs)
+	}
+	if memMiB != 0 && (memMiB < 128 || memMiB > bs.maxMemMiB) {
+		return nil, fmt.Errorf("%w: memoryMB %d is outside 128..%d", errkind.ErrInvalid, memMiB, bs.maxMemMiB)
+	}
+	if bs.host.SnapshotExists(name) {
+		return nil, fmt.Errorf("%w: %q is a snapshot's name", errkind.ErrConflict, name)
+	}
+	b := &Record{TemplateID: name, BuildID: newID(), Status: Waiting, VCPUs: vcpus, MemoryMiB: memMiB,
+		Logs: []LogEntry{}, CreatedAt: time.Now().UTC()}
+	return b, bs.save(b)
+}
+
+// Get reads a build's record (with its log so far).
+func (bs *Builds) Get(templateID, buildID string) (*Record, error) {
+	if !templates.NameRE.MatchString(templateID) || !templates.NameRE.MatchString(buildID) {
+		return nil, fmt.Errorf("%w: build %s/%s", errkind.ErrNotFound, templateID, buildID)
+	}
+	bs.mu.Lock()
+	if b := bs.live[templateID+"/"+buildID]; b != nil {
+		cp := *b
+		cp.Logs = append([]LogEntry(nil), b.Logs...)
+		bs.mu.Unlock()
+		return &cp, nil
+	}
+	bs.mu.Unlock()
+	var b Record
+	if err := readJSON(bs.path(templateID, buildID), &b); err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, fmt.Errorf("%w: build %s of template %s", errkind.ErrNotFound, buildID, templateID)
+		}
+		return nil, err
+	}
+	return &b, nil
+}
+
+// Start runs a requested build in the background.
+func (bs *Builds) Start(templateID, buildID string, spec Spec) error {
+	b, err := bs.Get(templateID, buildID)
+	if err != nil {
+		return err
+	}
+	if b.Status != Waiting {
+		return fmt.Errorf("%w: build %s is %s", errkind.ErrConflict, buildID, b.Status)
+	}
+	spec.Template = templateID
+	if spec.VCPUs == 0 {
+		spec.VCPUs = b.VCPUs
+	}
+	if spec.MemoryMiB == 0 {
+		spec.MemoryMiB = b.MemoryMiB
+	}
+	if spec.FromImage == "" {
+		if _, err := bs.cat.Get(context.Background(), spec.FromTemplate); err != nil {
+			return fmt.Errorf("%w: base template %q: %v", errkind.ErrInvalid, spec.FromTemplate, err)
+		}
+	}
+	for i, st := range spec.Steps {
+		if err := CheckStep(bs.dataDir, st); err != nil {
+			return fmt.Errorf("%w: step %d: %v", errkind.ErrInvalid, i+1, err)
+		}
+	}
+	key := templateID + "/" + buildID
+	bs.mu.Lock()
+	for k, other := range bs.live {
+		if strings.HasPrefix(k, templateID+"/") && other.Status == Building {
+			bs.mu.Unlock()
+			return fmt.Errorf("%w: template %s is being built (build %s)", errkind.ErrConflict, templateID, other.BuildID)
+		}
+	}
+	b.Status = Building
+	bs.live[key] = b
+	bs.mu.Unlock()
+	if err := bs.save(b); err != nil {
+		return err
+	}
+	bs.host.Go(func(ctx context.Context) {
+		lastSave := time.Now()
+		logf := func(level, step, msg string) {
+			bs.mu.Lock()
+			if len(b.Logs) < maxBuildLogs {
+				b.Logs = append(b.Logs, LogEntry{Timestamp: time.Now().UTC(), Level: level, Message: msg, Step: step})
+			}
+			save := time.Since(lastSave) > time.Second
+			bs.mu.Unlock()
+			if save {
+				lastSave = time.Now()
+				bs.mu.Lock()
+				cp := *b
+				cp.Logs = append([]LogEntry(nil), b.Logs...)
+				bs.mu.Unlock()
+				_ = bs.save(&cp)
+			}
+		}
+		err := bs.Run(ctx, spec, logf)
+		bs.mu.Lock()
+		b.FinishedAt = time.Now().UTC()
+		if err != nil {
+			b.Status, b.Reason = Failed, err.Error()
+			var se *stepError
+			if errors.As(err, &se) {
+				b.ReasonStep = fmt.Sprint(se.index)
+			}
+			b.Logs = append(b.Logs, LogEntry{Timestamp: b.FinishedAt, Level: "error", Message: "build failed: " + err.Error()})
+		} else {
+			b.Status = Ready
+		}
+		delete(bs.live, key)
+		bs.mu.Unlock()
+		if err := bs.save(b); err != nil {
+			bs.log.Error("save build record", "template", templateID, "build", buildID, "err", err)
+		}
+	})
+	return nil
+}
+
+// List lists a template's builds, newest first.
+func (bs *Builds) List(templateID string) ([]*Record, error) {
+	ents, err := os.ReadDir(filepath.Join(bs.dataDir, buildsDir, templateID))
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
+	var out []*Record
+	for _, e := range ents {
+		if id, ok := strings.CutSuffix(e.Name(), ".json"); ok {
+			if b, err := bs.Get(templateID, id); err == nil {
+				out = append(out, b)
+			}
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.After(out[j].CreatedAt) })
+	return out, nil
+}
+
+// Recover marks builds a restart interrupted as failed.
+func (bs *Builds) Recover() {
+	root := filepath.Join(bs.dataDir, buildsDir)
+	tpls, _ := os.ReadDir(root)
+	for _, t := range tpls {
+		files, _ := os.ReadDir(filepath.Join(root, t.Name()))
+		for _, f := range files {
+			var b Record
+			if !strings.HasSuffix(f.Name(), ".json") || readJSON(filepath.Join(root, t.Name(), f.Name()), &b) != nil {
+				continue
+			}
+			if b.Status == Building {
+				b.Status, b.Reason, b.FinishedAt = Failed, "interrupted by a restart of the node", time.Now().UTC()
+				_ = bs.save(&b)
+			}
+		}
+	}
+}
+
+// stepError is a build failure at a step (1-based index).
+type stepError struct {
+	index int
+	err   error
+}
+
+func (e *stepError) Error() string { return e.err.Error() }
+func (e *stepError) Unwrap() error { return e.err }
