@@ -14,7 +14,6 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/agentenv/agentenv/internal/datadir"
-	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/storage/image"
 	"github.com/agentenv/agentenv/internal/storage/repository"
 	"github.com/agentenv/agentenv/internal/templates"
@@ -104,7 +103,7 @@ func templatePushCmd() *cobra.Command {
 			}
 			defer closeCat()
 			start := time.Now()
-			if err := orchestrator.PushTemplate(ctx, cat, repo, args[0]); err != nil {
+			if err := templates.Push(ctx, cat, repo, args[0]); err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "template %s stored in %s in %s\n", args[0], repoURL, time.Since(start).Round(time.Millisecond))

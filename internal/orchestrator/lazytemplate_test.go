@@ -27,8 +27,7 @@ func TestLazyTemplateFromRepository(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a := testNode(t)
-	a.cfg.Repository = repo
+	a := testNode(t, func(c *Config) { c.Repository = repo })
 	// A template of two layers: base's root layer and an overlay on it.
 	base, _ := a.Template("base")
 	overlayTemplate(t, a, base, Template{Name: "lazy-base", DefaultUser: "user", EnvVars: map[string]string{"FROM_REPO": "yes"}})
@@ -38,9 +37,10 @@ func TestLazyTemplateFromRepository(t *testing.T) {
 	}
 	t.Logf("pushed a %d MiB template in %s", 300, time.Since(start).Round(time.Millisecond))
 
-	b := testNode(t)
-	b.cfg.Repository = repo
-	b.cfg.LayerCacheMiB = 32
+	// Peer exchange later: node c asks b (over loopback HTTP) before the
+	// repository; b holds the chunks its last boot read.
+	const token = "peer-token-for-the-test"
+	b := testNode(t, func(c *Config) { c.Repository, c.LayerCacheMiB, c.PeerToken = repo, 32, token })
 	start = time.Now()
 	s := create(t, b, CreateRequest{TemplateID: "lazy-base"})
 	t.Logf("cold boot from lazily loaded layers: %s", time.Since(start).Round(time.Millisecond))
@@ -48,24 +48,19 @@ func TestLazyTemplateFromRepository(t *testing.T) {
 	if err != nil || out.exit != 0 || out.stdout[:3] != "42\n" {
 		t.Fatalf("sandbox of a lazily loaded template: %+v %v", out, err)
 	}
-	st := b.lazy.get().cache.Stats()
+	st := b.LayerCacheStats()
 	t.Logf("chunk cache: %+v (layers: 300 MB)", st)
 	if st.UsedBytes > 32<<20 || st.FetchedBytes == 0 || st.FetchedBytes > 250<<20 {
 		t.Fatalf("lazy loading: %+v", st)
 	}
 
-	// Peer exchange: node c asks b (over loopback HTTP) before the
-	// repository; b holds the chunks its last boot read.
-	const token = "peer-token-for-the-test"
-	b.cfg.PeerToken = token
 	mux := http.NewServeMux()
 	mux.Handle("GET "+lazy.PeerChunkPath, b.PeerChunks())
 	peer := httptest.NewServer(mux)
 	defer peer.Close()
-	c := testNode(t)
-	c.cfg.Repository = repo
-	c.cfg.LayerCacheMiB = 64
-	c.cfg.Peers, c.cfg.PeerToken = []string{peer.URL}, token
+	c := testNode(t, func(c *Config) {
+		c.Repository, c.LayerCacheMiB, c.Peers, c.PeerToken = repo, 64, []string{peer.URL}, token
+	})
 	s = create(t, c, CreateRequest{TemplateID: "lazy-base"})
 	if out, err := newEnvdClient(s).run(ctx, "", "bash", "-c", "echo $FROM_REPO"); err != nil || out.stdout != "yes\n" {
 		t.Fatalf("sandbox on the third node: %+v %v", out, err)
@@ -89,16 +84,13 @@ func BenchmarkLazyCreate(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	a := testNode(b)
-	a.cfg.Repository = repo
+	a := testNode(b, func(c *Config) { c.Repository = repo })
 	base, _ := a.Template("base")
 	overlayTemplate(b, a, base, Template{Name: "lazy-base", DefaultUser: "user"})
 	if err := a.PushTemplate(ctx, "lazy-base"); err != nil {
 		b.Fatal(err)
 	}
-	n := testNode(b)
-	n.cfg.Repository = repo
-	n.cfg.LayerCacheMiB = 1024
+	n := testNode(b, func(c *Config) { c.Repository, c.LayerCacheMiB = repo, 1024 })
 	timed := func(tpl string) time.Duration {
 		start := time.Now()
 		s, err := n.Create(ctx, CreateRequest{TemplateID: tpl, noSnapshot: true})
@@ -115,12 +107,12 @@ func BenchmarkLazyCreate(b *testing.B) {
 	var hits, misses int64
 	for i := 0; i < b.N; i++ {
 		local = append(local, timed("base"))
-		n.lazy.get().cache.Purge()
-		before := n.lazy.get().cache.Stats()
+		n.remote.Cache().Purge()
+		before := n.remote.Cache().Stats()
 		cold = append(cold, timed("lazy-base"))
-		mid := n.lazy.get().cache.Stats()
+		mid := n.remote.Cache().Stats()
 		warm = append(warm, timed("lazy-base"))
-		after := n.lazy.get().cache.Stats()
+		after := n.remote.Cache().Stats()
 		coldBytes += mid.FetchedBytes - before.FetchedBytes
 		warmBytes += after.FetchedBytes - mid.FetchedBytes
 		hits += after.Hits - mid.Hits

@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -25,6 +26,7 @@ import (
 	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/statedb"
+	"github.com/agentenv/agentenv/internal/storage/lazy"
 	"github.com/agentenv/agentenv/internal/storage/repository"
 	"github.com/agentenv/agentenv/internal/store"
 	"github.com/agentenv/agentenv/internal/templates"
@@ -242,7 +244,7 @@ type Node struct {
 	slots    slotAllocator
 	pool     *warmPool
 	builds   *builds.Builds
-	lazy     lazyLayersOnce
+	remote   *templates.Remote // templates of the repository, loaded lazily
 	// cgroupWarn says once that sandboxes run without cgroup limits.
 	cgroupWarn sync.Once
 	// shareErr says why paused sandboxes are not shared although
@@ -333,9 +335,8 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 	n.checkSharing(ctx)
 	n.builds = builds.New(cfg.DataDir, st, n.templates, buildHost{n}, n.log, cfg.MaxVCPUs, cfg.MaxMemoryMiB)
 	n.builds.Recover()
-	if n.cfg.Repository != nil {
-		n.exportLazyTemplates(ctx)
-	}
+	n.remote = templates.NewRemote(n.templates, cfg.Repository, cfg.DataDir, cfg.LayerCacheMiB, cfg.Peers, cfg.PeerToken, n.log)
+	n.remote.Reexport(ctx)
 	if err := n.recover(ctx); err != nil {
 		return fail(fmt.Errorf("recover node state: %w", err))
 	}
@@ -363,7 +364,7 @@ func (n *Node) Close() error {
 	close(n.stop)
 	n.wg.Wait()
 	n.drainPool(context.Background())
-	n.lazy.close()
+	n.remote.Close()
 	for _, m := range n.machines.all() {
 		if q := m.QMP(); q != nil {
 			q.Close()
@@ -524,3 +525,14 @@ func newToken() string {
 	}
 	return hex.EncodeToString(b)
 }
+
+// PushTemplate stores template name (all its layers) in the node's
+// repository.
+func (n *Node) PushTemplate(ctx context.Context, name string) error { return n.remote.Push(ctx, name) }
+
+// PeerChunks serves the chunks this node has cached to neighbours that
+// present the shared peer token.
+func (n *Node) PeerChunks() http.Handler { return n.remote.PeerChunks() }
+
+// LayerCacheStats reports the lazy layer cache's counters.
+func (n *Node) LayerCacheStats() lazy.CacheStats { return n.remote.CacheStats() }

@@ -103,7 +103,7 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 	if errors.Is(err, ErrNotFound) && req.template == nil && n.cfg.Repository != nil {
 		// Neither a local template nor a snapshot: maybe a template in the
 		// repository, which this node then loads lazily.
-		if lt, lerr := n.pullTemplateLazily(ctx, req.TemplateID); lerr == nil {
+		if lt, lerr := n.remote.Pull(ctx, req.TemplateID); lerr == nil {
 			t, err = lt, nil
 		} else if !errors.Is(lerr, ErrNotFound) {
 			err = lerr

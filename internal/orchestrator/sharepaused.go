@@ -9,13 +9,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
-	"syscall"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/storage/repository"
 	"github.com/agentenv/agentenv/internal/store"
+	"github.com/agentenv/agentenv/internal/templates"
 )
 
 // Paused sandboxes in shared storage (Config.SharePaused): after a pause the
@@ -135,42 +134,10 @@ func (n *Node) baseTemplate(ctx context.Context, s *Sandbox) (*Template, error) 
 	return n.Template(ns.TemplateID)
 }
 
-var identityCache sync.Map // layer path + identity → content identity
-
-// layerIdentity names a file's current version (inode, size, mtime).
-func layerIdentity(path string) string {
-	var st syscall.Stat_t
-	if err := syscall.Stat(path, &st); err != nil {
-		return ""
-	}
-	return fmt.Sprintf("%d-%d-%d", st.Ino, st.Size, st.Mtim.Nano())
-}
-
-// templateIdentity names the content of a template's layer chain: the same
-// on every node that has the same layers (built, pushed or loaded lazily).
+// templateIdentity names the content of a template's layer chain (see
+// templates.Identity).
 func (n *Node) templateIdentity(ctx context.Context, t *Template) (string, error) {
-	if len(t.LazyLayers) > 0 {
-		return strings.Join(t.LazyLayers, ","), nil
-	}
-	chain, err := layerChain(ctx, t.RootDisk)
-	if err != nil {
-		return "", err
-	}
-	ids := make([]string, 0, len(chain))
-	for _, p := range chain {
-		key := p + "|" + layerIdentity(p)
-		if v, ok := identityCache.Load(key); ok {
-			ids = append(ids, v.(string))
-			continue
-		}
-		id, err := contentID(p)
-		if err != nil {
-			return "", err
-		}
-		identityCache.Store(key, id)
-		ids = append(ids, id)
-	}
-	return strings.Join(ids, ","), nil
+	return templates.Identity(ctx, t)
 }
 
 // ramID is the repository id of the RAM image a copy-on-write sandbox maps.
@@ -330,7 +297,7 @@ func (n *Node) adoptShared(ctx context.Context, id string) (*Sandbox, error) {
 	}
 	t, err := n.Template(up.Template)
 	if errors.Is(err, ErrNotFound) {
-		t, err = n.pullTemplateLazily(ctx, up.Template)
+		t, err = n.remote.Pull(ctx, up.Template)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("sandbox %s needs template %s: %w", id, up.Template, err)

@@ -77,12 +77,11 @@ func TestNamedSnapshotAsTemplate(t *testing.T) {
 // TestSnapshotRepository commits a named snapshot to a posix_fs repository,
 // loses the node's local copy, and creates a sandbox from the repository's.
 func TestSnapshotRepository(t *testing.T) {
-	n := testNode(t)
 	repo, err := repository.OpenPosixFS(filepath.Join(t.TempDir(), "repo"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	n.cfg.Repository = repo
+	n := testNode(t, func(c *Config) { c.Repository = repo })
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	src := create(t, n, CreateRequest{TemplateID: "minimal"})
@@ -242,12 +241,11 @@ func TestIncrementalSnapshot(t *testing.T) {
 // local copy, and creates a sandbox from the repository's: files of both
 // layers and the memory contents are there.
 func TestIncrementalSnapshotThroughRepository(t *testing.T) {
-	n := testNode(t)
 	repo, err := repository.OpenPosixFS(filepath.Join(t.TempDir(), "repo"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	n.cfg.Repository = repo
+	n := testNode(t, func(c *Config) { c.Repository = repo })
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	src := create(t, n, CreateRequest{TemplateID: "minimal"})

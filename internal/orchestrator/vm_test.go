@@ -37,11 +37,11 @@ import (
 // templates prepared by scripts/test in $AENV_TEST_DATA_DIR. VM tests are
 // skipped, with the reason printed, only where they cannot run: not root, or
 // no prepared data dir.
-func testNode(t testing.TB) *Node {
+func testNode(t testing.TB, opts ...func(*Config)) *Node {
 	t.Helper()
 	dir := newTestDataDir(t)
 	slot := takeTestSlot()
-	n := openTestNodeIn(t, dir, slot)
+	n := openTestNodeIn(t, dir, slot, opts...)
 	t.Cleanup(func() {
 		all, _ := n.loadSandboxes(context.Background(), "")
 		for _, s := range all {
