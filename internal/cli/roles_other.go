@@ -41,3 +41,6 @@ func templateImportCmd() *cobra.Command {
 func templatePushCmd() *cobra.Command {
 	return linuxOnly("push", "Store a template in the repository")
 }
+func templateExportCmd() *cobra.Command {
+	return linuxOnly("export", "Write a template as a directory another data dir adopts")
+}

@@ -12,6 +12,8 @@ import (
 	"strings"
 
 	"github.com/spf13/cobra"
+
+	"github.com/agentenv/agentenv/internal/errkind"
 )
 
 // DefaultDataDir is where a node keeps its state unless told otherwise.
@@ -74,7 +76,7 @@ func exitStatus(err error, stderr io.Writer) int {
 	switch {
 	case errors.As(err, &ue) || strings.HasPrefix(err.Error(), "unknown command") || strings.HasPrefix(err.Error(), "unknown shorthand flag"):
 		return ExitUsage
-	case errors.As(err, &ae) && ae.Status == http.StatusNotFound:
+	case errors.As(err, &ae) && ae.Status == http.StatusNotFound, errors.Is(err, errkind.ErrNotFound):
 		return ExitNotFound
 	}
 	return ExitFailure

@@ -7,6 +7,6 @@ func templateCmd() *cobra.Command {
 		Use:   "template",
 		Short: "Build and manage the templates sandboxes are created from",
 	}
-	cmd.AddCommand(templateImportCmd(), templateBuildCmd(), templatePushCmd(), templateLsCmd(), templateRmCmd())
+	cmd.AddCommand(templateImportCmd(), templateBuildCmd(), templatePushCmd(), templateExportCmd(), templateLsCmd(), templateRmCmd())
 	return cmd
 }

@@ -114,3 +114,32 @@ func templatePushCmd() *cobra.Command {
 	cmd.Flags().StringVar(&repoURL, "repository", "", "repository: /path, posix_fs:///path or oss://bucket/prefix?endpoint=…&region=… (default: <data-dir>/repository)")
 	return cmd
 }
+
+func templateExportCmd() *cobra.Command {
+	var dataDir string
+	cmd := &cobra.Command{
+		Use:   "export NAME DIR",
+		Short: "Write a template as a directory (template.json + rootfs.qcow2) another data dir adopts at start",
+		Long: `Writes template NAME of the data dir as DIR/template.json and DIR/rootfs.qcow2 (a hard link to its root
+layer, a copy across file systems; the layers below it are referred to where they are). A server whose
+<data-dir>/templates/NAME is such a directory, or a link to one, adopts it into its layer store when it
+starts. It only reads the data dir, so it works beside a running server.`,
+		Example: `  aenv template export base /srv/shared/templates/base
+  ln -s /srv/shared/templates/base /var/lib/aenv-2/templates/base   # adopted when that node starts`,
+		Args: cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			cat, closeCat, err := templates.OpenReadOnly(dataDir)
+			if err != nil {
+				return err
+			}
+			defer closeCat()
+			if err := cat.Export(cmd.Context(), args[0], args[1]); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "template %s written to %s\n", args[0], args[1])
+			return nil
+		},
+	}
+	dataDirFlag(cmd, &dataDir)
+	return cmd
+}
