@@ -1,0 +1,118 @@
+package builds
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/errkind"
+	"github.com/agentenv/agentenv/internal/templates"
+)
+
+// noHost is a host with no sandboxes; the records part of Builds needs
+// nothing else.
+type noHost struct{ snapshots map[string]bool }
+
+func (h noHost) StartBuilder(context.Context, *templates.Template, string, string, int, int, string) (Builder, error) {
+	return nil, errors.New("no sandboxes here")
+}
+func (h noHost) PrepareTemplateSnapshot(context.Context, string) error { return nil }
+func (h noHost) RefillTemplatePool(string)                             {}
+func (h noHost) SnapshotExists(name string) bool                       { return h.snapshots[name] }
+func (h noHost) Go(fn func(context.Context))                           { fn(context.Background()) }
+
+var _ Host = noHost{}
+
+func TestCheckStep(t *testing.T) {
+	dir := t.TempDir()
+	os.MkdirAll(filepath.Dir(FilesPath(dir, "beef")), 0o755)
+	os.WriteFile(FilesPath(dir, "beef"), nil, 0o600)
+	for _, tc := range []struct {
+		st Step
+		ok bool
+	}{
+		{Step{Type: "RUN", Args: []string{"true"}}, true},
+		{Step{Type: "RUN"}, false},
+		{Step{Type: "ENV", Args: []string{"K", "V"}}, true},
+		{Step{Type: "ENV", Args: []string{"K"}}, false},
+		{Step{Type: "WORKDIR", Args: []string{"/app"}}, true},
+		{Step{Type: "USER", Args: []string{""}}, false},
+		{Step{Type: "COPY", Args: []string{".", "/x"}, FilesHash: "beef"}, true},
+		{Step{Type: "COPY", Args: []string{".", "/x"}, FilesHash: "cafe"}, false}, // never uploaded
+		{Step{Type: "COPY", Args: []string{".", "/x"}, FilesHash: "NOT-HEX"}, false},
+		{Step{Type: "FROB"}, false},
+	} {
+		if err := CheckStep(dir, tc.st); (err == nil) != tc.ok {
+			t.Errorf("%+v: %v", tc.st, err)
+		}
+	}
+}
+
+func TestStepKeysChain(t *testing.T) {
+	a := hashKey("from:x", Step{Type: "RUN", Args: []string{"make"}})
+	if a != hashKey("from:x", Step{Type: "RUN", Args: []string{"make"}}) {
+		t.Fatal("a step's key is not stable")
+	}
+	for _, other := range []string{
+		hashKey("from:y", Step{Type: "RUN", Args: []string{"make"}}),
+		hashKey("from:x", Step{Type: "RUN", Args: []string{"make", "root"}}),
+		hashKey("from:x", Step{Type: "COPY", Args: []string{"make"}, FilesHash: "beef"}),
+	} {
+		if other == a {
+			t.Fatal("different steps or bases share a key")
+		}
+	}
+}
+
+func TestRecords(t *testing.T) {
+	dir := t.TempDir()
+	bs := New(dir, nil, nil, noHost{snapshots: map[string]bool{"snap": true}}, nil, 4, 4096)
+	for _, tc := range []struct {
+		name       string
+		vcpus, mem int
+		kind       error
+	}{
+		{"Bad Name", 0, 0, errkind.ErrInvalid},
+		{"ok", 9, 0, errkind.ErrInvalid},
+		{"ok", 0, 64, errkind.ErrInvalid},
+		{"snap", 0, 0, errkind.ErrConflict}, // a snapshot's name
+	} {
+		if _, err := bs.Request(tc.name, tc.vcpus, tc.mem); !errors.Is(err, tc.kind) {
+			t.Errorf("Request(%q, %d, %d): %v", tc.name, tc.vcpus, tc.mem, err)
+		}
+	}
+	r1, err := bs.Request("app", 2, 512)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * time.Millisecond)
+	r2, _ := bs.Request("app", 0, 0)
+	got, err := bs.Get("app", r1.BuildID)
+	if err != nil || got.Status != Waiting || got.VCPUs != 2 {
+		t.Fatalf("Get: %+v %v", got, err)
+	}
+	if _, err := bs.Get("app", "nosuchbuild"); !errors.Is(err, errkind.ErrNotFound) {
+		t.Fatalf("unknown build: %v", err)
+	}
+	list, _ := bs.List("app")
+	if len(list) != 2 || list[0].BuildID != r2.BuildID {
+		t.Fatalf("List, newest first: %+v", list)
+	}
+	// A build a restart interrupted is recorded as failed.
+	r1.Status = Building
+	if err := bs.save(r1); err != nil {
+		t.Fatal(err)
+	}
+	New(dir, nil, nil, noHost{}, nil, 4, 4096).Recover()
+	got, _ = bs.Get("app", r1.BuildID)
+	if got.Status != Failed || got.Reason == "" {
+		t.Fatalf("interrupted build after a restart: %+v", got)
+	}
+	// Start refuses a build that is not waiting.
+	if err := bs.Start("app", r1.BuildID, Spec{FromTemplate: "base"}); !errors.Is(err, errkind.ErrConflict) {
+		t.Fatalf("start of a failed build: %v", err)
+	}
+}
