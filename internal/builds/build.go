@@ -255,6 +255,18 @@ func (bs *Builds) Run(ctx context.Context, spec Spec, logf Logger) (err error) {
 		t.MemoryMiB = from.MemoryMiB
 	}
 	prev, prevErr := bs.cat.Get(ctx, spec.Template)
+	if prevErr == nil {
+		// The build it replaces stays whole until this one has finished
+		// (the label may have to move back to it).
+		lease, err := bs.st.NewLease(ctx, "build of "+spec.Template, buildTimeout)
+		if err != nil {
+			return err
+		}
+		defer lease.Drop(context.WithoutCancel(ctx))
+		if err := bs.st.Tx(ctx, func(tx *sql.Tx) error { return lease.Hold(tx, prev.Layer) }); err != nil {
+			return err
+		}
+	}
 	if err := o.Do("install", func(ctx context.Context) error { return bs.cat.Install(ctx, t) }); err != nil {
 		return err
 	}

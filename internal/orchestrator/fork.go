@@ -264,7 +264,10 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 		n.log.Error(opName+": restoring the sandbox failed; it rests paused at the snapshot", "sandbox", id, "err", parentErr)
 		_ = n.stopMachine(id)
 		if err := n.restOnSnapshot(context.WithoutCancel(octx), s, snap, opState); err != nil {
-			n.log.Error(opName+": could not record the sandbox as paused", "sandbox", id, "err", err)
+			// Left in its operation state, naming the snapshot: the node's
+			// next start completes it (recoverFreeze).
+			n.log.Error(opName+": could not record the sandbox as paused; the node's next start does", "sandbox", id, "err", err)
+			parentErr = fmt.Errorf("%w (and recording it paused failed: %v)", parentErr, err)
 		}
 		c.parentPaused = true
 		// The fork failed: its children go (nothing of them was the user's).
@@ -276,7 +279,9 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 		c.children = nil
 		return c, o.Finish(fmt.Errorf("%s %s: the sandbox could not run on after the capture and is paused (resume it): %w", opName, id, parentErr))
 	}
-	if err := n.move(octx, id, opState, StateRunning, ""); err != nil {
+	// (On a context of its own: the operation's time may have run out while
+	// the children restored.)
+	if err := n.move(context.WithoutCancel(octx), id, opState, StateRunning, ""); err != nil {
 		return c, o.Finish(err)
 	}
 	s.State = StateRunning
@@ -397,33 +402,43 @@ func (n *Node) freeze(o *operation.Op, s *Sandbox, opState State) (string, *stor
 		return "", nil, err
 	}
 	if err := o.Do("save-state", func(ctx context.Context) error {
-		return m.SaveState(ctx, filepath.Join(sdir, snapStateName))
+		// Under a temporary name until complete: a state file under its
+		// own name is always whole.
+		tmp := filepath.Join(sdir, snapStateName+".tmp")
+		if err := m.SaveState(ctx, tmp); err != nil {
+			return err
+		}
+		if err := syncFile(tmp); err != nil {
+			return err
+		}
+		return os.Rename(tmp, filepath.Join(sdir, snapStateName))
 	}); err != nil {
 		return "", nil, err
 	}
-	// QEMU exits: from here the sandbox's state is the snapshot's, and a
-	// failure completes the freeze (recoverFreeze) rather than undo it.
-	if err := n.stopMachine(s.ID); err != nil {
-		return "", nil, err
+	// The state is saved: from here the sandbox's state is the snapshot's,
+	// and a failure completes the freeze (restOnSnapshot) rather than undo
+	// it. When even that fails, the sandbox stays in its operation state,
+	// its record naming the snapshot (held by a lease until the restart,
+	// and by the record after), and the node's start completes the freeze
+	// (recoverFreeze): nothing is given up.
+	o.Settle()
+	err := n.stopMachine(s.ID)
+	if err == nil {
+		err = n.finishFreeze(o, s, snapID)
 	}
-	err := n.finishFreeze(o, s, snapID)
 	if err == nil {
 		err = n.runOnSnapshot(ctx, s, snapID)
 	}
 	if err != nil {
-		n.log.Error("freeze failed after the sandbox's QEMU stopped; completing it", "sandbox", s.ID, "err", err)
+		n.log.Error("freeze failed after the sandbox's state was saved; completing it", "sandbox", s.ID, "err", err)
 		if rerr := n.restOnSnapshot(context.WithoutCancel(ctx), s, snapID, opState); rerr != nil {
-			n.log.Error("complete an interrupted freeze", "sandbox", s.ID, "err", rerr)
-			return "", nil, err
+			n.log.Error("complete an interrupted freeze; the node's next start completes it", "sandbox", s.ID, "err", rerr)
+			return "", nil, fmt.Errorf("%w; the sandbox could not be completed as paused (%v): it is kept as it is until the node restarts", err, rerr)
 		}
-		// Resting paused on the snapshot, held by its record: nothing to undo.
-		o.Settle()
+		// Resting paused on the snapshot, held by its record.
 		lease.Drop(context.WithoutCancel(ctx))
 		return "", nil, fmt.Errorf("%w; the sandbox is paused at the snapshot (resume it)", err)
 	}
-	// The sandbox's state is the snapshot's now: a later failure leaves it
-	// resting there (capture), never undoes the freeze.
-	o.Settle()
 	return snapID, lease, nil
 }
 
@@ -505,6 +520,9 @@ func (n *Node) recoverFreeze(ctx context.Context, s *Sandbox) bool {
 // its state as the paused state, its record pointing at it and moved from
 // state from to paused.
 func (n *Node) restOnSnapshot(ctx context.Context, s *Sandbox, snapID string, from State) error {
+	if err := faults.Check(ctx, "rest-on-snapshot"); err != nil {
+		return err
+	}
 	sdir, pdir := n.snapshotDir(snapID), n.sandboxDir(s.ID)
 	exists := func(p string) bool { _, err := os.Stat(p); return err == nil }
 	var man snapshotManifest

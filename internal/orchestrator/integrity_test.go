@@ -1057,3 +1057,96 @@ func TestQEMUDiesMidPause(t *testing.T) {
 	}
 	assertNoLeaks(t, n)
 }
+
+// TestFreezeFailingTwiceKeepsTheSandbox: a freeze fails after the state
+// was saved (moving the files) and completing it as paused fails too: the
+// sandbox and its snapshot are kept as they are, and the node's next start
+// completes the freeze, the sandbox resuming with its files and processes.
+func TestFreezeFailingTwiceKeepsTheSandbox(t *testing.T) {
+	dir := newTestDataDir(t)
+	slot := takeTestSlot()
+	defer releaseTestSlot(slot)
+	n := openTestNodeIn(t, dir, slot)
+	sub := newSubject(t, n)
+	ctx := context.Background()
+	inj := faults.NewInjector("fork/move-files", "rest-on-snapshot")
+	if _, err := n.Fork(faults.With(ctx, inj), sub.s.ID, 1, time.Minute); !errors.Is(err, faults.ErrInjected) {
+		t.Fatalf("fork failing twice: %v", err)
+	}
+	s, err := n.loadSandbox(ctx, sub.s.ID)
+	if err != nil || s.State != StateForking {
+		t.Fatalf("after the double failure: %+v %v (want it kept, forking)", s, err)
+	}
+	n.Close()
+	n = openTestNodeIn(t, dir, slot)
+	defer func() {
+		n.Kill(ctx, sub.s.ID)
+		n.Close()
+	}()
+	sub.check(t, n)
+	assertNoLeaks(t, n)
+}
+
+// TestRestartMidSecondPause: a sandbox paused and resumed once, then cut
+// short by a crash in the middle of its next pause (QEMU still running):
+// the first pause's record and state are gone with the resume, so recovery
+// runs the sandbox on as it is, never back at the first pause.
+func TestRestartMidSecondPause(t *testing.T) {
+	dir := newTestDataDir(t)
+	slot := takeTestSlot()
+	defer releaseTestSlot(slot)
+	n := openTestNodeIn(t, dir, slot)
+	ctx := context.Background()
+	sub := newSubject(t, n)
+	if _, err := n.Pause(ctx, sub.s.ID); err != nil {
+		t.Fatal(err)
+	}
+	s, err := n.Resume(ctx, sub.s.ID, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "echo after-resume > /home/user/marker"); err != nil || r.exit != 0 {
+		t.Fatalf("write after the resume: %+v %v", r, err)
+	}
+	sub.marker = "after-resume"
+	// The second pause is cut short before it saved anything.
+	if err := n.move(ctx, s.ID, StateRunning, StatePausing, ""); err != nil {
+		t.Fatal(err)
+	}
+	n.Close()
+	n = openTestNodeIn(t, dir, slot)
+	defer func() {
+		n.Kill(ctx, sub.s.ID)
+		n.Close()
+	}()
+	got, err := n.Get(ctx, sub.s.ID)
+	if err != nil || got.State != StateRunning {
+		t.Fatalf("after the restart: %+v %v (want it running on)", got, err)
+	}
+	sub.check(t, n)
+}
+
+// TestRestartMidLiveCaptureWithoutQEMU: a copy-on-write sandbox whose live
+// capture was cut short and whose QEMU is gone has nothing saved: it is
+// removed, never rolled back to the snapshot it was restored from.
+func TestRestartMidLiveCaptureWithoutQEMU(t *testing.T) {
+	dir := newTestDataDir(t)
+	slot := takeTestSlot()
+	defer releaseTestSlot(slot)
+	n := openTestNodeIn(t, dir, slot)
+	ctx := context.Background()
+	sub := cowSubject(t, n)
+	if err := n.move(ctx, sub.s.ID, StateRunning, StateSnapshotting, ""); err != nil {
+		t.Fatal(err)
+	}
+	m := n.machines.get(sub.s.ID)
+	n.Close()
+	syscall.Kill(m.PID(), syscall.SIGKILL)
+	<-m.Exited()
+	n = openTestNodeIn(t, dir, slot)
+	defer n.Close()
+	if s, err := n.Get(ctx, sub.s.ID); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("a capture without QEMU or saved state came back as %+v (%v)", s, err)
+	}
+	assertNoLeaks(t, n)
+}

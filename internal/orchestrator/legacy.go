@@ -57,7 +57,8 @@ func (n *Node) adoptLegacySnapshots(ctx context.Context) error {
 		}
 		snaps = append(snaps, legacySnap{id, man})
 	}
-	return n.store.Tx(ctx, func(tx *sql.Tx) error {
+	var adoptedFiles []string // removed once the transaction is committed
+	err = n.store.Tx(ctx, func(tx *sql.Tx) error {
 		for _, ls := range snaps {
 			needs := []string{ls.man.MemoryBase}
 			if ls.man.ParentLayer != "" {
@@ -82,15 +83,15 @@ func (n *Node) adoptLegacySnapshots(ctx context.Context) error {
 				continue
 			}
 			ns.Name = name
+			if _, err := n.store.GetTx(tx, ns.SnapshotID); err != nil {
+				n.log.Error("named snapshot of an older release without its files left alone", "snapshot", name, "err", err)
+				continue
+			}
 			if err := setNamedSnapshot(tx, &ns); err != nil && !errors.Is(err, ErrConflict) {
 				return err
 			}
-			if err := os.Remove(filepath.Join(dir, f.Name())); err != nil {
-				return err
-			}
+			adoptedFiles = append(adoptedFiles, filepath.Join(dir, f.Name()))
 		}
-		os.Remove(dir)
-		os.RemoveAll(filepath.Join(n.cfg.DataDir, legacyTemplateSnapshotsDir))
 		// Sandbox records that hold nothing yet.
 		all, err := n.loadSandboxesTx(ctx, tx)
 		if err != nil {
@@ -115,6 +116,15 @@ func (n *Node) adoptLegacySnapshots(ctx context.Context) error {
 		}
 		return nil
 	})
+	if err != nil {
+		return err
+	}
+	for _, f := range adoptedFiles {
+		os.Remove(f)
+	}
+	os.Remove(filepath.Join(n.cfg.DataDir, legacyNamedSnapshotsDir))
+	os.RemoveAll(filepath.Join(n.cfg.DataDir, legacyTemplateSnapshotsDir))
+	return nil
 }
 
 // objectOfPath names the object a file belongs to: the snapshot whose

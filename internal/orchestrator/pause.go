@@ -109,6 +109,10 @@ func (n *Node) pauseMachine(ctx context.Context, s *Sandbox, from State, step st
 			}
 		}
 	}()
+	// A record and state of an earlier pause are stale: recovery must never
+	// take them for this pause's.
+	os.Remove(filepath.Join(dir, pauseRecordName))
+	os.Remove(filepath.Join(dir, stateFileName))
 	if err := step("stop-vcpus", func(ctx context.Context) error { return m.Pause(ctx) }); err != nil {
 		return err
 	}
@@ -396,9 +400,12 @@ func (n *Node) resumeMachine(o *operation.Op, s *Sandbox) error {
 		return err
 	}
 	phase("resume vcpus")
-	// The guest runs: its paused state is history. A failure from here
-	// pauses it again, as it is now.
+	// The guest runs: its paused state is history (and goes, so that a
+	// restart never takes it for the present). A failure from here pauses
+	// it again, as it is now.
 	o.Settle()
+	os.Remove(filepath.Join(dir, pauseRecordName))
+	os.Remove(state)
 	o.OnFailure("pause again", func(ctx context.Context) error {
 		if m := n.machines.get(s.ID); alive(m) {
 			if err := n.pauseMachine(ctx, s, StateResuming, runStep(ctx)); err == nil {

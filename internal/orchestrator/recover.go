@@ -3,6 +3,7 @@ package orchestrator
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -147,20 +148,54 @@ func (n *Node) recoverInterrupted(ctx context.Context, s *Sandbox) State {
 			return ""
 		}
 	}
+	capture := s.State == StateForking || s.State == StateSnapshotting
+	// A freeze cut short names its snapshot in the record, held by the
+	// capture's lease (leases end only after this recovery).
+	freezing := capture && n.freezeInProgress(ctx, s)
 	if m, err := vmm.Attach(ctx, dir); err == nil {
-		// The QEMU lives: a capture did not get as far as freezing its
-		// files. The record points back at what the overlay stacks on.
-		if s.State == StateForking || s.State == StateSnapshotting {
-			n.pointAtOverlayBase(ctx, s)
-		}
-		if n.finishInterruptedResume(ctx, s, m) {
-			return StateRunning
+		if freezing && n.frozenFiles(s) {
+			// The files are the snapshot's now: the old QEMU must not run
+			// on them again.
+			_ = m.Kill()
+		} else {
+			// The QEMU lives and its files are its own: the capture is
+			// dropped and the sandbox runs on, its record pointing back
+			// at what its overlay stacks on.
+			if capture {
+				n.pointAtOverlayBase(ctx, s)
+			}
+			if n.finishInterruptedResume(ctx, s, m) {
+				return StateRunning
+			}
 		}
 	}
-	if (s.State == StateForking || s.State == StateSnapshotting) && n.recoverFreeze(ctx, s) {
+	if freezing && n.recoverFreeze(ctx, s) {
 		return StatePaused
 	}
 	return ""
+}
+
+// freezeInProgress reports whether s's record names the snapshot a freeze
+// of s was assembling (not the one s was restored from).
+func (n *Node) freezeInProgress(ctx context.Context, s *Sandbox) bool {
+	if s.SnapshotID == "" {
+		return false
+	}
+	if leased, err := n.store.Leased(ctx, s.SnapshotID); err != nil || !leased {
+		return false
+	}
+	var man snapshotManifest
+	return readJSON(filepath.Join(n.snapshotDir(s.SnapshotID), snapManifestName), &man) == nil && man.SandboxID == s.ID
+}
+
+// frozenFiles reports whether a freeze of s moved its disk (and RAM) into
+// its snapshot already.
+func (n *Node) frozenFiles(s *Sandbox) bool {
+	if _, err := os.Stat(filepath.Join(n.snapshotDir(s.SnapshotID), snapDiskName)); err == nil {
+		return true
+	}
+	_, err := os.Stat(filepath.Join(n.sandboxDir(s.ID), overlayName))
+	return errors.Is(err, os.ErrNotExist)
 }
 
 // finishInterruptedResume continues a live machine and re-initialises envd.

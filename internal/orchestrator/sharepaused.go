@@ -209,13 +209,17 @@ func (n *Node) sharePaused(ctx context.Context, s *Sandbox) error {
 	if err := writeJSONAtomic(filepath.Join(stage, sharedRecordFile), up); err != nil {
 		return err
 	}
+	// The mark first: a local copy that may be in the repository claims it
+	// before it resumes (a claim of a generation never uploaded is just
+	// won).
+	if err := writeJSONAtomic(filepath.Join(dir, sharedMarkName), sharedMark{Generation: up.Generation, SharedAt: up.SharedAt}); err != nil {
+		return err
+	}
 	if err := repo.Delete(ctx, repoKindPaused, s.ID); err != nil && !errors.Is(err, repository.ErrNotFound) {
 		return err
 	}
-	if _, err := repo.Put(ctx, repoKindPaused, s.ID, stage); err != nil {
-		return err
-	}
-	return writeJSONAtomic(filepath.Join(dir, sharedMarkName), sharedMark{Generation: up.Generation, SharedAt: up.SharedAt})
+	_, err = repo.Put(ctx, repoKindPaused, s.ID, stage)
+	return err
 }
 
 // claim takes ownership of generation gen of a shared sandbox; ErrConflict
@@ -268,8 +272,9 @@ func (n *Node) takeBackShared(ctx context.Context, s *Sandbox) error {
 	return nil
 }
 
-// adoptShared takes a paused sandbox another node left in the repository
-// and records it here as paused (its op lock held).
+// adoptShared copies a paused sandbox another node left in the repository
+// and records it here as a shared paused sandbox (its op lock held); the
+// resume that asked for it claims it next.
 func (n *Node) adoptShared(ctx context.Context, id string) (*Sandbox, error) {
 	if !n.sharesPaused() || !validSandboxID(id) {
 		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
@@ -330,8 +335,12 @@ func (n *Node) adoptShared(ctx context.Context, id string) (*Sandbox, error) {
 	if err := writeJSONAtomic(filepath.Join(stage, pauseRecordName), up.Pause); err != nil {
 		return nil, err
 	}
-	// Everything is here: take it.
-	if err := n.claim(ctx, id, up.Generation); err != nil {
+	// Everything is here: record it as a shared paused sandbox of this
+	// node (marked with the generation), and only then claim it (the
+	// caller's resume does, as for any shared paused sandbox): a claim is
+	// never made for a copy this node could lose, and a copy that loses
+	// the claim is dropped.
+	if err := writeJSONAtomic(filepath.Join(stage, sharedMarkName), sharedMark{Generation: up.Generation, SharedAt: up.SharedAt}); err != nil {
 		return nil, err
 	}
 	dir := n.sandboxDir(id)
@@ -342,9 +351,6 @@ func (n *Node) adoptShared(ctx context.Context, id string) (*Sandbox, error) {
 	if err := n.recordNew(ctx, &s); err != nil {
 		os.RemoveAll(dir)
 		return nil, err
-	}
-	if err := repo.Delete(ctx, repoKindPaused, id); err != nil && !errors.Is(err, repository.ErrNotFound) {
-		n.log.Warn("remove an adopted sandbox from shared storage", "sandbox", id, "err", err)
 	}
 	n.log.Info("adopted a paused sandbox from shared storage", "sandbox", id, "from", up.Node, "took", time.Since(start).Round(time.Millisecond))
 	return &s, nil
@@ -361,22 +367,29 @@ func (n *Node) fetchRAM(ctx context.Context, ramID string) (string, *store.Lease
 	if err != nil {
 		return "", nil, err
 	}
-	hold := func() error {
-		return n.store.Tx(ctx, func(tx *sql.Tx) error {
+	// hold records the image (its files in place) under the lease, where
+	// garbage collection cannot overlap; false if the files are not there.
+	hold := func() (bool, error) {
+		there := false
+		err := n.store.Reuse(ctx, func(tx *sql.Tx) error {
+			if _, err := os.Stat(path); err != nil {
+				return nil
+			}
+			there = true
 			if err := n.store.Add(tx, id, store.KindSnapshot, final); err != nil {
 				return err
 			}
 			return lease.Hold(tx, id)
 		})
+		return there, err
 	}
 	fail := func(err error) (string, *store.Lease, error) {
 		lease.Drop(context.WithoutCancel(ctx))
 		return "", nil, err
 	}
-	if _, err := os.Stat(path); err == nil {
-		if err := hold(); err != nil {
-			return fail(err)
-		}
+	if there, err := hold(); err != nil {
+		return fail(err)
+	} else if there {
 		return path, lease, nil
 	}
 	stage, err := os.MkdirTemp(filepath.Join(n.cfg.DataDir, snapshotsDir), ".ram-")
@@ -387,14 +400,14 @@ func (n *Node) fetchRAM(ctx context.Context, ramID string) (string, *store.Lease
 	if _, err := n.cfg.Repository.Get(ctx, repoKindRAM, ramID, stage); err != nil {
 		return fail(fmt.Errorf("fetch RAM image %s: %w", ramID, err))
 	}
-	if err := hold(); err != nil {
-		return fail(err)
-	}
 	if err := os.Rename(stage, final); err != nil {
 		if _, serr := os.Stat(path); serr != nil {
 			return fail(err)
 		}
 		// fetched meanwhile
+	}
+	if there, err := hold(); err != nil || !there {
+		return fail(fmt.Errorf("record RAM image %s: %v", ramID, err))
 	}
 	return path, lease, nil
 }

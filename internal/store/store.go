@@ -247,6 +247,27 @@ func (s *Store) Get(ctx context.Context, id string) (*Object, error) {
 	return &o, rows.Err()
 }
 
+// GetTx is Get's record part within a transaction (no needs).
+func (s *Store) GetTx(tx *sql.Tx, id string) (*Object, error) {
+	var o Object
+	var kind string
+	err := tx.QueryRow(`SELECT id, kind, path, owned FROM objects WHERE id = ?`, id).Scan(&o.ID, &kind, &o.Path, &o.Owned)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, fmt.Errorf("%w: object %s", ErrNotFound, id)
+	}
+	o.Kind = Kind(kind)
+	return &o, err
+}
+
+// Reuse runs fn in a transaction that garbage collection cannot overlap:
+// for recording again, under its fixed name, an object whose files exist
+// (GC removes the files of what it collected after its own transaction).
+func (s *Store) Reuse(ctx context.Context, fn func(tx *sql.Tx) error) error {
+	s.commitMu.Lock()
+	defer s.commitMu.Unlock()
+	return s.Tx(ctx, fn)
+}
+
 // Objects lists every object.
 func (s *Store) Objects(ctx context.Context) ([]Object, error) {
 	rows, err := s.db.QueryContext(ctx, `SELECT id, kind, path, owned FROM objects ORDER BY id`)
@@ -301,6 +322,14 @@ func DropRefs(tx *sql.Tx, holder string) error {
 // Refs lists what holder references.
 func (s *Store) Refs(ctx context.Context, holder string) ([]string, error) {
 	return s.strings(ctx, `SELECT object FROM refs WHERE holder = ? ORDER BY object`, holder)
+}
+
+// Leased reports whether a lease holds object id directly (an operation
+// is assembling it).
+func (s *Store) Leased(ctx context.Context, id string) (bool, error) {
+	var n int
+	err := s.db.QueryRowContext(ctx, `SELECT COUNT(*) FROM refs WHERE object = ? AND holder LIKE 'lease/%'`, id).Scan(&n)
+	return n > 0, err
 }
 
 // Holders lists who reaches object id, directly or through the objects

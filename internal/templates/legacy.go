@@ -76,14 +76,16 @@ func (c *Catalog) adoptLooseLayers(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	known := map[string]bool{}
 	objs, err := c.st.Objects(ctx)
 	if err != nil {
 		return err
 	}
-	for _, o := range objs {
-		known[o.ID] = true
+	if len(objs) > 0 {
+		// Not an older release's data dir: a layer file no object names is
+		// the debris of a crash, which the store's recovery removes.
+		return nil
 	}
+	known := map[string]bool{}
 	var loose []string
 	for _, e := range ents {
 		if id, ok := strings.CutSuffix(e.Name(), ".qcow2"); ok && !strings.HasPrefix(id, ".") && !known[id] {
@@ -98,7 +100,7 @@ func (c *Catalog) adoptLooseLayers(ctx context.Context) error {
 			p := filepath.Join(root, id+".qcow2")
 			parent, err := c.backingObject(ctx, tx, p)
 			if err != nil {
-				return err
+				continue // unreadable (e.g. over a lazily loaded layer): left to the store's recovery
 			}
 			if err := c.st.Add(tx, id, store.KindLayer, p, parent); err != nil {
 				return err
@@ -183,9 +185,17 @@ func (c *Catalog) adoptDir(ctx context.Context, name, dir string) error {
 		os.Remove(tmp)
 		return err
 	}
-	// The old path now leads to the layer; the record goes.
+	// The old path now leads to the layer; the record goes. A link to a
+	// directory shared with other data dirs is replaced by a directory of
+	// this data dir's own (the shared one stays untouched).
 	if st, err := os.Lstat(dir); err == nil && st.Mode()&os.ModeSymlink != 0 {
-		return os.Remove(dir) // a directory shared with other data dirs stays untouched
+		if err := os.Remove(dir); err != nil {
+			return err
+		}
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			return err
+		}
+		return os.Symlink(at.RootDisk, filepath.Join(dir, legacyRoot))
 	}
 	link := filepath.Join(dir, ".rootfs.link")
 	os.Remove(link)

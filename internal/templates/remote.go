@@ -269,22 +269,24 @@ func (r *Remote) Pull(ctx context.Context, name string) (*Template, error) {
 	sum := sha256.Sum256([]byte(strings.Join(rec.Layers, ",")))
 	id := "lazy-" + hex.EncodeToString(sum[:20])
 	final := r.cat.st.Abs(filepath.Join(store.LayersDir, id+".qcow2"))
-	if _, err := os.Stat(final); err != nil {
-		tmp := final + ".tmp"
-		_ = os.Remove(tmp)
-		if out, err := exec.CommandContext(ctx, "qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", backing, tmp).CombinedOutput(); err != nil {
-			return nil, fmt.Errorf("template %s overlay: %v: %s", name, err, strings.TrimSpace(string(out)))
-		}
-		if err := os.Chmod(tmp, 0o444); err != nil {
-			return nil, err
-		}
-		if err := os.Rename(tmp, final); err != nil {
-			return nil, err
-		}
-	}
 	t := rec.Template
 	t.Name, t.LazyLayers, t.Layer = name, rec.Layers, id
-	if err := r.cat.st.Tx(ctx, func(tx *sql.Tx) error {
+	// Made (if missing) and recorded where garbage collection cannot
+	// overlap: the name is fixed, and GC may be removing an earlier copy.
+	if err := r.cat.st.Reuse(ctx, func(tx *sql.Tx) error {
+		if _, err := os.Stat(final); err != nil {
+			tmp := filepath.Join(filepath.Dir(final), ".pull-"+id+".qcow2")
+			_ = os.Remove(tmp)
+			if out, err := exec.CommandContext(ctx, "qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", backing, tmp).CombinedOutput(); err != nil {
+				return fmt.Errorf("template %s overlay: %v: %s", name, err, strings.TrimSpace(string(out)))
+			}
+			if err := os.Chmod(tmp, 0o444); err != nil {
+				return err
+			}
+			if err := os.Rename(tmp, final); err != nil {
+				return err
+			}
+		}
 		if err := r.cat.st.Add(tx, id, store.KindLayer, final); err != nil {
 			return err
 		}
