@@ -3,6 +3,7 @@ package builds
 import (
 	"context"
 	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -106,22 +107,13 @@ func readJSON(path string, v any) error {
 	return json.Unmarshal(b, v)
 }
 
-// newID is a fresh 20-character [a-z0-9] build id.
+// newID is a fresh build id (20 hex digits).
 func newID() string {
-	const alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
-	out := make([]byte, 0, 20)
-	buf := make([]byte, 32)
-	for len(out) < 20 {
-		if _, err := rand.Read(buf); err != nil {
-			panic(err)
-		}
-		for _, c := range buf {
-			if c < 252 && len(out) < 20 { // 252 = 7*36: every letter equally likely
-				out = append(out, alphabet[int(c)%len(alphabet)])
-			}
-		}
+	b := make([]byte, 10)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
 	}
-	return string(out)
+	return hex.EncodeToString(b)
 }
 
 // Request registers a new build of template name.

@@ -197,6 +197,11 @@ func (n *Node) loadSandboxes(ctx context.Context, where string, args ...any) ([]
 	if err != nil {
 		return nil, fmt.Errorf("list sandboxes: %w", err)
 	}
+	return scanSandboxes(rows)
+}
+
+// scanSandboxes reads every row of a query of sandboxColumns.
+func scanSandboxes(rows *sql.Rows) ([]*Sandbox, error) {
 	defer rows.Close()
 	var out []*Sandbox
 	for rows.Next() {

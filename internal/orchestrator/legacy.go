@@ -150,14 +150,5 @@ func (n *Node) loadSandboxesTx(ctx context.Context, tx *sql.Tx) ([]*Sandbox, err
 	if err != nil {
 		return nil, err
 	}
-	defer rows.Close()
-	var out []*Sandbox
-	for rows.Next() {
-		s, err := scanSandbox(rows)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, s)
-	}
-	return out, rows.Err()
+	return scanSandboxes(rows)
 }

@@ -20,23 +20,16 @@ const FileName = "aenv.db"
 // statement of the process until it ends (callers must not use the *sql.DB
 // while they hold a transaction).
 func Open(path string) (*sql.DB, error) {
-	dsn := "file:" + path + "?_pragma=journal_mode(WAL)&_pragma=synchronous(FULL)&_pragma=busy_timeout(5000)&_pragma=foreign_keys(ON)"
-	db, err := sql.Open("sqlite", dsn)
-	if err != nil {
-		return nil, fmt.Errorf("open state db %s: %w", path, err)
-	}
-	db.SetMaxOpenConns(1)
-	if err := db.Ping(); err != nil {
-		db.Close()
-		return nil, fmt.Errorf("open state db %s: %w", path, err)
-	}
-	return db, nil
+	return open(path, "file:"+path+"?_pragma=journal_mode(WAL)&_pragma=synchronous(FULL)&_pragma=busy_timeout(5000)&_pragma=foreign_keys(ON)")
 }
 
 // OpenReadOnly opens the database at path for reading only (offline
 // commands reading a data dir a server may be using).
 func OpenReadOnly(path string) (*sql.DB, error) {
-	dsn := "file:" + path + "?mode=ro&_pragma=busy_timeout(5000)"
+	return open(path, "file:"+path+"?mode=ro&_pragma=busy_timeout(5000)")
+}
+
+func open(path, dsn string) (*sql.DB, error) {
 	db, err := sql.Open("sqlite", dsn)
 	if err != nil {
 		return nil, fmt.Errorf("open state db %s: %w", path, err)

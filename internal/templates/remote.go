@@ -8,7 +8,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"os"
@@ -70,16 +69,11 @@ func LayerChain(ctx context.Context, top string) ([]string, error) {
 // ContentID names a layer file by its content, as the repository names
 // layers.
 func ContentID(path string) (string, error) {
-	f, err := os.Open(path)
+	sum, err := store.FileSHA256(path)
 	if err != nil {
 		return "", err
 	}
-	defer f.Close()
-	h := sha256.New()
-	if _, err := io.Copy(h, f); err != nil {
-		return "", err
-	}
-	return "l-" + hex.EncodeToString(h.Sum(nil))[:40], nil
+	return "l-" + sum[:40], nil
 }
 
 // Push stores template name of a catalog (all its layers) in repo, from
