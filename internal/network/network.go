@@ -19,6 +19,7 @@ import (
 	"strconv"
 	"strings"
 	"text/template"
+	"time"
 	"unsafe"
 
 	"github.com/vishvananda/netlink"
@@ -363,7 +364,7 @@ func (m *Manager) Namespaces() ([]string, error) {
 
 // HostVeths lists the host ends of this manager's veth pairs present on the host.
 func (m *Manager) HostVeths() ([]string, error) {
-	links, err := netlink.LinkList()
+	links, err := linkList()
 	if err != nil {
 		return nil, err
 	}
@@ -374,6 +375,21 @@ func (m *Manager) HostVeths() ([]string, error) {
 		}
 	}
 	return out, nil
+}
+
+// linkList lists the host's links. A dump the kernel interrupted because
+// links changed meanwhile (other sandboxes' namespaces going away) is
+// incomplete: it is taken again.
+func linkList() ([]netlink.Link, error) {
+	var err error
+	for try := 0; try < 10; try++ {
+		var links []netlink.Link
+		if links, err = netlink.LinkList(); !errors.Is(err, netlink.ErrDumpInterrupted) {
+			return links, err
+		}
+		time.Sleep(time.Duration(try+1) * 10 * time.Millisecond)
+	}
+	return nil, fmt.Errorf("list network links: %w", err)
 }
 
 func addr(ip netip.Addr, bits int) *netlink.Addr {
