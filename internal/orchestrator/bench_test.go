@@ -115,7 +115,7 @@ func BenchmarkPauseResume(b *testing.B) {
 		stopCont, pause, resume := &series{name: "baseline-stop-cont"}, &series{name: "pause" + kind}, &series{name: "resume" + kind}
 		all = append(all, stopCont, pause, resume)
 		for i := 0; i < b.N; i++ {
-			m := n.machine(s.ID)
+			m := n.machines.get(s.ID)
 			t0 := time.Now()
 			if err := m.Pause(ctx); err != nil {
 				b.Fatal(err)

@@ -36,7 +36,7 @@ func TestQEMUConfinement(t *testing.T) {
 			t.Fatalf("QEMU does not run as %s (uid %s):\n%s", n.cfg.QEMUUser, u.Uid, status)
 		}
 	}
-	if m := n.machine(s.ID); m == nil || m.CgroupErr != nil {
+	if m := n.machines.get(s.ID); m == nil || m.CgroupErr != nil {
 		t.Skipf("skipped: this host's cgroups are not writable (%v)", m.CgroupErr)
 	}
 	name := n.cgroupName(s.ID)

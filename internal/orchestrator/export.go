@@ -14,6 +14,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/storage/repository"
+	"github.com/agentenv/agentenv/internal/store"
 )
 
 // Named snapshots are committed to the node's snapshot repository (posix_fs
@@ -140,7 +141,7 @@ func (n *Node) importSnapshot(ctx context.Context, name string) (*NamedSnapshot,
 		return nil, err
 	}
 	os.Remove(filepath.Join(stage, exportRecordName))
-	sum, err := fileSHA256(filepath.Join(stage, snapStateName))
+	sum, err := store.FileSHA256(filepath.Join(stage, snapStateName))
 	if err != nil {
 		return nil, err
 	}

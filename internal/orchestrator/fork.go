@@ -83,7 +83,7 @@ func (n *Node) verifySnapshotState(snapID string) error {
 	if err := readJSON(filepath.Join(sdir, snapManifestName), &m); err != nil {
 		return fmt.Errorf("%w: snapshot %s manifest: %v", ErrCorrupt, snapID, err)
 	}
-	sum, err := fileSHA256(filepath.Join(sdir, snapStateName))
+	sum, err := store.FileSHA256(filepath.Join(sdir, snapStateName))
 	if err != nil {
 		return fmt.Errorf("%w: snapshot %s state: %v", ErrCorrupt, snapID, err)
 	}
@@ -178,13 +178,9 @@ func (n *Node) Fork(ctx context.Context, id string, count int, timeout time.Dura
 // captured is what capture made.
 type captured struct {
 	snapID   string
-	parent   *Sandbox
 	children []ForkResult
 	// lease holds the snapshot until the caller's record refers to it.
 	lease *store.Lease
-	// parentPaused: the parent could not be restored and rests paused on
-	// the snapshot.
-	parentPaused bool
 }
 
 // capture freezes a running sandbox into a snapshot, brings it back, and
@@ -229,11 +225,11 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 	}
 	if err != nil {
 		n.log.Error(opName+": capturing the sandbox failed", "sandbox", id, "err", err)
-		return &captured{parent: s}, o.Finish(fmt.Errorf("%s %s: %w", opName, id, err))
+		return nil, o.Finish(fmt.Errorf("%s %s: %w", opName, id, err))
 	}
 	frozen := time.Since(start)
 	faults.Point(faults.ForkFrozen)
-	c := &captured{snapID: snap, parent: s, lease: lease, children: make([]ForkResult, count)}
+	c := &captured{snapID: snap, lease: lease, children: make([]ForkResult, count)}
 
 	// Restore the parent and the children from the snapshot in parallel.
 	var wg sync.WaitGroup
@@ -269,7 +265,6 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 			n.log.Error(opName+": could not record the sandbox as paused; the node's next start does", "sandbox", id, "err", err)
 			parentErr = fmt.Errorf("%w (and recording it paused failed: %v)", parentErr, err)
 		}
-		c.parentPaused = true
 		// The fork failed: its children go (nothing of them was the user's).
 		for _, r := range c.children {
 			if r.Sandbox != nil {
@@ -408,7 +403,7 @@ func (n *Node) freeze(o *operation.Op, s *Sandbox, opState State) (string, *stor
 		if err := m.SaveState(ctx, tmp); err != nil {
 			return err
 		}
-		if err := syncFile(tmp); err != nil {
+		if err := storage.SyncFile(tmp); err != nil {
 			return err
 		}
 		return os.Rename(tmp, filepath.Join(sdir, snapStateName))
@@ -456,7 +451,7 @@ func (n *Node) finishFreeze(o *operation.Op, s *Sandbox, snapID string) error {
 	// committed to the repository).
 	if err := o.Do("sync", func(context.Context) error {
 		for _, f := range []string{filepath.Join(sdir, snapStateName), moves[0][0]} {
-			if err := syncFile(f); err != nil {
+			if err := storage.SyncFile(f); err != nil {
 				return err
 			}
 		}
@@ -488,7 +483,7 @@ func (n *Node) completeManifest(ctx context.Context, snapID string) error {
 	if err := readJSON(filepath.Join(sdir, snapManifestName), &man); err != nil {
 		return err
 	}
-	sum, err := fileSHA256(filepath.Join(sdir, snapStateName))
+	sum, err := store.FileSHA256(filepath.Join(sdir, snapStateName))
 	if err != nil {
 		return err
 	}
@@ -553,7 +548,7 @@ func (n *Node) restOnSnapshot(ctx context.Context, s *Sandbox, snapID string, fr
 	if err := storage.CreateOverlay(ctx, filepath.Join(sdir, snapDiskName), filepath.Join(pdir, overlayName), 0); err != nil {
 		return err
 	}
-	sum, err := fileSHA256(filepath.Join(sdir, snapStateName))
+	sum, err := store.FileSHA256(filepath.Join(sdir, snapStateName))
 	if err != nil {
 		return err
 	}

@@ -239,7 +239,7 @@ func TestRestartMidOperation(t *testing.T) {
 	}
 	// `live` was being paused (its QEMU still runs, stopped), `saved` was
 	// being resumed (its state on disk is complete, no QEMU yet).
-	if err := n1.machine(live.ID).Pause(ctx); err != nil {
+	if err := n1.machines.get(live.ID).Pause(ctx); err != nil {
 		t.Fatal(err)
 	}
 	n1.setFields(ctx, live.ID, "state = ?", StatePausing)

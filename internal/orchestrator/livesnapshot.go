@@ -101,7 +101,7 @@ func (n *Node) snapshotLive(o *operation.Op, s *Sandbox) (string, *store.Lease, 
 	// (The state file was synced as it was written.)
 	if err := o.Do("commit", func(ctx context.Context) error {
 		disk := filepath.Join(stage, snapDiskName)
-		if err := syncFile(disk); err != nil {
+		if err := storage.SyncFile(disk); err != nil {
 			return err
 		}
 		if err := os.Chmod(disk, 0o400); err != nil {

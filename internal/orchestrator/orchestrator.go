@@ -323,7 +323,7 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 		stop:      make(chan struct{}),
 		slots:     slotAllocator{last: -1},
 	}
-	if n.initrdSum, err = fileSHA256(cfg.Initrd); err != nil {
+	if n.initrdSum, err = store.FileSHA256(cfg.Initrd); err != nil {
 		return fail(err)
 	}
 	if err := n.templates.AdoptLegacy(ctx, n.log); err != nil {

@@ -70,8 +70,6 @@ func runStep(ctx context.Context) stepFunc {
 	return func(_ string, fn func(context.Context) error) error { return fn(ctx) }
 }
 
-func (n *Node) machine(id string) *vmm.Machine { return n.machines.get(id) }
-
 // stopMachine kills a sandbox's QEMU, if the node holds one. The machine
 // leaves the table before it exits, so the exit watcher does not take the
 // exit for a crash.
@@ -143,13 +141,13 @@ func (n *Node) pauseMachine(ctx context.Context, s *Sandbox, from State, step st
 			files = append(files, memFileName, stateFileName+".tmp")
 		}
 		for _, f := range files {
-			if err := syncFile(filepath.Join(dir, f)); err != nil {
+			if err := storage.SyncFile(filepath.Join(dir, f)); err != nil {
 				return err
 			}
 		}
 		if sum == "" {
 			var err error
-			sum, err = fileSHA256(tmp)
+			sum, err = store.FileSHA256(tmp)
 			return err
 		}
 		return nil
@@ -196,8 +194,6 @@ type pauseRecord struct {
 	PausedAt time.Time `json:"pausedAt"`
 }
 
-func fileSHA256(path string) (string, error) { return store.FileSHA256(path) }
-
 func writeJSONAtomic(path string, v any) error {
 	b, err := json.MarshalIndent(v, "", "  ")
 	if err != nil {
@@ -232,7 +228,7 @@ func (n *Node) verifyPausedState(s *Sandbox) error {
 
 // matchesState checks the saved device state in dir against the record.
 func (rec *pauseRecord) matchesState(dir string) error {
-	sum, err := fileSHA256(filepath.Join(dir, stateFileName))
+	sum, err := store.FileSHA256(filepath.Join(dir, stateFileName))
 	if err != nil {
 		return err
 	}
@@ -266,8 +262,6 @@ func (n *Node) openTap(ctx context.Context, ep *network.Endpoint) (*os.File, err
 	}
 	return n.net.OpenTap(ep)
 }
-
-func syncFile(path string) error { return storage.SyncFile(path) }
 
 // Resume restarts a paused sandbox exactly where it stopped and gives it a
 // new time to live (0: the node's default). envd gets a fresh /init so the

@@ -122,7 +122,7 @@ func (p *warmPool) drainTemplate(ctx context.Context, n *Node, name string) {
 // template's current one (the template was rebuilt or deleted).
 func (n *Node) drainStalePool(ctx context.Context) {
 	current := map[string]bool{}
-	if ls, err := n.templateSnapshotLabels(ctx); err == nil {
+	if ls, err := n.store.Labels(ctx, templateSnapshotLabel); err == nil {
 		for _, l := range ls {
 			current[l.Object] = true
 		}

@@ -27,9 +27,6 @@ func (n *Node) Templates() ([]*Template, error) {
 	return n.templates.List(context.Background())
 }
 
-// Catalog is the node's templates.
-func (n *Node) Catalog() *templates.Catalog { return n.templates }
-
 // DeleteTemplate removes a template: its label, its template snapshot and
 // the sandboxes pre-started from it; its layers go once nothing else
 // reaches them. A template that running or paused sandboxes (or named

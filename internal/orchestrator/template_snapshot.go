@@ -40,10 +40,6 @@ type templateSnapshot struct {
 	Layer string `json:"layer"`
 }
 
-func (n *Node) templateSnapshotLabels(ctx context.Context) ([]store.Label, error) {
-	return n.store.Labels(ctx, templateSnapshotLabel)
-}
-
 func (n *Node) currentTemplateSnapshot(t *Template) (*templateSnapshot, error) {
 	l, err := n.store.Label(context.Background(), templateSnapshotLabel, t.Name)
 	if err != nil {
