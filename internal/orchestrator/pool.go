@@ -111,14 +111,7 @@ func (p *warmPool) takeAll(drop func(snapID string, e *pooledSandbox) bool) []*p
 	return out
 }
 
-// drainTemplate kills the pooled sandboxes of a template.
-func (p *warmPool) drainTemplate(ctx context.Context, n *Node, name string) {
-	for _, e := range p.takeAll(func(_ string, e *pooledSandbox) bool { return e.s.TemplateID == name }) {
-		n.destroy(ctx, e.s)
-	}
-}
-
-// drainStale kills the pooled sandboxes of template snapshots that are no
+// drainStalePool kills the pooled sandboxes of template snapshots that are no
 // template's current one (the template was rebuilt or deleted).
 func (n *Node) drainStalePool(ctx context.Context) {
 	current := map[string]bool{}

@@ -71,7 +71,7 @@ func (n *Node) DeleteTemplate(ctx context.Context, name string) error {
 	}); err != nil {
 		return err
 	}
-	n.pool.drainTemplate(ctx, n, name)
+	n.drainStalePool(ctx) // its template snapshot is no template's now
 	n.gc(ctx)
 	n.log.Info("template deleted", "template", name)
 	return nil
