@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -92,19 +91,7 @@ func (bs *Builds) save(b *Record) error {
 	if err := os.MkdirAll(filepath.Dir(bs.path(b.TemplateID, b.BuildID)), 0o755); err != nil {
 		return err
 	}
-	j, err := json.MarshalIndent(b, "", "  ")
-	if err != nil {
-		return err
-	}
-	return storage.WriteFileAtomic(bs.path(b.TemplateID, b.BuildID), append(j, '\n'), 0o600)
-}
-
-func readJSON(path string, v any) error {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return err
-	}
-	return json.Unmarshal(b, v)
+	return storage.WriteJSONAtomic(bs.path(b.TemplateID, b.BuildID), b, 0o600)
 }
 
 // newID is a fresh build id (20 hex digits).
@@ -149,7 +136,7 @@ func (bs *Builds) Get(templateID, buildID string) (*Record, error) {
 	}
 	bs.mu.Unlock()
 	var b Record
-	if err := readJSON(bs.path(templateID, buildID), &b); err != nil {
+	if err := storage.ReadJSON(bs.path(templateID, buildID), &b); err != nil {
 		if errors.Is(err, os.ErrNotExist) {
 			return nil, fmt.Errorf("%w: build %s of template %s", errkind.ErrNotFound, buildID, templateID)
 		}
@@ -264,7 +251,7 @@ func (bs *Builds) Recover() {
 		files, _ := os.ReadDir(filepath.Join(root, t.Name()))
 		for _, f := range files {
 			var b Record
-			if !strings.HasSuffix(f.Name(), ".json") || readJSON(filepath.Join(root, t.Name(), f.Name()), &b) != nil {
+			if !strings.HasSuffix(f.Name(), ".json") || storage.ReadJSON(filepath.Join(root, t.Name(), f.Name()), &b) != nil {
 				continue
 			}
 			if b.Status == Building {

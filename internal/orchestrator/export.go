@@ -3,7 +3,6 @@ package orchestrator
 import (
 	"context"
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -76,7 +75,7 @@ func (n *Node) exportSnapshot(ctx context.Context, ns *NamedSnapshot) error {
 	}
 	rec := *ns
 	rec.TemplateLayer, rec.StateHasRAM = t.Layer, hasRAM
-	if err := writeJSONAtomic(filepath.Join(stage, exportRecordName), rec); err != nil {
+	if err := storage.WriteJSONAtomic(filepath.Join(stage, exportRecordName), rec, 0o600); err != nil {
 		return err
 	}
 	if _, err := n.cfg.Repository.Put(ctx, repoKindSnapshot, ns.Name, stage); err != nil {
@@ -116,7 +115,7 @@ func (n *Node) importSnapshot(ctx context.Context, name string) (*NamedSnapshot,
 		return nil, err
 	}
 	var rec NamedSnapshot
-	if err := readJSON(filepath.Join(stage, exportRecordName), &rec); err != nil {
+	if err := storage.ReadJSON(filepath.Join(stage, exportRecordName), &rec); err != nil {
 		return nil, fmt.Errorf("%w: snapshot %q record: %v", ErrCorrupt, name, err)
 	}
 	t, err := n.Template(rec.TemplateID)
@@ -145,10 +144,10 @@ func (n *Node) importSnapshot(ctx context.Context, name string) (*NamedSnapshot,
 	if err != nil {
 		return nil, err
 	}
-	if err := writeJSONAtomic(filepath.Join(stage, snapManifestName), snapshotManifest{
+	if err := storage.WriteJSONAtomic(filepath.Join(stage, snapManifestName), snapshotManifest{
 		ID: snapID, SandboxID: rec.SandboxID, TemplateID: rec.TemplateID, ParentLayer: t.RootDisk,
 		MemoryMiB: rec.MemoryMiB, StateSHA256: sum, CreatedAt: time.Now().UTC(), StateHasRAM: rec.StateHasRAM,
-	}); err != nil {
+	}, 0o600); err != nil {
 		return nil, err
 	}
 	if err := os.Rename(stage, sdir); err != nil {
@@ -163,12 +162,4 @@ func (n *Node) importSnapshot(ctx context.Context, name string) (*NamedSnapshot,
 	}
 	n.log.Info("snapshot imported from the repository", "snapshot", name, "local", snapID)
 	return &rec, nil
-}
-
-func readJSON(path string, v any) error {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return err
-	}
-	return json.Unmarshal(b, v)
 }

@@ -65,7 +65,7 @@ func (n *Node) snapshotDir(id string) string { return filepath.Join(n.cfg.DataDi
 // differ from it.
 func (n *Node) snapshotRAM(snapID string) (image string, stateHasRAM bool, err error) {
 	var m snapshotManifest
-	if err := readJSON(filepath.Join(n.snapshotDir(snapID), snapManifestName), &m); err != nil {
+	if err := storage.ReadJSON(filepath.Join(n.snapshotDir(snapID), snapManifestName), &m); err != nil {
 		return "", false, fmt.Errorf("%w: snapshot %s manifest: %v", ErrCorrupt, snapID, err)
 	}
 	owner := snapID
@@ -80,7 +80,7 @@ func (n *Node) snapshotRAM(snapID string) (image string, stateHasRAM bool, err e
 func (n *Node) verifySnapshotState(snapID string) error {
 	sdir := n.snapshotDir(snapID)
 	var m snapshotManifest
-	if err := readJSON(filepath.Join(sdir, snapManifestName), &m); err != nil {
+	if err := storage.ReadJSON(filepath.Join(sdir, snapManifestName), &m); err != nil {
 		return fmt.Errorf("%w: snapshot %s manifest: %v", ErrCorrupt, snapID, err)
 	}
 	sum, err := store.FileSHA256(filepath.Join(sdir, snapStateName))
@@ -365,7 +365,7 @@ func (n *Node) freeze(o *operation.Op, s *Sandbox, opState State) (string, *stor
 		}
 		early := snapshotManifest{ID: snapID, SandboxID: s.ID, TemplateID: s.TemplateID,
 			ParentLayer: before.BackingFilename, MemoryMiB: s.MemoryMiB, CreatedAt: time.Now().UTC()}
-		if err := writeJSONAtomic(filepath.Join(sdir, snapManifestName), early); err != nil {
+		if err := storage.WriteJSONAtomic(filepath.Join(sdir, snapManifestName), early, 0o600); err != nil {
 			return err
 		}
 		next := *s
@@ -480,7 +480,7 @@ func (n *Node) finishFreeze(o *operation.Op, s *Sandbox, snapID string) error {
 func (n *Node) completeManifest(ctx context.Context, snapID string) error {
 	sdir := n.snapshotDir(snapID)
 	var man snapshotManifest
-	if err := readJSON(filepath.Join(sdir, snapManifestName), &man); err != nil {
+	if err := storage.ReadJSON(filepath.Join(sdir, snapManifestName), &man); err != nil {
 		return err
 	}
 	sum, err := store.FileSHA256(filepath.Join(sdir, snapStateName))
@@ -492,7 +492,7 @@ func (n *Node) completeManifest(ctx context.Context, snapID string) error {
 		return err
 	}
 	man.ParentLayer, man.StateSHA256 = info.BackingFilename, sum
-	return writeJSONAtomic(filepath.Join(sdir, snapManifestName), man)
+	return storage.WriteJSONAtomic(filepath.Join(sdir, snapManifestName), man, 0o600)
 }
 
 // recoverFreeze rebuilds, as a paused sandbox, a sandbox whose fork or
@@ -521,7 +521,7 @@ func (n *Node) restOnSnapshot(ctx context.Context, s *Sandbox, snapID string, fr
 	sdir, pdir := n.snapshotDir(snapID), n.sandboxDir(s.ID)
 	exists := func(p string) bool { _, err := os.Stat(p); return err == nil }
 	var man snapshotManifest
-	if err := readJSON(filepath.Join(sdir, snapManifestName), &man); err != nil || !exists(filepath.Join(sdir, snapStateName)) {
+	if err := storage.ReadJSON(filepath.Join(sdir, snapManifestName), &man); err != nil || !exists(filepath.Join(sdir, snapStateName)) {
 		return fmt.Errorf("snapshot %s has no saved state", snapID)
 	}
 	moves := [][2]string{{filepath.Join(pdir, overlayName), filepath.Join(sdir, snapDiskName)}}
@@ -561,7 +561,7 @@ func (n *Node) restOnSnapshot(ctx context.Context, s *Sandbox, snapID string, fr
 		return err
 	}
 	rec := pauseRecord{StateSHA256: sum, RAMInState: hasRAM, RAMDiff: hasRAM, PausedAt: time.Now().UTC()}
-	if err := writeJSONAtomic(filepath.Join(pdir, pauseRecordName), rec); err != nil {
+	if err := storage.WriteJSONAtomic(filepath.Join(pdir, pauseRecordName), rec, 0o600); err != nil {
 		return err
 	}
 	if err := n.runOnSnapshot(ctx, s, snapID); err != nil {

@@ -52,7 +52,7 @@ func (n *Node) adoptLegacySnapshots(ctx context.Context) error {
 			continue
 		}
 		var man snapshotManifest
-		if err := readJSON(filepath.Join(root, id, snapManifestName), &man); err != nil && !strings.HasPrefix(id, ramSnapshotPrefix) {
+		if err := storage.ReadJSON(filepath.Join(root, id, snapManifestName), &man); err != nil && !strings.HasPrefix(id, ramSnapshotPrefix) {
 			continue // debris: store.Recover removes it
 		}
 		snaps = append(snaps, legacySnap{id, man})
@@ -78,7 +78,7 @@ func (n *Node) adoptLegacySnapshots(ctx context.Context) error {
 				continue
 			}
 			var ns NamedSnapshot
-			if err := readJSON(filepath.Join(dir, f.Name()), &ns); err != nil {
+			if err := storage.ReadJSON(filepath.Join(dir, f.Name()), &ns); err != nil {
 				n.log.Error("unreadable named snapshot of an older release left alone", "file", f.Name(), "err", err)
 				continue
 			}

@@ -107,7 +107,7 @@ func (n *Node) snapshotLive(o *operation.Op, s *Sandbox) (string, *store.Lease, 
 		if err := os.Chmod(disk, 0o400); err != nil {
 			return err
 		}
-		if err := writeJSONAtomic(filepath.Join(stage, snapManifestName), man); err != nil {
+		if err := storage.WriteJSONAtomic(filepath.Join(stage, snapManifestName), man, 0o600); err != nil {
 			return err
 		}
 		if err := os.Rename(stage, sdir); err != nil {

@@ -159,7 +159,7 @@ func (n *Node) pauseMachine(ctx context.Context, s *Sandbox, from State, step st
 	// name: a state file under its final name always has a valid record.
 	if err := step("publish", func(ctx context.Context) error {
 		rec := pauseRecord{StateSHA256: sum, RAMInState: s.MemPrivate, RAMDiff: s.MemPrivate, PausedAt: time.Now().UTC()}
-		if err := writeJSONAtomic(filepath.Join(dir, pauseRecordName), rec); err != nil {
+		if err := storage.WriteJSONAtomic(filepath.Join(dir, pauseRecordName), rec, 0o600); err != nil {
 			return err
 		}
 		published = true
@@ -192,14 +192,6 @@ type pauseRecord struct {
 	// the sandbox maps (its mem_file), loaded over that image.
 	RAMDiff  bool      `json:"ramDiff,omitempty"`
 	PausedAt time.Time `json:"pausedAt"`
-}
-
-func writeJSONAtomic(path string, v any) error {
-	b, err := json.MarshalIndent(v, "", "  ")
-	if err != nil {
-		return err
-	}
-	return storage.WriteFileAtomic(path, append(b, '\n'), 0o600)
 }
 
 // verifyPausedState checks that a paused sandbox has every file its pause

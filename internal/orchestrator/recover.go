@@ -185,7 +185,7 @@ func (n *Node) freezeInProgress(ctx context.Context, s *Sandbox) bool {
 		return false
 	}
 	var man snapshotManifest
-	return readJSON(filepath.Join(n.snapshotDir(s.SnapshotID), snapManifestName), &man) == nil && man.SandboxID == s.ID
+	return storage.ReadJSON(filepath.Join(n.snapshotDir(s.SnapshotID), snapManifestName), &man) == nil && man.SandboxID == s.ID
 }
 
 // frozenFiles reports whether a freeze of s moved its disk (and RAM) into

@@ -91,7 +91,7 @@ func (n *Node) notHere(err error) error {
 
 func (n *Node) readSharedMark(id string) (*sharedMark, bool) {
 	var m sharedMark
-	if err := readJSON(filepath.Join(n.sandboxDir(id), sharedMarkName), &m); err != nil || m.Generation == "" {
+	if err := storage.ReadJSON(filepath.Join(n.sandboxDir(id), sharedMarkName), &m); err != nil || m.Generation == "" {
 		return nil, false
 	}
 	return &m, true
@@ -206,13 +206,13 @@ func (n *Node) sharePaused(ctx context.Context, s *Sandbox) error {
 	} else if err := os.Link(filepath.Join(dir, memFileName), filepath.Join(stage, memFileName)); err != nil {
 		return err
 	}
-	if err := writeJSONAtomic(filepath.Join(stage, sharedRecordFile), up); err != nil {
+	if err := storage.WriteJSONAtomic(filepath.Join(stage, sharedRecordFile), up, 0o600); err != nil {
 		return err
 	}
 	// The mark first: a local copy that may be in the repository claims it
 	// before it resumes (a claim of a generation never uploaded is just
 	// won).
-	if err := writeJSONAtomic(filepath.Join(dir, sharedMarkName), sharedMark{Generation: up.Generation, SharedAt: up.SharedAt}); err != nil {
+	if err := storage.WriteJSONAtomic(filepath.Join(dir, sharedMarkName), sharedMark{Generation: up.Generation, SharedAt: up.SharedAt}, 0o600); err != nil {
 		return err
 	}
 	if err := repo.Delete(ctx, repoKindPaused, s.ID); err != nil && !errors.Is(err, repository.ErrNotFound) {
@@ -297,7 +297,7 @@ func (n *Node) adoptShared(ctx context.Context, id string) (*Sandbox, error) {
 		return nil, fmt.Errorf("fetch paused sandbox %s: %w", id, err)
 	}
 	var up sharedPaused
-	if err := readJSON(filepath.Join(stage, sharedRecordFile), &up); err != nil || up.Sandbox.ID != id || up.Generation == "" {
+	if err := storage.ReadJSON(filepath.Join(stage, sharedRecordFile), &up); err != nil || up.Sandbox.ID != id || up.Generation == "" {
 		return nil, fmt.Errorf("%w: shared paused sandbox %s record", ErrCorrupt, id)
 	}
 	t, err := n.Template(up.Template)
@@ -332,7 +332,7 @@ func (n *Node) adoptShared(ctx context.Context, id string) (*Sandbox, error) {
 		return nil, err
 	}
 	os.Remove(filepath.Join(stage, sharedRecordFile))
-	if err := writeJSONAtomic(filepath.Join(stage, pauseRecordName), up.Pause); err != nil {
+	if err := storage.WriteJSONAtomic(filepath.Join(stage, pauseRecordName), up.Pause, 0o600); err != nil {
 		return nil, err
 	}
 	// Everything is here: record it as a shared paused sandbox of this
@@ -340,7 +340,7 @@ func (n *Node) adoptShared(ctx context.Context, id string) (*Sandbox, error) {
 	// caller's resume does, as for any shared paused sandbox): a claim is
 	// never made for a copy this node could lose, and a copy that loses
 	// the claim is dropped.
-	if err := writeJSONAtomic(filepath.Join(stage, sharedMarkName), sharedMark{Generation: up.Generation, SharedAt: up.SharedAt}); err != nil {
+	if err := storage.WriteJSONAtomic(filepath.Join(stage, sharedMarkName), sharedMark{Generation: up.Generation, SharedAt: up.SharedAt}, 0o600); err != nil {
 		return nil, err
 	}
 	dir := n.sandboxDir(id)
@@ -443,7 +443,7 @@ func (n *Node) killShared(ctx context.Context, id string) error {
 		return err
 	}
 	var up sharedPaused
-	if err := readJSON(filepath.Join(stage, sharedRecordFile), &up); err != nil {
+	if err := storage.ReadJSON(filepath.Join(stage, sharedRecordFile), &up); err != nil {
 		return fmt.Errorf("%w: shared paused sandbox %s record", ErrCorrupt, id)
 	}
 	if err := n.claim(ctx, id, up.Generation); err != nil {

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/storage/repository"
 	"github.com/agentenv/agentenv/internal/store"
 )
@@ -176,7 +177,7 @@ func TestIncrementalSnapshot(t *testing.T) {
 	}
 	var man snapshotManifest
 	sdir := filepath.Join(n.cfg.DataDir, snapshotsDir, second.SnapshotID)
-	if err := readJSON(filepath.Join(sdir, snapManifestName), &man); err != nil {
+	if err := storage.ReadJSON(filepath.Join(sdir, snapManifestName), &man); err != nil {
 		t.Fatal(err)
 	}
 	total := int64(src.MemoryMiB) << 20 / 4096
@@ -266,7 +267,7 @@ func TestIncrementalSnapshotThroughRepository(t *testing.T) {
 		t.Fatal(err)
 	}
 	var man snapshotManifest
-	readJSON(filepath.Join(n.cfg.DataDir, snapshotsDir, two.SnapshotID, snapManifestName), &man)
+	storage.ReadJSON(filepath.Join(n.cfg.DataDir, snapshotsDir, two.SnapshotID, snapManifestName), &man)
 	if man.MemoryBase == "" {
 		t.Fatalf("second snapshot is not incremental: %+v", man)
 	}

@@ -118,6 +118,25 @@ func WriteFileAtomic(path string, data []byte, perm os.FileMode) error {
 	return SyncDir(dir)
 }
 
+// WriteJSONAtomic writes v as indented JSON to path, atomically (see
+// WriteFileAtomic).
+func WriteJSONAtomic(path string, v any, perm os.FileMode) error {
+	b, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return err
+	}
+	return WriteFileAtomic(path, append(b, '\n'), perm)
+}
+
+// ReadJSON reads the JSON file at path into v.
+func ReadJSON(path string, v any) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	return json.Unmarshal(b, v)
+}
+
 // SyncDir makes a directory's entries (new names, renames) durable.
 func SyncDir(dir string) error {
 	d, err := os.Open(dir)

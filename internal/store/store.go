@@ -222,16 +222,10 @@ func (s *Store) Add(tx *sql.Tx, id string, kind Kind, path string, needs ...stri
 
 // Get returns an object.
 func (s *Store) Get(ctx context.Context, id string) (*Object, error) {
-	var o Object
-	var kind string
-	err := s.db.QueryRowContext(ctx, `SELECT id, kind, path, owned FROM objects WHERE id = ?`, id).Scan(&o.ID, &kind, &o.Path, &o.Owned)
-	if errors.Is(err, sql.ErrNoRows) {
-		return nil, fmt.Errorf("%w: object %s", ErrNotFound, id)
-	}
+	o, err := getObject(ctx, s.db, id)
 	if err != nil {
 		return nil, err
 	}
-	o.Kind = Kind(kind)
 	rows, err := s.db.QueryContext(ctx, `SELECT needs FROM edges WHERE object = ? ORDER BY needs`, id)
 	if err != nil {
 		return nil, err
@@ -244,19 +238,29 @@ func (s *Store) Get(ctx context.Context, id string) (*Object, error) {
 		}
 		o.Needs = append(o.Needs, nd)
 	}
-	return &o, rows.Err()
+	return o, rows.Err()
 }
 
 // GetTx is Get's record part within a transaction (no needs).
 func (s *Store) GetTx(tx *sql.Tx, id string) (*Object, error) {
+	return getObject(context.Background(), tx, id)
+}
+
+// getObject reads an object's record (not what it needs).
+func getObject(ctx context.Context, q interface {
+	QueryRowContext(context.Context, string, ...any) *sql.Row
+}, id string) (*Object, error) {
 	var o Object
 	var kind string
-	err := tx.QueryRow(`SELECT id, kind, path, owned FROM objects WHERE id = ?`, id).Scan(&o.ID, &kind, &o.Path, &o.Owned)
+	err := q.QueryRowContext(ctx, `SELECT id, kind, path, owned FROM objects WHERE id = ?`, id).Scan(&o.ID, &kind, &o.Path, &o.Owned)
 	if errors.Is(err, sql.ErrNoRows) {
 		return nil, fmt.Errorf("%w: object %s", ErrNotFound, id)
 	}
+	if err != nil {
+		return nil, err
+	}
 	o.Kind = Kind(kind)
-	return &o, err
+	return &o, nil
 }
 
 // Reuse runs fn in a transaction that garbage collection cannot overlap:

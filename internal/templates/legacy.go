@@ -8,7 +8,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -208,24 +207,15 @@ func (c *Catalog) adoptDir(ctx context.Context, name, dir string) error {
 	return os.Remove(filepath.Join(dir, legacyRecord))
 }
 
-// linkOrCopy hard-links src to dst, or copies it across file systems.
+// linkOrCopy hard-links src to dst, or copies it across file systems
+// (a reflink where it can, holes kept).
 func linkOrCopy(src, dst string) error {
 	err := os.Link(src, dst)
 	if err == nil || !errors.Is(err, syscall.EXDEV) {
 		return err
 	}
-	in, err := os.Open(src)
-	if err != nil {
+	if _, err := storage.CloneFile(src, dst); err != nil {
 		return err
 	}
-	defer in.Close()
-	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
-	if err != nil {
-		return err
-	}
-	if _, err := io.Copy(out, in); err != nil {
-		out.Close()
-		return err
-	}
-	return out.Close()
+	return os.Chmod(dst, 0o644)
 }

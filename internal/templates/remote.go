@@ -251,7 +251,7 @@ func (r *Remote) Pull(ctx context.Context, name string) (*Template, error) {
 		return nil, err
 	}
 	var rec templateRecord
-	if err := readJSON(filepath.Join(stage, templateRecordFile), &rec); err != nil || len(rec.Layers) == 0 {
+	if err := storage.ReadJSON(filepath.Join(stage, templateRecordFile), &rec); err != nil || len(rec.Layers) == 0 {
 		return nil, fmt.Errorf("%w: template %s record in the repository", errkind.ErrCorrupt, name)
 	}
 	backing, err := r.exportLayers(ctx, rec.Layers)
@@ -332,14 +332,6 @@ func (r *Remote) CacheStats() lazy.CacheStats {
 		return c.Stats()
 	}
 	return lazy.CacheStats{LimitBytes: int64(r.cacheMiB) << 20}
-}
-
-func readJSON(path string, v any) error {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return err
-	}
-	return json.Unmarshal(b, v)
 }
 
 // identityCache maps a layer file's version (path, inode, size, mtime) to

@@ -273,9 +273,5 @@ func (c *Catalog) Export(ctx context.Context, name, dir string) error {
 	if err := os.Rename(tmp, root); err != nil {
 		return err
 	}
-	b, err := json.MarshalIndent(t, "", "  ")
-	if err != nil {
-		return err
-	}
-	return storage.WriteFileAtomic(filepath.Join(dir, legacyRecord), append(b, '\n'), 0o644)
+	return storage.WriteJSONAtomic(filepath.Join(dir, legacyRecord), t, 0o644)
 }
