@@ -63,6 +63,12 @@ func setNamedSnapshot(tx *sql.Tx, ns *NamedSnapshot) error {
 	return store.SetLabel(tx, namedSnapshotLabel, ns.Name, ns.SnapshotID, string(b))
 }
 
+// forgetSnapshotName removes the label of named snapshot name (its files
+// go once nothing else reaches them).
+func (n *Node) forgetSnapshotName(ctx context.Context, name string) error {
+	return n.store.Tx(ctx, func(tx *sql.Tx) error { return store.DeleteLabel(tx, namedSnapshotLabel, name) })
+}
+
 // Snapshot captures a running sandbox under name. The sandbox is paused for
 // the capture and then runs on. The capture runs to its end whatever the
 // caller does; when the sandbox cannot run on afterwards, the snapshot is
@@ -110,7 +116,7 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 	if err := n.exportSnapshot(context.WithoutCancel(ctx), ns); err != nil {
 		if errors.Is(err, ErrConflict) {
 			// Another node took the name meanwhile: this one is withdrawn.
-			n.store.Tx(context.WithoutCancel(ctx), func(tx *sql.Tx) error { return store.DeleteLabel(tx, namedSnapshotLabel, name) })
+			n.forgetSnapshotName(context.WithoutCancel(ctx), name)
 			n.gc(ctx)
 			return nil, err
 		}
@@ -130,7 +136,7 @@ func (n *Node) lookupSnapshot(ctx context.Context, name string) (*NamedSnapshot,
 			return ns, nil
 		}
 		n.log.Warn("local copy of snapshot lost; fetching it from the repository", "snapshot", name)
-		if err := n.store.Tx(ctx, func(tx *sql.Tx) error { return store.DeleteLabel(tx, namedSnapshotLabel, name) }); err != nil {
+		if err := n.forgetSnapshotName(ctx, name); err != nil {
 			return nil, err
 		}
 	} else if !errors.Is(err, ErrNotFound) {
@@ -188,7 +194,7 @@ func (n *Node) DeleteSnapshot(ctx context.Context, name string) error {
 			return fmt.Errorf("delete snapshot %s from the repository: %w", name, err)
 		}
 	}
-	if err := n.store.Tx(ctx, func(tx *sql.Tx) error { return store.DeleteLabel(tx, namedSnapshotLabel, name) }); err != nil {
+	if err := n.forgetSnapshotName(ctx, name); err != nil {
 		return err
 	}
 	n.gc(ctx)

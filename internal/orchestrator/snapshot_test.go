@@ -2,7 +2,6 @@ package orchestrator
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"os"
 	"path/filepath"
@@ -12,7 +11,6 @@ import (
 
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/storage/repository"
-	"github.com/agentenv/agentenv/internal/store"
 )
 
 func TestNamedSnapshotAsTemplate(t *testing.T) {
@@ -116,7 +114,7 @@ func TestSnapshotRepository(t *testing.T) {
 	if err := os.RemoveAll(filepath.Join(n.cfg.DataDir, snapshotsDir)); err != nil {
 		t.Fatal(err)
 	}
-	n.store.Tx(ctx, func(tx *sql.Tx) error { return store.DeleteLabel(tx, namedSnapshotLabel, "durable") })
+	n.forgetSnapshotName(ctx, "durable")
 	var state string
 	filepath.WalkDir(filepath.Join(filepath.Dir(n.cfg.DataDir)), func(p string, d os.DirEntry, err error) error {
 		if err == nil && d.Name() == snapStateName && strings.Contains(p, "repo") {
