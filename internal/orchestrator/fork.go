@@ -445,18 +445,11 @@ func (n *Node) finishFreeze(o *operation.Op, s *Sandbox, snapID string) error {
 		{filepath.Join(pdir, overlayName), filepath.Join(sdir, snapDiskName)},
 		{filepath.Join(pdir, memFileName), filepath.Join(sdir, snapMemName)},
 	}
-	// The state and the disk are made durable; a RAM image is left to the
-	// kernel's writeback, so that freezing stays cheap (a paused sandbox
-	// syncs its RAM file; a named snapshot's durable copy is the one
-	// committed to the repository).
-	if err := o.Do("sync", func(context.Context) error {
-		for _, f := range []string{filepath.Join(sdir, snapStateName), moves[0][0]} {
-			if err := storage.SyncFile(f); err != nil {
-				return err
-			}
-		}
-		return nil
-	}); err != nil {
+	// The disk is made durable (the state was as it was saved); a RAM image
+	// is left to the kernel's writeback, so that freezing stays cheap (a
+	// paused sandbox syncs its RAM file; a named snapshot's durable copy is
+	// the one committed to the repository).
+	if err := o.Do("sync", func(context.Context) error { return storage.SyncFile(moves[0][0]) }); err != nil {
 		return err
 	}
 	if err := o.Do("move-files", func(context.Context) error {
