@@ -39,8 +39,17 @@ ensure_go() {
 			return
 		fi
 	fi
-	local proxy=${GOPROXY:-https://proxy.golang.org}
+	# The module proxy the machine is configured with: GOPROXY, else what an
+	# older Go on the machine would use.
+	local proxy=${GOPROXY:-}
+	if [ -z "$proxy" ] && command -v go >/dev/null 2>&1; then
+		proxy=$(go env GOPROXY)
+	fi
 	proxy=${proxy%%,*}
+	if [ -z "$proxy" ] || [ "$proxy" = direct ] || [ "$proxy" = off ]; then
+		echo "no Go $GO_VERSION on this machine and no Go module proxy configured: set GOPROXY" >&2
+		exit 1
+	fi
 	local zip="/tmp/go${GO_VERSION}.zip"
 	say "fetching Go $GO_VERSION from the Go module proxy"
 	curl -fsSL --retry 3 -o "$zip" "$proxy/golang.org/toolchain/@v/v0.0.1-go${GO_VERSION}.linux-amd64.zip"
