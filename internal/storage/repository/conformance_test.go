@@ -357,6 +357,53 @@ func runConformance(t *testing.T, env backendEnv) {
 		sameDir(t, src2, dst)
 	})
 
+	// Two Puts of one id whose uploads interleave: the second stores all its
+	// files and then dies before its manifest, and the first commits. The
+	// committed artifact must hold exactly the first's files, and Cleanup
+	// must remove the dead Put's uploads without touching it.
+	t.Run("SameIDInterleaved", func(t *testing.T) {
+		r := env.open(t)
+		src1, src2 := makeArtifact(t, 22), makeArtifact(t, 23)
+		var innerErr error
+		setHook(r, func(p string) error {
+			if p == "manifest" {
+				setHook(r, func(p string) error {
+					if p == "manifest" {
+						return errSimulatedCrash
+					}
+					return nil
+				})
+				_, innerErr = r.Put(ctx, "snapshots", "mixed", src2)
+				setHook(r, nil)
+			}
+			return nil
+		})
+		_, err := r.Put(ctx, "snapshots", "mixed", src1)
+		setHook(r, nil)
+		if !errors.Is(innerErr, errSimulatedCrash) {
+			t.Fatalf("inner Put: %v, want the simulated crash", innerErr)
+		}
+		if err != nil {
+			t.Fatalf("outer Put: %v", err)
+		}
+		check := func() {
+			t.Helper()
+			dst := t.TempDir()
+			if _, err := r.Get(ctx, "snapshots", "mixed", dst); err != nil {
+				t.Fatal(err)
+			}
+			sameDir(t, src1, dst)
+		}
+		check()
+		if _, err := r.Cleanup(ctx, -time.Hour); err != nil {
+			t.Fatal(err)
+		}
+		check()
+		if n, err := r.Cleanup(ctx, -time.Hour); err != nil || n != 0 {
+			t.Fatalf("second Cleanup removed %d (%v), want nothing left to remove", n, err)
+		}
+	})
+
 	t.Run("Delete", func(t *testing.T) {
 		r := env.open(t)
 		src := makeArtifact(t, 4)

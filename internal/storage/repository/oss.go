@@ -3,6 +3,7 @@ package repository
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
@@ -139,23 +140,27 @@ func (r *ossRepo) Put(ctx context.Context, kind, id, dir string) (_ *Manifest, e
 	} else if !errors.Is(err, ErrNotFound) {
 		return nil, fmt.Errorf("put %s/%s: %w", kind, id, err)
 	}
+	// This Put's own folder: a concurrent Put of the same id (another node
+	// claiming the same paused sandbox) uploads elsewhere, so whichever
+	// commits its manifest finds exactly its own files under it.
+	data, err := newDataFolder()
+	if err != nil {
+		return nil, err
+	}
 	defer func() {
-		if err != nil && !errors.Is(err, errSimulatedCrash) && !errors.Is(err, ErrExists) {
-			// Best effort, in Delete's order (manifest first) in case the
-			// manifest PUT failed on our side but reached the server.
+		if err != nil && !errors.Is(err, errSimulatedCrash) {
 			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
 			defer cancel()
-			r.c.RemoveObject(cctx, r.bucket, r.key(kind, id, ManifestName), minio.RemoveObjectOptions{})
-			r.removeAll(cctx, r.key(kind, id)+"/")
+			r.abandon(cctx, kind, id, data)
 		}
 	}()
-	m, data, err := storeFiles(ctx, kind, id, names, r.hook, r.now, func(name string) (File, error) {
-		f, err := r.putFile(ctx, filepath.Join(dir, name), r.key(kind, id, name), name)
+	m, manifest, err := storeFiles(ctx, kind, id, names, r.hook, r.now, func(name string) (File, error) {
+		f, err := r.putFile(ctx, filepath.Join(dir, name), r.key(kind, id, data, name), name)
 		if err != nil {
 			return f, fmt.Errorf("put %s/%s: file %q: %w", kind, id, name, err)
 		}
 		return f, nil
-	})
+	}, data)
 	if err != nil {
 		return nil, err
 	}
@@ -164,7 +169,7 @@ func (r *ossRepo) Put(ctx context.Context, kind, id, dir string) (_ *Manifest, e
 	// manifest of a Put of the same id that committed meanwhile.
 	opts := minio.PutObjectOptions{ContentType: "application/json"}
 	opts.SetMatchETagExcept("*")
-	_, err = r.c.PutObject(ctx, r.bucket, r.key(kind, id, ManifestName), bytes.NewReader(data), int64(len(data)), opts)
+	_, err = r.c.PutObject(ctx, r.bucket, r.key(kind, id, ManifestName), bytes.NewReader(manifest), int64(len(manifest)), opts)
 	if err != nil {
 		if code := minio.ToErrorResponse(err).Code; code == "PreconditionFailed" || code == "ConditionalRequestConflict" {
 			return nil, fmt.Errorf("put %s/%s: %w", kind, id, ErrExists)
@@ -172,6 +177,26 @@ func (r *ossRepo) Put(ctx context.Context, kind, id, dir string) (_ *Manifest, e
 		return nil, fmt.Errorf("put %s/%s: manifest: %w", kind, id, err)
 	}
 	return m, nil
+}
+
+// newDataFolder names the folder one Put uploads its files into.
+func newDataFolder() (string, error) {
+	b := make([]byte, 8)
+	if _, err := rand.Read(b); err != nil {
+		return "", err
+	}
+	return "data-" + hex.EncodeToString(b), nil
+}
+
+// abandon removes what a failed Put uploaded into its folder data: the
+// manifest only when it is this Put's (its PUT may have reached the server
+// although the client saw an error), never the artifact of a Put that
+// committed meanwhile.
+func (r *ossRepo) abandon(ctx context.Context, kind, id, data string) {
+	if m, err := r.Stat(ctx, kind, id); err == nil && m.Data == data {
+		r.c.RemoveObject(ctx, r.bucket, r.key(kind, id, ManifestName), minio.RemoveObjectOptions{})
+	}
+	r.removeAll(ctx, r.key(kind, id, data)+"/")
 }
 
 // putFile uploads the non-zero extents of a local file as one object and
@@ -261,7 +286,7 @@ func (r *ossRepo) Get(ctx context.Context, kind, id, dir string) (_ *Manifest, e
 			return nil, fmt.Errorf("get %s/%s: %w", kind, id, err)
 		}
 		temps = append(temps, tmp)
-		size, sum, err := r.getFile(ctx, r.key(kind, id, f.Name), f, tmp)
+		size, sum, err := r.getFile(ctx, r.key(kind, id, m.Data, f.Name), f, tmp)
 		if err != nil {
 			if isNoSuchKey(err) {
 				return nil, fmt.Errorf("get %s/%s: %w: file %q is missing", kind, id, ErrCorrupt, f.Name)
@@ -391,12 +416,15 @@ func (r *ossRepo) removeKeys(ctx context.Context, keys []string) error {
 
 func (r *ossRepo) Cleanup(ctx context.Context, olderThan time.Duration) (int, error) {
 	cutoff := time.Now().Add(-olderThan)
+	// One group per upload: the files of one Put's data folder (or, for
+	// artifacts of older releases, the files beside the manifest).
 	type group struct {
-		keys     []string
-		manifest bool
-		newest   time.Time
+		kind, id, data string
+		keys           []string
+		newest         time.Time
 	}
 	groups := map[string]*group{}
+	manifests := map[string]bool{} // kind/id with a manifest
 	pfx := ""
 	if r.prefix != "" {
 		pfx = r.prefix + "/"
@@ -406,24 +434,41 @@ func (r *ossRepo) Cleanup(ctx context.Context, olderThan time.Duration) (int, er
 			return 0, fmt.Errorf("cleanup: %w", o.Err)
 		}
 		parts := strings.Split(strings.TrimPrefix(o.Key, pfx), "/")
-		if len(parts) != 3 || validName("kind", parts[0]) != nil || validName("id", parts[1]) != nil {
+		if len(parts) < 3 || len(parts) > 4 || validKindID(parts[0], parts[1]) != nil {
 			continue // not ours
 		}
-		g := groups[parts[0]+"/"+parts[1]]
+		artifact := parts[0] + "/" + parts[1]
+		if len(parts) == 3 && parts[2] == ManifestName {
+			manifests[artifact] = true
+			continue
+		}
+		data := ""
+		if len(parts) == 4 {
+			data = parts[2]
+		}
+		g := groups[artifact+"/"+data]
 		if g == nil {
-			g = &group{}
-			groups[parts[0]+"/"+parts[1]] = g
+			g = &group{kind: parts[0], id: parts[1], data: data}
+			groups[artifact+"/"+data] = g
 		}
 		g.keys = append(g.keys, o.Key)
-		g.manifest = g.manifest || parts[2] == ManifestName
 		if o.LastModified.After(g.newest) {
 			g.newest = o.LastModified
 		}
 	}
 	n := 0
 	for _, g := range groups {
-		if g.manifest || g.newest.After(cutoff) {
+		if g.newest.After(cutoff) {
 			continue
+		}
+		if manifests[g.kind+"/"+g.id] {
+			m, err := r.Stat(ctx, g.kind, g.id)
+			if err != nil && !errors.Is(err, ErrNotFound) {
+				continue // unreadable: keep everything
+			}
+			if err == nil && m.Data == g.data {
+				continue // the committed upload
+			}
 		}
 		if err := r.removeKeys(ctx, g.keys); err != nil {
 			return n, fmt.Errorf("cleanup: %w", err)

@@ -171,7 +171,11 @@ func ossEnv() backendEnv {
 		mutate: func(t *testing.T, r Repository, kind, id, name string, fn func([]byte) []byte) {
 			o := r.(*ossRepo)
 			ctx := context.Background()
-			key := o.key(kind, id, name)
+			m, err := o.Stat(ctx, kind, id)
+			if err != nil {
+				t.Fatal(err)
+			}
+			key := o.key(kind, id, m.Data, name)
 			obj, err := o.c.GetObject(ctx, o.bucket, key, minio.GetObjectOptions{})
 			if err != nil {
 				t.Fatal(err)
@@ -231,7 +235,11 @@ func TestOSSCredentialsFileAndLayout(t *testing.T) {
 		}
 		keys = append(keys, obj.Key)
 	}
-	want := "layout/x/snapshots/s1/devices.vmstate layout/x/snapshots/s1/disk.qcow2 layout/x/snapshots/s1/empty layout/x/snapshots/s1/manifest.json layout/x/snapshots/s1/memory"
+	if !strings.HasPrefix(m.Data, "data-") {
+		t.Fatalf("manifest names data folder %q, want data-<random>", m.Data)
+	}
+	d := "layout/x/snapshots/s1/" + m.Data + "/"
+	want := d + "devices.vmstate " + d + "disk.qcow2 " + d + "empty " + d + "memory layout/x/snapshots/s1/manifest.json"
 	if got := strings.Join(keys, " "); got != want {
 		t.Errorf("objects:\n got %s\nwant %s", got, want)
 	}

@@ -84,7 +84,7 @@ func (r *posixFS) Put(ctx context.Context, kind, id, dir string) (_ *Manifest, e
 		}
 		faults.Point(faults.RepoPutFile)
 		return fe, nil
-	})
+	}, "")
 	if err != nil {
 		return nil, err
 	}

@@ -91,6 +91,11 @@ type Manifest struct {
 	ID      string    `json:"id"`
 	Created time.Time `json:"created"`
 	Files   []File    `json:"files"`
+	// Data is the folder, inside the artifact, that holds its file objects
+	// (oss: each Put uploads into a folder of its own, so two Puts of one
+	// id never write the same object). Empty: the files sit beside the
+	// manifest (posix_fs, and oss artifacts of older releases).
+	Data string `json:"data,omitempty"`
 }
 
 // File is one file of an artifact. Size and SHA256 (lowercase hex) are those
@@ -176,6 +181,11 @@ func decodeManifest(data []byte, kind, id string) (*Manifest, error) {
 	if m.Kind != kind || m.ID != id {
 		return nil, fmt.Errorf("%w: %s/%s: manifest names %s/%s", ErrCorrupt, kind, id, m.Kind, m.ID)
 	}
+	if m.Data != "" {
+		if err := validName("data folder", m.Data); err != nil || m.Data == ManifestName {
+			return nil, fmt.Errorf("%w: %s/%s: manifest names data folder %q", ErrCorrupt, kind, id, m.Data)
+		}
+	}
 	seen := map[string]bool{}
 	for _, f := range m.Files {
 		if err := validFileName(f.Name); err != nil {
@@ -224,10 +234,11 @@ func encodeManifest(m *Manifest) ([]byte, error) {
 // process had died there.
 // storeFiles stores each named file with store (in order, passing the fault
 // points "file:<name>" after each and "manifest" before the commit) and
-// returns the artifact's manifest, encoded too, ready to be committed.
+// returns the artifact's manifest (naming data, the folder the files were
+// stored in), encoded too, ready to be committed.
 func storeFiles(ctx context.Context, kind, id string, names []string, hook faultHook, now func() time.Time,
-	store func(name string) (File, error)) (*Manifest, []byte, error) {
-	m := &Manifest{Format: FormatVersion, Kind: kind, ID: id}
+	store func(name string) (File, error), data string) (*Manifest, []byte, error) {
+	m := &Manifest{Format: FormatVersion, Kind: kind, ID: id, Data: data}
 	for _, name := range names {
 		f, err := store(name)
 		if err != nil {
@@ -246,11 +257,11 @@ func storeFiles(ctx context.Context, kind, id string, names []string, hook fault
 		return nil, nil, fmt.Errorf("put %s/%s: %w", kind, id, err)
 	}
 	m.Created = now().UTC()
-	data, err := encodeManifest(m)
+	encoded, err := encodeManifest(m)
 	if err != nil {
 		return nil, nil, err
 	}
-	return m, data, nil
+	return m, encoded, nil
 }
 
 type faultHook func(point string) error
