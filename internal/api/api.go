@@ -21,6 +21,7 @@ import (
 	"github.com/agentenv/agentenv/internal/builds"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/proxy"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage/lazy"
 )
 
@@ -33,15 +34,15 @@ var APIKeyPattern = regexp.MustCompile(`^e2b_[0-9a-f]+$`)
 // one implementation; errors wrap the kinds of package errkind, which
 // decide the status code.
 type Node interface {
-	Create(ctx context.Context, req orchestrator.CreateRequest) (*orchestrator.Sandbox, error)
-	Get(ctx context.Context, id string) (*orchestrator.Sandbox, error)
-	List(ctx context.Context) ([]*orchestrator.Sandbox, error)
+	Create(ctx context.Context, req orchestrator.CreateRequest) (*sandboxes.Sandbox, error)
+	Get(ctx context.Context, id string) (*sandboxes.Sandbox, error)
+	List(ctx context.Context) ([]*sandboxes.Sandbox, error)
 	Kill(ctx context.Context, id string) error
-	SetTimeout(ctx context.Context, id string, d time.Duration) (*orchestrator.Sandbox, error)
+	SetTimeout(ctx context.Context, id string, d time.Duration) (*sandboxes.Sandbox, error)
 	// Pause stops a running sandbox and keeps it on disk; Resume brings it
 	// back (timeout 0: the node default).
-	Pause(ctx context.Context, id string) (*orchestrator.Sandbox, error)
-	Resume(ctx context.Context, id string, timeout time.Duration) (*orchestrator.Sandbox, error)
+	Pause(ctx context.Context, id string) (*sandboxes.Sandbox, error)
+	Resume(ctx context.Context, id string, timeout time.Duration) (*sandboxes.Sandbox, error)
 	// Fork clones a running sandbox into count children (timeout 0: the
 	// node default).
 	Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]orchestrator.ForkResult, error)
@@ -175,7 +176,7 @@ func (s *Server) signedFile(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	for _, sb := range all {
-		if sb.State == orchestrator.StateRunning && proxy.SignedFileRequest(r, sb.AccessToken) {
+		if sb.State == sandboxes.Running && proxy.SignedFileRequest(r, sb.AccessToken) {
 			r2 := r.Clone(r.Context())
 			r2.Header.Set(proxy.HeaderSandboxID, sb.ID)
 			r2.Header.Set(proxy.HeaderSandboxPort, fmt.Sprint(orchestrator.EnvdPort))
@@ -331,11 +332,11 @@ func (res Resolver) Route(ctx context.Context, id string) (proxy.Route, error) {
 
 // routeOf is the proxy's view of a sandbox: the traffic token is enforced
 // only for sandboxes created without public traffic.
-func routeOf(sb *orchestrator.Sandbox) proxy.Route {
+func routeOf(sb *sandboxes.Sandbox) proxy.Route {
 	host, _, _ := strings.Cut(sb.EnvdAddr, ":")
 	r := proxy.Route{
 		Addr:        host,
-		Running:     sb.State == orchestrator.StateRunning,
+		Running:     sb.State == sandboxes.Running,
 		AccessToken: sb.AccessToken,
 		AutoResume:  sb.AutoResume,
 	}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/proxy"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
 const testKey = "e2b_0123456789abcdef"
@@ -258,7 +259,7 @@ func TestBadInputChangesNothing(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			a := newTestAPI(t)
-			a.node.add(&orchestrator.Sandbox{ID: "sbx1", TemplateID: "base", StartedAt: time.Now(), EndAt: time.Now().Add(time.Minute), AccessToken: "tok"})
+			a.node.add(&sandboxes.Sandbox{ID: "sbx1", TemplateID: "base", StartedAt: time.Now(), EndAt: time.Now().Add(time.Minute), AccessToken: "tok"})
 			before, _ := a.node.Get(t.Context(), "sbx1")
 			rec := a.do(tc.method, tc.path, tc.body)
 			assertError(t, rec, tc.status)
@@ -385,7 +386,7 @@ func TestPauseResumeConnect(t *testing.T) {
 func TestConnect(t *testing.T) {
 	a := newTestAPI(t)
 	id := a.create(`{"templateID":"base","timeout":60}`)["sandboxID"].(string)
-	a.node.add(&orchestrator.Sandbox{ID: "creating1", State: orchestrator.StateCreating, StartedAt: time.Now()})
+	a.node.add(&sandboxes.Sandbox{ID: "creating1", State: sandboxes.Creating, StartedAt: time.Now()})
 	for _, tc := range []struct {
 		name   string
 		path   string
@@ -423,13 +424,13 @@ func TestListV2(t *testing.T) {
 	a := newTestAPI(t)
 	base := time.Now().Add(-time.Hour)
 	for i := range 5 {
-		a.node.add(&orchestrator.Sandbox{
+		a.node.add(&sandboxes.Sandbox{
 			ID: fmt.Sprintf("s%d", i), TemplateID: "base", StartedAt: base.Add(time.Duration(i) * time.Second),
 			EndAt: base.Add(2 * time.Hour), Metadata: map[string]string{"team": []string{"a", "b"}[i%2], "n": fmt.Sprint(i)},
 		})
 	}
 	a.node.sandboxes["s1"].Metadata["odd"] = "a b/c&d=e%"
-	a.node.add(&orchestrator.Sandbox{ID: "p0", State: orchestrator.StatePaused, StartedAt: base.Add(-time.Second), Metadata: map[string]string{"team": "a"}})
+	a.node.add(&sandboxes.Sandbox{ID: "p0", State: sandboxes.Paused, StartedAt: base.Add(-time.Second), Metadata: map[string]string{"team": "a"}})
 	list := func(q string) ([]string, string) {
 		rec := a.do("GET", "/v2/sandboxes?"+q, "")
 		if rec.Code != 200 {
@@ -504,8 +505,8 @@ func TestMetricsFromEnvd(t *testing.T) {
 	}))
 	defer envd.Close()
 	a := newTestAPI(t)
-	a.node.add(&orchestrator.Sandbox{ID: "m1", AccessToken: "tok", EnvdAddr: strings.TrimPrefix(envd.URL, "http://"), StartedAt: time.Now()})
-	a.node.add(&orchestrator.Sandbox{ID: "m2", AccessToken: "wrong", EnvdAddr: strings.TrimPrefix(envd.URL, "http://"), StartedAt: time.Now()})
+	a.node.add(&sandboxes.Sandbox{ID: "m1", AccessToken: "tok", EnvdAddr: strings.TrimPrefix(envd.URL, "http://"), StartedAt: time.Now()})
+	a.node.add(&sandboxes.Sandbox{ID: "m2", AccessToken: "wrong", EnvdAddr: strings.TrimPrefix(envd.URL, "http://"), StartedAt: time.Now()})
 	rec := a.do("GET", "/sandboxes/m1/metrics", "")
 	if rec.Code != 200 {
 		t.Fatalf("%d %s", rec.Code, rec.Body)
@@ -526,7 +527,7 @@ func TestMetricsFromEnvd(t *testing.T) {
 func TestLogs(t *testing.T) {
 	a := newTestAPI(t)
 	started := time.Now().Add(-time.Minute).UTC()
-	a.node.add(&orchestrator.Sandbox{ID: "l1", StartedAt: started})
+	a.node.add(&sandboxes.Sandbox{ID: "l1", StartedAt: started})
 	a.node.logs["l1"] = []byte("[    0.1] kernel line\r\n\ninit: started envd\nbad \xff byte\n")
 	for _, tc := range []struct {
 		name  string
@@ -607,8 +608,8 @@ func TestOpenAPIServedAndCoversRoutes(t *testing.T) {
 
 func TestResolver(t *testing.T) {
 	node := newFakeNode()
-	node.add(&orchestrator.Sandbox{ID: "run1", EnvdAddr: "10.0.0.2:49983", AccessToken: "tok"})
-	node.add(&orchestrator.Sandbox{ID: "pau1", State: orchestrator.StatePaused, EnvdAddr: "10.0.0.3:49983"})
+	node.add(&sandboxes.Sandbox{ID: "run1", EnvdAddr: "10.0.0.2:49983", AccessToken: "tok"})
+	node.add(&sandboxes.Sandbox{ID: "pau1", State: sandboxes.Paused, EnvdAddr: "10.0.0.3:49983"})
 	res := Resolver{Node: node}
 	for _, tc := range []struct {
 		id      string

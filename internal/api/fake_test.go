@@ -10,13 +10,14 @@ import (
 
 	"github.com/agentenv/agentenv/internal/builds"
 	"github.com/agentenv/agentenv/internal/orchestrator"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage/lazy"
 )
 
 // fakeNode is an in-memory Node for testing the API layer alone.
 type fakeNode struct {
 	mu        sync.Mutex
-	sandboxes map[string]*orchestrator.Sandbox
+	sandboxes map[string]*sandboxes.Sandbox
 	creates   []orchestrator.CreateRequest
 	mutations int // successful Create/Kill/SetTimeout calls
 	seq       int
@@ -24,14 +25,14 @@ type fakeNode struct {
 }
 
 func newFakeNode() *fakeNode {
-	return &fakeNode{sandboxes: map[string]*orchestrator.Sandbox{}, logs: map[string][]byte{}}
+	return &fakeNode{sandboxes: map[string]*sandboxes.Sandbox{}, logs: map[string][]byte{}}
 }
 
-func (f *fakeNode) add(sb *orchestrator.Sandbox) *orchestrator.Sandbox {
+func (f *fakeNode) add(sb *sandboxes.Sandbox) *sandboxes.Sandbox {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if sb.State == "" {
-		sb.State = orchestrator.StateRunning
+		sb.State = sandboxes.Running
 	}
 	if sb.EnvdVersion == "" {
 		sb.EnvdVersion = fakeEnvdVersion
@@ -40,7 +41,7 @@ func (f *fakeNode) add(sb *orchestrator.Sandbox) *orchestrator.Sandbox {
 	return sb
 }
 
-func (f *fakeNode) Create(ctx context.Context, req orchestrator.CreateRequest) (*orchestrator.Sandbox, error) {
+func (f *fakeNode) Create(ctx context.Context, req orchestrator.CreateRequest) (*sandboxes.Sandbox, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.creates = append(f.creates, req)
@@ -57,8 +58,8 @@ func (f *fakeNode) Create(ctx context.Context, req orchestrator.CreateRequest) (
 		timeout = 5 * time.Minute
 	}
 	now := time.Now().UTC()
-	sb := &orchestrator.Sandbox{
-		ID: fmt.Sprintf("sbx%017d", f.seq), TemplateID: req.TemplateID, State: orchestrator.StateRunning,
+	sb := &sandboxes.Sandbox{
+		ID: fmt.Sprintf("sbx%017d", f.seq), TemplateID: req.TemplateID, State: sandboxes.Running,
 		VCPUs: 2, MemoryMiB: 512, DiskMiB: 1024, Secure: req.Secure, AutoPause: req.AutoPause,
 		AllowInternet: req.AllowInternet == nil || *req.AllowInternet,
 		Metadata:      req.Metadata, EnvVars: req.EnvVars, StartedAt: now, CreatedAt: now, EndAt: now.Add(timeout),
@@ -72,7 +73,7 @@ func (f *fakeNode) Create(ctx context.Context, req orchestrator.CreateRequest) (
 	return &cp, nil
 }
 
-func (f *fakeNode) Get(ctx context.Context, id string) (*orchestrator.Sandbox, error) {
+func (f *fakeNode) Get(ctx context.Context, id string) (*sandboxes.Sandbox, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	sb, ok := f.sandboxes[id]
@@ -83,10 +84,10 @@ func (f *fakeNode) Get(ctx context.Context, id string) (*orchestrator.Sandbox, e
 	return &cp, nil
 }
 
-func (f *fakeNode) List(ctx context.Context) ([]*orchestrator.Sandbox, error) {
+func (f *fakeNode) List(ctx context.Context) ([]*sandboxes.Sandbox, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	var out []*orchestrator.Sandbox
+	var out []*sandboxes.Sandbox
 	for _, sb := range f.sandboxes {
 		cp := *sb
 		out = append(out, &cp)
@@ -106,14 +107,14 @@ func (f *fakeNode) Kill(ctx context.Context, id string) error {
 	return nil
 }
 
-func (f *fakeNode) SetTimeout(ctx context.Context, id string, d time.Duration) (*orchestrator.Sandbox, error) {
+func (f *fakeNode) SetTimeout(ctx context.Context, id string, d time.Duration) (*sandboxes.Sandbox, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	sb, ok := f.sandboxes[id]
 	if !ok {
 		return nil, fmt.Errorf("%w: sandbox %s", orchestrator.ErrNotFound, id)
 	}
-	if sb.State != orchestrator.StateRunning {
+	if sb.State != sandboxes.Running {
 		return nil, fmt.Errorf("%w: sandbox %s is %s", orchestrator.ErrConflict, id, sb.State)
 	}
 	sb.EndAt = time.Now().Add(d).UTC()
@@ -122,36 +123,36 @@ func (f *fakeNode) SetTimeout(ctx context.Context, id string, d time.Duration) (
 	return &cp, nil
 }
 
-func (f *fakeNode) Pause(ctx context.Context, id string) (*orchestrator.Sandbox, error) {
+func (f *fakeNode) Pause(ctx context.Context, id string) (*sandboxes.Sandbox, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	sb, ok := f.sandboxes[id]
 	if !ok {
 		return nil, fmt.Errorf("%w: sandbox %s", orchestrator.ErrNotFound, id)
 	}
-	if sb.State != orchestrator.StateRunning {
+	if sb.State != sandboxes.Running {
 		return nil, fmt.Errorf("%w: sandbox %s is %s", orchestrator.ErrConflict, id, sb.State)
 	}
-	sb.State = orchestrator.StatePaused
+	sb.State = sandboxes.Paused
 	f.mutations++
 	cp := *sb
 	return &cp, nil
 }
 
-func (f *fakeNode) Resume(ctx context.Context, id string, timeout time.Duration) (*orchestrator.Sandbox, error) {
+func (f *fakeNode) Resume(ctx context.Context, id string, timeout time.Duration) (*sandboxes.Sandbox, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	sb, ok := f.sandboxes[id]
 	if !ok {
 		return nil, fmt.Errorf("%w: sandbox %s", orchestrator.ErrNotFound, id)
 	}
-	if sb.State != orchestrator.StatePaused {
+	if sb.State != sandboxes.Paused {
 		return nil, fmt.Errorf("%w: sandbox %s is %s", orchestrator.ErrConflict, id, sb.State)
 	}
 	if timeout == 0 {
 		timeout = 5 * time.Minute
 	}
-	sb.State = orchestrator.StateRunning
+	sb.State = sandboxes.Running
 	sb.EndAt = time.Now().Add(timeout).UTC()
 	f.mutations++
 	cp := *sb
@@ -166,7 +167,7 @@ func (f *fakeNode) Fork(ctx context.Context, id string, count int, timeout time.
 	if !ok {
 		return nil, fmt.Errorf("%w: sandbox %s", orchestrator.ErrNotFound, id)
 	}
-	if parent.State != orchestrator.StateRunning {
+	if parent.State != sandboxes.Running {
 		return nil, fmt.Errorf("%w: sandbox %s is %s", orchestrator.ErrConflict, id, parent.State)
 	}
 	if timeout == 0 {
@@ -223,7 +224,7 @@ func (f *fakeNode) DeleteTemplate(ctx context.Context, name string) error {
 }
 func (f *fakeNode) DataDir() string { return os.TempDir() }
 func (f *fakeNode) Memory(ctx context.Context) (*orchestrator.NodeMemory, error) {
-	return &orchestrator.NodeMemory{States: map[orchestrator.State]int{}}, nil
+	return &orchestrator.NodeMemory{States: map[sandboxes.State]int{}}, nil
 }
 func (f *fakeNode) LayerCacheStats() lazy.CacheStats { return lazy.CacheStats{} }
 

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/agentenv/agentenv/internal/orchestrator"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
 // Seed corpora live in testdata/fuzz/<FuzzName>; run e.g.
@@ -86,7 +86,7 @@ func FuzzListQuery(f *testing.F) {
 	node := newFakeNode()
 	base := time.Unix(1_700_000_000, 0)
 	for i, id := range []string{"a", "b", "c", "d"} {
-		node.add(&orchestrator.Sandbox{ID: id, TemplateID: "base", StartedAt: base.Add(time.Duration(i%2) * time.Second),
+		node.add(&sandboxes.Sandbox{ID: id, TemplateID: "base", StartedAt: base.Add(time.Duration(i%2) * time.Second),
 			Metadata: map[string]string{"a": "b", "i": id}})
 	}
 	srv, err := New(node, Config{APIKey: testKey})
@@ -146,7 +146,7 @@ func FuzzPostBodies(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, route uint8, body []byte) {
 		node := newFakeNode()
-		node.add(&orchestrator.Sandbox{ID: "sbx1", TemplateID: "base", StartedAt: time.Unix(1, 0), EndAt: time.Now().Add(time.Hour)})
+		node.add(&sandboxes.Sandbox{ID: "sbx1", TemplateID: "base", StartedAt: time.Unix(1, 0), EndAt: time.Now().Add(time.Hour)})
 		srv, err := New(node, Config{APIKey: testKey})
 		if err != nil {
 			t.Fatal(err)

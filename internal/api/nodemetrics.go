@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/agentenv/agentenv/internal/orchestrator"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage/lazy"
 )
 
@@ -61,7 +62,7 @@ func (c *memoryCollector) Collect(ch chan<- prometheus.Metric) {
 	gauge := func(d *prometheus.Desc, v int64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, float64(v), labels...)
 	}
-	for _, st := range []orchestrator.State{orchestrator.StateRunning, orchestrator.StatePaused} {
+	for _, st := range []sandboxes.State{sandboxes.Running, sandboxes.Paused} {
 		gauge(c.sandboxes, int64(m.States[st]), string(st))
 	}
 	gauge(c.hostTotal, m.TotalBytes)

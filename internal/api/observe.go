@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/orchestrator"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
 // connectSandbox implements POST /sandboxes/{id}/connect and its /v2 form:
@@ -35,8 +36,8 @@ func (s *Server) connectSandbox(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	switch sb.State {
-	case orchestrator.StateRunning:
-	case orchestrator.StatePaused:
+	case sandboxes.Running:
+	case sandboxes.Paused:
 		s.resume(w, r, id, time.Duration(secs)*time.Second)
 		return
 	default:
@@ -316,7 +317,7 @@ func (s *Server) sandboxMetrics(w http.ResponseWriter, r *http.Request) {
 		s.writeNodeError(w, err)
 		return
 	}
-	if sb.State != orchestrator.StateRunning {
+	if sb.State != sandboxes.Running {
 		writeJSON(w, http.StatusOK, []metricJSON{})
 		return
 	}
@@ -346,7 +347,7 @@ func (s *Server) sandboxMetrics(w http.ResponseWriter, r *http.Request) {
 // never closes them, and they would hold goroutines and files.
 var envdClient = &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
 
-func fetchEnvdMetrics(ctx context.Context, sb *orchestrator.Sandbox) (*envdMetrics, error) {
+func fetchEnvdMetrics(ctx context.Context, sb *sandboxes.Sandbox) (*envdMetrics, error) {
 	if sb.EnvdAddr == "" {
 		return nil, errors.New("sandbox has no address")
 	}

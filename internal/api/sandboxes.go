@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/orchestrator"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
 var (
@@ -125,7 +126,7 @@ func (s *Server) domainPtr() *string {
 	return &d
 }
 
-func (s *Server) sandboxBody(sb *orchestrator.Sandbox) sandboxJSON {
+func (s *Server) sandboxBody(sb *sandboxes.Sandbox) sandboxJSON {
 	out := sandboxJSON{
 		TemplateID:  sb.TemplateID,
 		SandboxID:   sb.ID,
@@ -146,9 +147,9 @@ func (s *Server) sandboxBody(sb *orchestrator.Sandbox) sandboxJSON {
 	return out
 }
 
-func (s *Server) detailBody(sb *orchestrator.Sandbox) sandboxDetailJSON {
+func (s *Server) detailBody(sb *sandboxes.Sandbox) sandboxDetailJSON {
 	state := string(sb.State)
-	if sb.State != orchestrator.StatePaused {
+	if sb.State != sandboxes.Paused {
 		state = "running"
 	}
 	out := sandboxDetailJSON{
@@ -421,7 +422,7 @@ func (s *Server) keepAlive(ctx context.Context, id string, d time.Duration, allo
 	if err != nil {
 		return err
 	}
-	if sb.State != orchestrator.StateRunning {
+	if sb.State != sandboxes.Running {
 		return fmt.Errorf("%w: sandbox %s is %s", orchestrator.ErrConflict, id, sb.State)
 	}
 	if !allowShorter && !sb.EndAt.Before(time.Now().Add(d)) {
@@ -459,7 +460,7 @@ func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 	}
 	out := []sandboxDetailJSON{}
 	for _, sb := range all {
-		if sb.State == orchestrator.StateRunning && matchMetadata(sb.Metadata, filter) {
+		if sb.State == sandboxes.Running && matchMetadata(sb.Metadata, filter) {
 			out = append(out, s.detailBody(sb))
 		}
 	}
@@ -540,7 +541,7 @@ func (s *Server) listSandboxesV2(w http.ResponseWriter, r *http.Request) {
 		return all[i].ID < all[j].ID
 	})
 	out := []sandboxDetailJSON{}
-	var last *orchestrator.Sandbox
+	var last *sandboxes.Sandbox
 	more := false
 	for _, sb := range all {
 		d := s.detailBody(sb)
@@ -582,7 +583,7 @@ func validCursor(c string) bool {
 }
 
 // afterCursor reports whether sb sorts after the cursor in newest-first order.
-func afterCursor(sb *orchestrator.Sandbox, cursor string) bool {
+func afterCursor(sb *sandboxes.Sandbox, cursor string) bool {
 	parts := strings.SplitN(cursor, "|", 2)
 	if len(parts) != 2 {
 		return false

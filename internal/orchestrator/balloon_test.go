@@ -6,6 +6,8 @@ import (
 	"os"
 	"testing"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
 // allocFree makes the guest touch 200 MiB and free it again.
@@ -63,7 +65,7 @@ func BenchmarkBalloon(b *testing.B) {
 	const count = 4
 	measure := func(reporting bool) (idle, afterFree int64) {
 		n.cfg.NoFreePageReporting = !reporting
-		var sbs []*Sandbox
+		var sbs []*sandboxes.Sandbox
 		for i := 0; i < count; i++ {
 			s, err := n.Create(ctx, CreateRequest{TemplateID: "base"})
 			if err != nil {

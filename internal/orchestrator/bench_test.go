@@ -263,11 +263,11 @@ func BenchmarkCreateFromSnapshot(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	n.cfg.PoolSize = 1
+	n.pool.SetSize(1)
 	var pooled []time.Duration
 	for i := 0; i < b.N; i++ {
 		b.StopTimer()
-		n.fillPool(ctx, tmpl, snap)
+		n.pool.Fill(ctx, poolKey(tmpl, snap))
 		b.StartTimer()
 		start := time.Now()
 		s, err := n.Create(ctx, CreateRequest{TemplateID: "base", Secure: true})

@@ -5,13 +5,14 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"github.com/agentenv/agentenv/internal/builds"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/builds"
 )
 
 // buildLog collects a build's log lines.

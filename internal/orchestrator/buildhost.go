@@ -8,6 +8,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/builds"
 	"github.com/agentenv/agentenv/internal/guestexec"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/templates"
 )
 
@@ -50,7 +51,7 @@ func (h buildHost) Go(fn func(ctx context.Context)) {
 // builderSandbox is a build's sandbox (builds.Builder).
 type builderSandbox struct {
 	n *Node
-	s *Sandbox
+	s *sandboxes.Sandbox
 }
 
 func (b builderSandbox) Target() guestexec.Target {

@@ -5,6 +5,8 @@ import (
 	"runtime"
 	"sort"
 
+	"github.com/agentenv/agentenv/internal/sandboxes"
+	"github.com/agentenv/agentenv/internal/sharing"
 	"golang.org/x/sys/unix"
 )
 
@@ -27,7 +29,7 @@ type Capacity struct {
 // SandboxState is one sandbox in a capacity report.
 type SandboxState struct {
 	ID, TemplateID string
-	State          State
+	State          sandboxes.State
 }
 
 // Capacity reports the node's resources and sandboxes (cheap enough to
@@ -48,15 +50,15 @@ func (n *Node) Capacity(ctx context.Context) (*Capacity, error) {
 	for _, s := range all {
 		// A sandbox in the middle of a snapshot, fork, pause or resume
 		// still holds its memory here.
-		state := StateRunning
+		state := sandboxes.Running
 		switch s.State {
-		case StateRunning, StateSnapshotting, StateForking, StatePausing, StateResuming:
+		case sandboxes.Running, sandboxes.Snapshotting, sandboxes.Forking, sandboxes.Pausing, sandboxes.Resuming:
 			c.Running++
 			c.SandboxMemoryBytes += int64(s.MemoryMiB) << 20
-		case StatePaused:
-			state = StatePaused
+		case sandboxes.Paused:
+			state = sandboxes.Paused
 			c.Paused++
-			if _, ok := n.readSharedMark(s.ID); ok {
+			if _, ok := sharing.ReadMark(n.sandboxDir(s.ID)); ok {
 				c.SharedPaused = append(c.SharedPaused, s.ID)
 			}
 		default:

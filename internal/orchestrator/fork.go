@@ -14,6 +14,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/faults"
 	"github.com/agentenv/agentenv/internal/operation"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/store"
 	"github.com/agentenv/agentenv/internal/vmm"
@@ -33,7 +34,7 @@ const (
 
 // ForkResult is one child of a fork: the sandbox, or why it failed.
 type ForkResult struct {
-	Sandbox *Sandbox
+	Sandbox *sandboxes.Sandbox
 	Err     error
 }
 
@@ -93,9 +94,20 @@ func (n *Node) verifySnapshotState(snapID string) error {
 	return nil
 }
 
+// storeRefs are the store objects a sandbox is made of: the snapshot or
+// layer its disk overlay stacks on, and the snapshot whose RAM image its
+// memory maps.
+func (n *Node) storeRefs(s *sandboxes.Sandbox) []string {
+	base := s.SnapshotID
+	if base == "" {
+		base = s.BaseLayer
+	}
+	return []string{base, n.memoryBaseOf(s)}
+}
+
 // memoryBaseOf names the snapshot whose RAM image a copy-on-write sandbox
 // maps ("" if it maps none).
-func (n *Node) memoryBaseOf(s *Sandbox) string {
+func (n *Node) memoryBaseOf(s *sandboxes.Sandbox) string {
 	if !s.MemPrivate || s.MemFile == "" {
 		return ""
 	}
@@ -109,14 +121,14 @@ func (n *Node) memoryBaseOf(s *Sandbox) string {
 // runOnSnapshot makes a sandbox's record point at a snapshot it now runs
 // on (its disk stacks on the snapshot's and its RAM maps the snapshot's
 // image copy-on-write), with its references, in one transaction.
-func (n *Node) runOnSnapshot(ctx context.Context, s *Sandbox, snapID string) error {
+func (n *Node) runOnSnapshot(ctx context.Context, s *sandboxes.Sandbox, snapID string) error {
 	image, _, err := n.snapshotRAM(snapID)
 	if err != nil {
 		return err
 	}
 	next := *s
 	next.SnapshotID, next.BaseLayer, next.MemFile, next.MemPrivate, next.PID = snapID, "", image, true, 0
-	if err := n.saveSandbox(ctx, &next); err != nil {
+	if err := n.records.Save(ctx, &next); err != nil {
 		return err
 	}
 	s.SnapshotID, s.BaseLayer, s.MemFile, s.MemPrivate, s.PID = snapID, "", image, true, 0
@@ -164,7 +176,7 @@ func (n *Node) Fork(ctx context.Context, id string, count int, timeout time.Dura
 	if timeout < 0 || timeout > n.cfg.MaxTimeout {
 		return nil, fmt.Errorf("%w: timeout must be between 1s and %s", ErrInvalid, n.cfg.MaxTimeout)
 	}
-	c, err := n.capture(ctx, "fork", id, count, timeout, StateForking)
+	c, err := n.capture(ctx, "fork", id, count, timeout, sandboxes.Forking)
 	if c != nil && c.lease != nil {
 		// The children's records refer to the snapshot now.
 		c.lease.Drop(context.WithoutCancel(ctx))
@@ -189,25 +201,25 @@ type captured struct {
 // On success (and when only the parent's restore failed) the snapshot is
 // held by the returned lease, which the caller drops once a record refers
 // to the snapshot.
-func (n *Node) capture(ctx context.Context, opName, id string, count int, timeout time.Duration, opState State) (*captured, error) {
-	s, err := n.loadSandbox(ctx, id)
+func (n *Node) capture(ctx context.Context, opName, id string, count int, timeout time.Duration, opState sandboxes.State) (*captured, error) {
+	s, err := n.records.Get(ctx, id)
 	if err != nil {
 		return nil, err
 	}
 	if !s.State.Resting() {
-		return nil, busy(s)
+		return nil, sandboxes.Busy(s)
 	}
-	if s.State != StateRunning {
+	if s.State != sandboxes.Running {
 		return nil, fmt.Errorf("%w: sandbox %s is %s; only running sandboxes can be forked or snapshotted (resume it first)", ErrConflict, id, s.State)
 	}
 	unlock := n.lockOp(id)
 	defer unlock()
 	o := operation.Start(ctx, opName, n.cfg.OperationTimeout, n.log)
 	octx := o.Context()
-	if s, err = n.loadSandbox(octx, id); err != nil {
+	if s, err = n.records.Get(octx, id); err != nil {
 		return nil, o.Finish(err)
 	}
-	if err := n.move(octx, id, StateRunning, opState, ""); err != nil {
+	if err := n.records.Move(octx, id, sandboxes.Running, opState, ""); err != nil {
 		return nil, o.Finish(err)
 	}
 	n.resumeOnFailure(o, s, opState)
@@ -276,10 +288,10 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 	}
 	// (On a context of its own: the operation's time may have run out while
 	// the children restored.)
-	if err := n.move(context.WithoutCancel(octx), id, opState, StateRunning, ""); err != nil {
+	if err := n.records.Move(context.WithoutCancel(octx), id, opState, sandboxes.Running, ""); err != nil {
 		return c, o.Finish(err)
 	}
-	s.State = StateRunning
+	s.State = sandboxes.Running
 	n.log.Info("sandbox captured", "op", opName, "sandbox", id, "snapshot", snap, "children", count,
 		"freeze", frozen.Round(time.Microsecond), "total", time.Since(start).Round(time.Millisecond))
 	return c, o.Finish(nil)
@@ -301,11 +313,11 @@ func alive(m *vmm.Machine) bool {
 // resumeOnFailure pushes the cleanup that puts a sandbox whose vCPUs an
 // operation stopped back to running; when its QEMU died meanwhile, nothing
 // of it can run again and it is removed as a crashed machine would be.
-func (n *Node) resumeOnFailure(o *operation.Op, s *Sandbox, from State) {
+func (n *Node) resumeOnFailure(o *operation.Op, s *sandboxes.Sandbox, from sandboxes.State) {
 	o.OnFailure("run the sandbox on", func(ctx context.Context) error {
 		if m := n.machines.get(s.ID); alive(m) {
 			if err := m.Resume(ctx); err == nil {
-				return n.move(ctx, s.ID, from, StateRunning, "")
+				return n.records.Move(ctx, s.ID, from, sandboxes.Running, "")
 			}
 		}
 		n.machineLost(ctx, s, from)
@@ -316,9 +328,9 @@ func (n *Node) resumeOnFailure(o *operation.Op, s *Sandbox, from State) {
 // machineLost removes a sandbox whose QEMU died in the middle of an
 // operation before its state was saved anywhere: like a guest that crashed,
 // nothing of it can run again.
-func (n *Node) machineLost(ctx context.Context, s *Sandbox, from State) {
+func (n *Node) machineLost(ctx context.Context, s *sandboxes.Sandbox, from sandboxes.State) {
 	n.log.Error("the sandbox's QEMU died before its state was saved; removing it", "sandbox", s.ID, "during", from)
-	if err := n.move(ctx, s.ID, from, StateKilling, ""); err != nil {
+	if err := n.records.Move(ctx, s.ID, from, sandboxes.Killing, ""); err != nil {
 		n.log.Error("record a lost sandbox", "sandbox", s.ID, "err", err)
 	}
 	n.destroy(ctx, s)
@@ -333,7 +345,7 @@ func (n *Node) machineLost(ctx context.Context, s *Sandbox, from State) {
 // exits a failure puts the sandbox back to running; after, the freeze is
 // completed as far as it needs to be for the sandbox to rest paused on the
 // snapshot.
-func (n *Node) freeze(o *operation.Op, s *Sandbox, opState State) (string, *store.Lease, error) {
+func (n *Node) freeze(o *operation.Op, s *sandboxes.Sandbox, opState sandboxes.State) (string, *store.Lease, error) {
 	ctx := o.Context()
 	m := n.machines.get(s.ID)
 	if !alive(m) {
@@ -370,7 +382,7 @@ func (n *Node) freeze(o *operation.Op, s *Sandbox, opState State) (string, *stor
 		}
 		next := *s
 		next.SnapshotID = snapID
-		return n.saveSandbox(ctx, &next)
+		return n.records.Save(ctx, &next)
 	}); err != nil {
 		if lease != nil {
 			lease.Drop(context.WithoutCancel(ctx))
@@ -385,12 +397,12 @@ func (n *Node) freeze(o *operation.Op, s *Sandbox, opState State) (string, *stor
 		return nil
 	})
 	o.OnFailure("the sandbox's record as it was", func(ctx context.Context) error {
-		cur, err := n.loadSandbox(ctx, s.ID)
+		cur, err := n.records.Get(ctx, s.ID)
 		if err != nil || cur.SnapshotID != snapID || cur.MemPrivate {
 			return err // the freeze went further: restOnSnapshot settled it
 		}
 		p := prev
-		return n.saveSandbox(ctx, &p)
+		return n.records.Save(ctx, &p)
 	})
 	sdir := n.snapshotDir(snapID)
 	if err := o.Do("stop-vcpus", func(ctx context.Context) error { return m.Pause(ctx) }); err != nil {
@@ -439,7 +451,7 @@ func (n *Node) freeze(o *operation.Op, s *Sandbox, opState State) (string, *stor
 
 // finishFreeze moves a stopped sandbox's disk overlay and RAM file into its
 // snapshot, read-only, and completes the snapshot's manifest.
-func (n *Node) finishFreeze(o *operation.Op, s *Sandbox, snapID string) error {
+func (n *Node) finishFreeze(o *operation.Op, s *sandboxes.Sandbox, snapID string) error {
 	pdir, sdir := n.sandboxDir(s.ID), n.snapshotDir(snapID)
 	moves := [][2]string{
 		{filepath.Join(pdir, overlayName), filepath.Join(sdir, snapDiskName)},
@@ -491,7 +503,7 @@ func (n *Node) completeManifest(ctx context.Context, snapID string) error {
 // recoverFreeze rebuilds, as a paused sandbox, a sandbox whose fork or
 // snapshot was cut short by a crash after its state was saved. It returns
 // false when the saved state is not there.
-func (n *Node) recoverFreeze(ctx context.Context, s *Sandbox) bool {
+func (n *Node) recoverFreeze(ctx context.Context, s *sandboxes.Sandbox) bool {
 	if s.SnapshotID == "" {
 		return false
 	}
@@ -507,7 +519,7 @@ func (n *Node) recoverFreeze(ctx context.Context, s *Sandbox) bool {
 // move) and leaves s paused on the snapshot: a fresh overlay on its disk,
 // its state as the paused state, its record pointing at it and moved from
 // state from to paused.
-func (n *Node) restOnSnapshot(ctx context.Context, s *Sandbox, snapID string, from State) error {
+func (n *Node) restOnSnapshot(ctx context.Context, s *sandboxes.Sandbox, snapID string, from sandboxes.State) error {
 	if err := faults.Check(ctx, "rest-on-snapshot"); err != nil {
 		return err
 	}
@@ -560,10 +572,10 @@ func (n *Node) restOnSnapshot(ctx context.Context, s *Sandbox, snapID string, fr
 	if err := n.runOnSnapshot(ctx, s, snapID); err != nil {
 		return err
 	}
-	if err := n.move(ctx, s.ID, from, StatePaused, "pid = 0"); err != nil {
+	if err := n.records.Move(ctx, s.ID, from, sandboxes.Paused, "pid = 0"); err != nil {
 		return err
 	}
-	s.State, s.PID = StatePaused, 0
+	s.State, s.PID = sandboxes.Paused, 0
 	return nil
 }
 
@@ -581,7 +593,7 @@ func (n *Node) copySnapshotRAM(snapID, sandboxID string) error {
 // snapshot's disk, RAM mapped copy-on-write from its memory image, device
 // state loaded, vCPUs resumed, envd re-initialised (authenticated with
 // authToken, the token the snapshot's envd knows).
-func (n *Node) restoreFromSnapshot(ctx context.Context, s *Sandbox, snapID, authToken string, reseed bool) error {
+func (n *Node) restoreFromSnapshot(ctx context.Context, s *sandboxes.Sandbox, snapID, authToken string, reseed bool) error {
 	if err := n.verifySnapshotState(snapID); err != nil {
 		return err
 	}
@@ -595,7 +607,7 @@ func (n *Node) restoreFromSnapshot(ctx context.Context, s *Sandbox, snapID, auth
 // startIncoming prepares everything of s but the guest itself: its disk
 // overlay on the snapshot's layer, its network, and a QEMU waiting for the
 // snapshot's device state. The pool of pre-started sandboxes stops here.
-func (n *Node) startIncoming(ctx context.Context, s *Sandbox, snapID string) (*vmm.Machine, error) {
+func (n *Node) startIncoming(ctx context.Context, s *sandboxes.Sandbox, snapID string) (*vmm.Machine, error) {
 	dir := n.sandboxDir(s.ID)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
@@ -620,7 +632,7 @@ func (n *Node) startIncoming(ctx context.Context, s *Sandbox, snapID string) (*v
 	}
 	n.adopt(s.ID, m)
 	s.PID = m.PID()
-	if err := n.setFields(ctx, s.ID, "pid = ?", m.PID()); err != nil {
+	if err := n.records.Set(ctx, s.ID, "pid = ?", m.PID()); err != nil {
 		return m, err
 	}
 	return m, nil
@@ -628,8 +640,8 @@ func (n *Node) startIncoming(ctx context.Context, s *Sandbox, snapID string) (*v
 
 // finishRestore loads the snapshot's device state into a machine from
 // startIncoming, runs it and initialises its envd.
-func (n *Node) finishRestore(ctx context.Context, s *Sandbox, m *vmm.Machine, snapID, authToken string, reseed bool) error {
-	phase := s.phaseTimer()
+func (n *Node) finishRestore(ctx context.Context, s *sandboxes.Sandbox, m *vmm.Machine, snapID, authToken string, reseed bool) error {
+	phase := s.PhaseTimer()
 	_, hasRAM, err := n.snapshotRAM(snapID)
 	if err != nil {
 		return err
@@ -659,12 +671,12 @@ func (n *Node) finishRestore(ctx context.Context, s *Sandbox, m *vmm.Machine, sn
 
 // forkChild restores one child of parent from snapshot snapID. A child
 // that fails is removed: it is new, and nothing of it was the user's.
-func (n *Node) forkChild(o *operation.Op, parent *Sandbox, snapID string, timeout time.Duration) ForkResult {
+func (n *Node) forkChild(o *operation.Op, parent *sandboxes.Sandbox, snapID string, timeout time.Duration) ForkResult {
 	ctx := o.Context()
 	now := time.Now().UTC().Truncate(time.Millisecond)
 	c := *parent
 	c.ID = NewSandboxID()
-	c.State = StateCreating
+	c.State = sandboxes.Creating
 	c.PID = 0
 	c.TrafficToken = newToken()
 	if parent.Secure {
@@ -679,20 +691,20 @@ func (n *Node) forkChild(o *operation.Op, parent *Sandbox, snapID string, timeou
 	c.SnapshotID, c.BaseLayer, c.MemFile, c.MemPrivate = snapID, "", image, true
 	unlock := n.lockOp(c.ID)
 	defer unlock()
-	if err := o.Do("record-child", func(ctx context.Context) error { return n.recordNew(ctx, &c) }); err != nil {
+	if err := o.Do("record-child", func(ctx context.Context) error { return n.records.InsertNew(ctx, &c) }); err != nil {
 		return ForkResult{Err: err}
 	}
 	err = o.Do("restore-child", func(ctx context.Context) error {
 		return n.restoreFromSnapshot(ctx, &c, snapID, parent.AccessToken, true)
 	})
 	if err == nil {
-		err = n.move(ctx, c.ID, StateCreating, StateRunning, "")
+		err = n.records.Move(ctx, c.ID, sandboxes.Creating, sandboxes.Running, "")
 	}
 	if err != nil {
 		n.destroy(context.WithoutCancel(ctx), &c)
 		return ForkResult{Err: err}
 	}
-	c.State = StateRunning
+	c.State = sandboxes.Running
 	return ForkResult{Sandbox: n.withAddr(&c)}
 }
 

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
 func TestFork(t *testing.T) {
@@ -47,7 +49,7 @@ func TestFork(t *testing.T) {
 			t.Fatalf("child %d has no identity of its own: %+v", i, c)
 		}
 		ids[c.ID] = true
-		if c.Metadata["team"] != "rl" || c.VCPUs != parent.VCPUs || c.MemoryMiB != parent.MemoryMiB || c.State != StateRunning {
+		if c.Metadata["team"] != "rl" || c.VCPUs != parent.VCPUs || c.MemoryMiB != parent.MemoryMiB || c.State != sandboxes.Running {
 			t.Fatalf("child %d config: %+v", i, c)
 		}
 		cc := newEnvdClient(c)
@@ -72,7 +74,7 @@ func TestFork(t *testing.T) {
 	}
 	// The parent runs on, unaffected by the children's writes.
 	p, err := n.Get(ctx, parent.ID)
-	if err != nil || p.State != StateRunning {
+	if err != nil || p.State != sandboxes.Running {
 		t.Fatalf("parent after fork: %+v %v", p, err)
 	}
 	out, err := newEnvdClient(p).run(ctx, "", "bash", "-c", "kill -0 "+bg+" && cat /home/user/f")
@@ -86,7 +88,7 @@ func TestFork(t *testing.T) {
 		t.Fatalf("fork of a fork child: %v %v", err, gres)
 	}
 	ids[gres[0].Sandbox.ID] = true
-	for _, sb := range []*Sandbox{res[1].Sandbox, gres[0].Sandbox} {
+	for _, sb := range []*sandboxes.Sandbox{res[1].Sandbox, gres[0].Sandbox} {
 		cur, _ := n.Get(ctx, sb.ID)
 		out, err := newEnvdClient(cur).run(ctx, "", "bash", "-c", "kill -0 "+bg+" && cat /home/user/f")
 		if err != nil || out.stdout != "child-1\n" {

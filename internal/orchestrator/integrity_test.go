@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/agentenv/agentenv/internal/builds"
 	"math/rand"
 	"os"
 	"path/filepath"
@@ -14,6 +13,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/builds"
+	"github.com/agentenv/agentenv/internal/sandboxes"
+	"github.com/agentenv/agentenv/internal/warmpool"
+
 	"github.com/agentenv/agentenv/internal/faults"
 	"github.com/agentenv/agentenv/internal/storage/repository"
 	"github.com/agentenv/agentenv/internal/vmm"
@@ -22,7 +25,7 @@ import (
 // subject is a sandbox the integrity tests check after every step: a file
 // with known content and a background process.
 type subject struct {
-	s      *Sandbox
+	s      *sandboxes.Sandbox
 	pid    string
 	marker string
 }
@@ -50,8 +53,8 @@ func (sub *subject) check(t *testing.T, n *Node) {
 		t.Fatalf("subject lost: %v", err)
 	}
 	switch s.State {
-	case StateRunning:
-	case StatePaused:
+	case sandboxes.Running:
+	case sandboxes.Paused:
 		if s, err = n.Resume(ctx, s.ID, time.Minute); err != nil {
 			t.Fatalf("resume the subject: %v", err)
 		}
@@ -72,14 +75,14 @@ func (sub *subject) check(t *testing.T, n *Node) {
 func assertNoLeaks(t *testing.T, n *Node) {
 	t.Helper()
 	ctx := context.Background()
-	all, err := n.loadSandboxes(ctx, "")
+	all, err := n.records.List(ctx, "")
 	if err != nil {
 		t.Fatal(err)
 	}
 	ids, running := map[string]bool{}, map[string]bool{}
 	for _, s := range all {
 		ids[s.ID] = true
-		if s.State == StateRunning || s.State == StatePooled {
+		if s.State == sandboxes.Running || s.State == sandboxes.Pooled {
 			running[s.ID] = true
 		}
 		if !s.State.Resting() {
@@ -141,7 +144,7 @@ type injectedOp struct {
 	// prepare makes the sandbox the operation works on (nil: none).
 	prepare func(t *testing.T, n *Node) *subject
 	// run performs the operation; new are sandboxes it made.
-	run func(ctx context.Context, n *Node, sub *subject) (new []*Sandbox, err error)
+	run func(ctx context.Context, n *Node, sub *subject) (new []*sandboxes.Sandbox, err error)
 	// verify, if set, checks what else a failed run must have left as it was.
 	verify func(t *testing.T, n *Node, before string)
 	// state is what verify compares (taken before the run).
@@ -174,9 +177,9 @@ func pausedSubject(t *testing.T, n *Node) *subject {
 	return sub
 }
 
-func forkRun(ctx context.Context, n *Node, sub *subject) ([]*Sandbox, error) {
+func forkRun(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, error) {
 	res, err := n.Fork(ctx, sub.s.ID, 2, time.Minute)
-	var made []*Sandbox
+	var made []*sandboxes.Sandbox
 	for _, r := range res {
 		if r.Sandbox != nil {
 			made = append(made, r.Sandbox)
@@ -187,9 +190,9 @@ func forkRun(ctx context.Context, n *Node, sub *subject) ([]*Sandbox, error) {
 	return made, err
 }
 
-func snapshotRun(name string) func(ctx context.Context, n *Node, sub *subject) ([]*Sandbox, error) {
+func snapshotRun(name string) func(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, error) {
 	i := 0
-	return func(ctx context.Context, n *Node, sub *subject) ([]*Sandbox, error) {
+	return func(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, error) {
 		i++
 		_, err := n.Snapshot(ctx, sub.s.ID, fmt.Sprintf("%s-%d", name, i))
 		return nil, err
@@ -197,18 +200,18 @@ func snapshotRun(name string) func(ctx context.Context, n *Node, sub *subject) (
 }
 
 var injectedOps = []injectedOp{
-	{"create", "cold", nil, func(ctx context.Context, n *Node, _ *subject) ([]*Sandbox, error) {
+	{"create", "cold", nil, func(ctx context.Context, n *Node, _ *subject) ([]*sandboxes.Sandbox, error) {
 		s, err := n.Create(ctx, CreateRequest{TemplateID: "minimal"})
 		if s != nil {
-			return []*Sandbox{s}, err
+			return []*sandboxes.Sandbox{s}, err
 		}
 		return nil, err
 	}, nil, nil},
-	{"pause", "", runningSubject, func(ctx context.Context, n *Node, sub *subject) ([]*Sandbox, error) {
+	{"pause", "", runningSubject, func(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, error) {
 		_, err := n.Pause(ctx, sub.s.ID)
 		return nil, err
 	}, nil, nil},
-	{"resume", "", pausedSubject, func(ctx context.Context, n *Node, sub *subject) ([]*Sandbox, error) {
+	{"resume", "", pausedSubject, func(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, error) {
 		_, err := n.Resume(ctx, sub.s.ID, time.Minute)
 		return nil, err
 	}, nil, nil},
@@ -216,10 +219,10 @@ var injectedOps = []injectedOp{
 	{"snapshot", "live", cowSubject, snapshotRun("live"), nil, nil},
 	{"fork", "frozen", runningSubject, forkRun, nil, nil},
 	{"fork", "live", cowSubject, forkRun, nil, nil},
-	{"kill", "", runningSubject, func(ctx context.Context, n *Node, sub *subject) ([]*Sandbox, error) {
+	{"kill", "", runningSubject, func(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, error) {
 		return nil, n.Kill(ctx, sub.s.ID)
 	}, nil, nil},
-	{"build", "", nil, func(ctx context.Context, n *Node, _ *subject) ([]*Sandbox, error) {
+	{"build", "", nil, func(ctx context.Context, n *Node, _ *subject) ([]*sandboxes.Sandbox, error) {
 		return nil, n.builds.Run(ctx, builds.Spec{Template: "inj-build", FromTemplate: "minimal", Force: true,
 			Steps: []builds.Step{{Type: "RUN", Args: []string{"date +%s%N > /etc/built"}}}}, func(string, string, string) {})
 	}, func(t *testing.T, n *Node, before string) {
@@ -381,7 +384,7 @@ func dropSnapshots(n *Node) {
 }
 
 // fingerprint is what a sandbox of the rebuild test holds on its disk.
-func fingerprint(t *testing.T, s *Sandbox) string {
+func fingerprint(t *testing.T, s *sandboxes.Sandbox) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -406,7 +409,7 @@ func fingerprint(t *testing.T, s *Sandbox) string {
 // uses it.
 func TestTemplateRebuildKeepsDisks(t *testing.T) {
 	n := testNode(t)
-	n.cfg.PoolSize = 1
+	n.pool.SetSize(1)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	var l buildLog
@@ -424,24 +427,24 @@ func TestTemplateRebuildKeepsDisks(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitPool := func(snap string) {
+	waitPool := func(key warmpool.Key) {
 		t.Helper()
 		deadline := time.Now().Add(2 * time.Minute)
-		for n.pool.size(snap) < 1 {
+		for n.pool.Len(key) < 1 {
 			if time.Now().After(deadline) {
 				t.Fatal("the pool was not filled")
 			}
 			time.Sleep(100 * time.Millisecond)
 		}
 	}
-	waitPool(ts1.SnapshotID)
+	waitPool(poolKey(v1, ts1))
 
 	running := create(t, n, CreateRequest{TemplateID: "app"})                 // from the pool
 	cold := create(t, n, CreateRequest{TemplateID: "app", MemoryMiB: 320})    // cold boot on the layer
 	paused := create(t, n, CreateRequest{TemplateID: "app"})                  // template snapshot
 	snapSrc := create(t, n, CreateRequest{TemplateID: "app", MemoryMiB: 288}) // named snapshot source
 	want := map[string]string{}
-	for _, s := range []*Sandbox{running, cold, paused, snapSrc} {
+	for _, s := range []*sandboxes.Sandbox{running, cold, paused, snapSrc} {
 		want[s.ID] = fingerprint(t, s)
 		if !strings.HasPrefix(want[s.ID], "v1\n") {
 			t.Fatalf("sandbox %s of the first build: %q", s.ID, want[s.ID])
@@ -453,10 +456,8 @@ func TestTemplateRebuildKeepsDisks(t *testing.T) {
 	if _, err := n.Snapshot(ctx, snapSrc.ID, "app-snap"); err != nil {
 		t.Fatal(err)
 	}
-	waitPool(ts1.SnapshotID)
-	n.pool.mu.Lock()
-	pooledV1 := n.pool.entries[ts1.SnapshotID][0].s.ID
-	n.pool.mu.Unlock()
+	waitPool(poolKey(v1, ts1))
+	pooledV1 := n.pool.Entries(poolKey(v1, ts1))[0].s.ID
 
 	build("v2")
 	v2, _ := n.Template("app")
@@ -467,10 +468,10 @@ func TestTemplateRebuildKeepsDisks(t *testing.T) {
 		t.Fatal(err)
 	}
 	ts2, _ := n.currentTemplateSnapshot(v2)
-	if n.pool.size(ts1.SnapshotID) != 0 {
+	if n.pool.Len(poolKey(v1, ts1)) != 0 {
 		t.Fatal("the pool still holds sandboxes of the old build")
 	}
-	if _, err := n.loadSandbox(ctx, pooledV1); !errors.Is(err, ErrNotFound) {
+	if _, err := n.records.Get(ctx, pooledV1); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("a pooled sandbox of the old build is still recorded: %v", err)
 	}
 	fresh := create(t, n, CreateRequest{TemplateID: "app"})
@@ -494,7 +495,7 @@ func TestTemplateRebuildKeepsDisks(t *testing.T) {
 	n.Kill(ctx, imported.ID)
 
 	// Every sandbox of the first build kept exactly its disk.
-	for _, s := range []*Sandbox{running, cold, snapSrc} {
+	for _, s := range []*sandboxes.Sandbox{running, cold, snapSrc} {
 		cur, _ := n.Get(ctx, s.ID)
 		if got := fingerprint(t, cur); got != want[s.ID] {
 			t.Errorf("sandbox %s reads %q after the rebuild, had %q", s.ID, got, want[s.ID])
@@ -521,7 +522,7 @@ func TestTemplateRebuildKeepsDisks(t *testing.T) {
 	if _, err := n.store.Get(ctx, ts1.SnapshotID); err != nil {
 		t.Fatalf("the old template snapshot went while in use: %v", err)
 	}
-	for _, s := range []*Sandbox{running, cold, resumed, snapSrc, fromSnap} {
+	for _, s := range []*sandboxes.Sandbox{running, cold, resumed, snapSrc, fromSnap} {
 		if err := n.Kill(ctx, s.ID); err != nil {
 			t.Fatal(err)
 		}
@@ -549,7 +550,7 @@ func TestTemplateRebuildKeepsDisks(t *testing.T) {
 // cleans up after it and starts another, and a create still gets one.
 func TestPooledQEMUDies(t *testing.T) {
 	n := testNode(t)
-	n.cfg.PoolSize = 1
+	n.pool.SetSize(1)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	if err := n.PrepareTemplateSnapshot(ctx, "minimal"); err != nil {
@@ -560,16 +561,14 @@ func TestPooledQEMUDies(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n.refillPool(tpl, ts)
+	n.pool.Refill(poolKey(tpl, ts))
 	pooled := func() *pooledSandbox {
 		deadline := time.Now().Add(2 * time.Minute)
 		for {
-			n.pool.mu.Lock()
 			var e *pooledSandbox
-			if l := n.pool.entries[ts.SnapshotID]; len(l) > 0 {
+			if l := n.pool.Entries(poolKey(tpl, ts)); len(l) > 0 {
 				e = l[0]
 			}
-			n.pool.mu.Unlock()
 			if e != nil {
 				return e
 			}
@@ -593,7 +592,7 @@ func TestPooledQEMUDies(t *testing.T) {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	if _, err := n.loadSandbox(ctx, first.s.ID); !errors.Is(err, ErrNotFound) {
+	if _, err := n.records.Get(ctx, first.s.ID); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("the dead pooled sandbox is still recorded: %v", err)
 	}
 	s := create(t, n, CreateRequest{TemplateID: "minimal"})
@@ -699,12 +698,12 @@ func TestSoak(t *testing.T) {
 	build(builds)
 	type model struct {
 		marker, pid string
-		state       State
+		state       sandboxes.State
 	}
 	live := map[string]*model{}
 	var snaps []string
 	snapSource := map[string]model{}
-	pick := func(state State) string {
+	pick := func(state sandboxes.State) string {
 		var ids []string
 		for id, m := range live {
 			if m.state == state {
@@ -726,12 +725,12 @@ func TestSoak(t *testing.T) {
 	}
 	check := func(step string) {
 		t.Helper()
-		all, _ := n.loadSandboxes(ctx, "")
+		all, _ := n.records.List(ctx, "")
 		for _, s := range all {
 			if !s.State.Resting() {
 				t.Fatalf("after %s: sandbox %s is %s", step, s.ID, s.State)
 			}
-			if s.State != StatePooled && live[s.ID] == nil {
+			if s.State != sandboxes.Pooled && live[s.ID] == nil {
 				t.Fatalf("after %s: sandbox %s (%s) is not one the test made", step, s.ID, s.State)
 			}
 		}
@@ -741,7 +740,7 @@ func TestSoak(t *testing.T) {
 				t.Fatalf("after %s: sandbox %s lost: %v", step, id, err)
 			}
 			m.state = s.State
-			if s.State != StateRunning {
+			if s.State != sandboxes.Running {
 				continue
 			}
 			cctx, cancel := context.WithTimeout(ctx, time.Minute)
@@ -752,7 +751,7 @@ func TestSoak(t *testing.T) {
 			}
 		}
 	}
-	adopt := func(s *Sandbox, m model) { m.state = s.State; live[s.ID] = &m }
+	adopt := func(s *sandboxes.Sandbox, m model) { m.state = s.State; live[s.ID] = &m }
 	steps := 0
 	for end := time.Now().Add(d); time.Now().Before(end); steps++ {
 		var step string
@@ -786,7 +785,7 @@ func TestSoak(t *testing.T) {
 			}
 			adopt(s, model{marker: "m-" + s.ID, pid: strings.TrimSpace(r.stdout)})
 		case k <= 2:
-			if id := pick(StateRunning); id != "" {
+			if id := pick(sandboxes.Running); id != "" {
 				step = "pause " + id
 				_, err := n.Pause(cctx, id)
 				if err != nil && !gaveUp(err) {
@@ -794,14 +793,14 @@ func TestSoak(t *testing.T) {
 				}
 			}
 		case k <= 4:
-			if id := pick(StatePaused); id != "" {
+			if id := pick(sandboxes.Paused); id != "" {
 				step = "resume " + id
 				if _, err := n.Resume(cctx, id, time.Minute); err != nil && !gaveUp(err) {
 					t.Fatalf("%s: %v", step, err)
 				}
 			}
 		case k == 5:
-			if id := pick(StateRunning); id != "" {
+			if id := pick(sandboxes.Running); id != "" {
 				name := fmt.Sprintf("soak-%d", steps)
 				step = "snapshot " + id + " as " + name
 				if _, err := n.Snapshot(cctx, id, name); err != nil {
@@ -820,7 +819,7 @@ func TestSoak(t *testing.T) {
 				}
 			}
 		case k == 6:
-			if id := pick(StateRunning); id != "" && len(live) < 6 {
+			if id := pick(sandboxes.Running); id != "" && len(live) < 6 {
 				step = "fork " + id
 				res, err := n.Fork(cctx, id, 1+rnd.Intn(2), time.Minute)
 				if gaveUp(err) {
@@ -837,9 +836,9 @@ func TestSoak(t *testing.T) {
 				}
 			}
 		case k <= 8:
-			id := pick(StateRunning)
+			id := pick(sandboxes.Running)
 			if id == "" {
-				id = pick(StatePaused)
+				id = pick(sandboxes.Paused)
 			}
 			if id != "" && len(live) > 1 {
 				step = "kill " + id
@@ -1073,8 +1072,8 @@ func TestFreezeFailingTwiceKeepsTheSandbox(t *testing.T) {
 	if _, err := n.Fork(faults.With(ctx, inj), sub.s.ID, 1, time.Minute); !errors.Is(err, faults.ErrInjected) {
 		t.Fatalf("fork failing twice: %v", err)
 	}
-	s, err := n.loadSandbox(ctx, sub.s.ID)
-	if err != nil || s.State != StateForking {
+	s, err := n.records.Get(ctx, sub.s.ID)
+	if err != nil || s.State != sandboxes.Forking {
 		t.Fatalf("after the double failure: %+v %v (want it kept, forking)", s, err)
 	}
 	n.Close()
@@ -1110,7 +1109,7 @@ func TestRestartMidSecondPause(t *testing.T) {
 	}
 	sub.marker = "after-resume"
 	// The second pause is cut short before it saved anything.
-	if err := n.move(ctx, s.ID, StateRunning, StatePausing, ""); err != nil {
+	if err := n.records.Move(ctx, s.ID, sandboxes.Running, sandboxes.Pausing, ""); err != nil {
 		t.Fatal(err)
 	}
 	n.Close()
@@ -1120,7 +1119,7 @@ func TestRestartMidSecondPause(t *testing.T) {
 		n.Close()
 	}()
 	got, err := n.Get(ctx, sub.s.ID)
-	if err != nil || got.State != StateRunning {
+	if err != nil || got.State != sandboxes.Running {
 		t.Fatalf("after the restart: %+v %v (want it running on)", got, err)
 	}
 	sub.check(t, n)
@@ -1136,7 +1135,7 @@ func TestRestartMidLiveCaptureWithoutQEMU(t *testing.T) {
 	n := openTestNodeIn(t, dir, slot)
 	ctx := context.Background()
 	sub := cowSubject(t, n)
-	if err := n.move(ctx, sub.s.ID, StateRunning, StateSnapshotting, ""); err != nil {
+	if err := n.records.Move(ctx, sub.s.ID, sandboxes.Running, sandboxes.Snapshotting, ""); err != nil {
 		t.Fatal(err)
 	}
 	m := n.machines.get(sub.s.ID)

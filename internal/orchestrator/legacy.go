@@ -93,24 +93,17 @@ func (n *Node) adoptLegacySnapshots(ctx context.Context) error {
 			adoptedFiles = append(adoptedFiles, filepath.Join(dir, f.Name()))
 		}
 		// Sandbox records that hold nothing yet.
-		all, err := n.loadSandboxesTx(ctx, tx)
+		bare, err := n.records.UnreferencedTx(ctx, tx)
 		if err != nil {
 			return err
 		}
-		for _, s := range all {
-			var held int
-			if err := tx.QueryRow(`SELECT COUNT(*) FROM refs WHERE holder = ?`, sandboxHolder(s.ID)).Scan(&held); err != nil {
-				return err
-			}
-			if held > 0 {
-				continue
-			}
+		for _, s := range bare {
 			if s.SnapshotID == "" && s.BaseLayer == "" {
 				if info, err := storage.Info(ctx, filepath.Join(n.sandboxDir(s.ID), overlayName)); err == nil && info.BackingFilename != "" {
 					s.BaseLayer = n.objectOfPath(ctx, tx, info.BackingFilename)
 				}
 			}
-			if err := n.saveSandboxTx(ctx, tx, s); err != nil {
+			if err := n.records.SaveTx(ctx, tx, s); err != nil {
 				return err
 			}
 		}
@@ -142,13 +135,4 @@ func (n *Node) objectOfPath(ctx context.Context, tx *sql.Tx, path string) string
 		return ""
 	}
 	return id
-}
-
-// loadSandboxesTx is loadSandboxes within a transaction.
-func (n *Node) loadSandboxesTx(ctx context.Context, tx *sql.Tx) ([]*Sandbox, error) {
-	rows, err := tx.QueryContext(ctx, `SELECT `+sandboxColumns+` FROM sandboxes ORDER BY created_at, id`)
-	if err != nil {
-		return nil, err
-	}
-	return scanSandboxes(rows)
 }

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/operation"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
 func TestExpiryKillsSandbox(t *testing.T) {
@@ -70,7 +71,7 @@ func TestRestartReadoptsAndCleansUp(t *testing.T) {
 	half := create(t, n1, CreateRequest{TemplateID: "minimal"})
 	// Pretend the process died in the middle of creating `half`, and of
 	// assembling a snapshot.
-	if err := n1.setFields(ctx, half.ID, "state = ?", StateCreating); err != nil {
+	if err := n1.records.Set(ctx, half.ID, "state = ?", sandboxes.Creating); err != nil {
 		t.Fatal(err)
 	}
 	unfinished := filepath.Join(dir, snapshotsDir, ".fork-unfinished")
@@ -91,7 +92,7 @@ func TestRestartReadoptsAndCleansUp(t *testing.T) {
 		n2.Close()
 	}()
 	got, err := n2.Get(ctx, keep.ID)
-	if err != nil || got.State != StateRunning || got.PID != keep.PID {
+	if err != nil || got.State != sandboxes.Running || got.PID != keep.PID {
 		t.Fatalf("after restart: %+v, %v", got, err)
 	}
 	r, err := newEnvdClient(got).run(ctx, "", "/bin/sh", "-c", "echo still here")
@@ -242,8 +243,8 @@ func TestRestartMidOperation(t *testing.T) {
 	if err := n1.machines.get(live.ID).Pause(ctx); err != nil {
 		t.Fatal(err)
 	}
-	n1.setFields(ctx, live.ID, "state = ?", StatePausing)
-	n1.setFields(ctx, saved.ID, "state = ?", StateResuming)
+	n1.records.Set(ctx, live.ID, "state = ?", sandboxes.Pausing)
+	n1.records.Set(ctx, saved.ID, "state = ?", sandboxes.Resuming)
 	n1.Close()
 
 	n2 := openTestNode(t, dir)
@@ -254,14 +255,14 @@ func TestRestartMidOperation(t *testing.T) {
 		n2.Close()
 	}()
 	got, err := n2.Get(ctx, live.ID)
-	if err != nil || got.State != StateRunning {
+	if err != nil || got.State != sandboxes.Running {
 		t.Fatalf("mid-pause sandbox after restart: %+v %v", got, err)
 	}
 	if r, err := newEnvdClient(got).run(ctx, "", "/bin/sh", "-c", "echo ok"); err != nil || r.stdout != "ok\n" {
 		t.Fatalf("mid-pause sandbox does not answer: %+v %v", r, err)
 	}
 	got, err = n2.Get(ctx, saved.ID)
-	if err != nil || got.State != StatePaused {
+	if err != nil || got.State != sandboxes.Paused {
 		t.Fatalf("mid-resume sandbox after restart: %+v %v", got, err)
 	}
 	res, err := n2.Resume(ctx, saved.ID, time.Minute)
@@ -287,10 +288,10 @@ func TestRestartMidFork(t *testing.T) {
 		t.Fatalf("prepare: %+v %v", r, err)
 	}
 	pid := strings.TrimSpace(r.stdout)
-	if err := n1.move(ctx, s.ID, StateRunning, StateForking, ""); err != nil {
+	if err := n1.records.Move(ctx, s.ID, sandboxes.Running, sandboxes.Forking, ""); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := n1.freeze(operation.Start(ctx, "fork", time.Minute, nil), s, StateForking); err != nil {
+	if _, _, err := n1.freeze(operation.Start(ctx, "fork", time.Minute, nil), s, sandboxes.Forking); err != nil {
 		t.Fatal(err)
 	}
 	n1.Close() // "crash": the parent is not restored
@@ -298,7 +299,7 @@ func TestRestartMidFork(t *testing.T) {
 	n2 := openTestNode(t, dir)
 	defer func() { n2.Kill(ctx, s.ID); n2.Close() }()
 	got, err := n2.Get(ctx, s.ID)
-	if err != nil || got.State != StatePaused {
+	if err != nil || got.State != sandboxes.Paused {
 		t.Fatalf("parent after a crash mid-fork: %+v %v", got, err)
 	}
 	res, err := n2.Resume(ctx, s.ID, time.Minute)

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/operation"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/store"
 )
@@ -25,21 +26,21 @@ import (
 // migration of that process in bdrv_inactivate_all.)
 
 // canSnapshotLive reports whether s can be captured without a restart.
-func (n *Node) canSnapshotLive(s *Sandbox) bool {
+func (n *Node) canSnapshotLive(s *sandboxes.Sandbox) bool {
 	return n.memoryBaseOf(s) != ""
 }
 
 // snapshotLive captures a running copy-on-write sandbox into a new
 // incremental snapshot, held by the returned lease. On failure the
 // half-made snapshot goes (and the caller's cleanup runs the sandbox on).
-func (n *Node) snapshotLive(o *operation.Op, s *Sandbox) (string, *store.Lease, error) {
+func (n *Node) snapshotLive(o *operation.Op, s *sandboxes.Sandbox) (string, *store.Lease, error) {
 	ctx := o.Context()
 	m := n.machines.get(s.ID)
 	if !alive(m) {
 		return "", nil, errors.New("no running machine")
 	}
 	overlay := filepath.Join(n.sandboxDir(s.ID), overlayName)
-	phase := s.phaseTimer()
+	phase := s.PhaseTimer()
 	var snapID string
 	var lease *store.Lease
 	if err := o.Do("record-snapshot", func(ctx context.Context) error {

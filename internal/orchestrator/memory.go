@@ -7,6 +7,8 @@ import (
 	"os"
 	"strconv"
 	"strings"
+
+	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
 // ProcessMemory is the host memory of one process, from
@@ -60,25 +62,25 @@ type NodeMemory struct {
 	TotalBytes, AvailableBytes int64
 	Sandboxes                  []SandboxMemory
 	// States counts the node's sandboxes by state.
-	States map[State]int
+	States map[sandboxes.State]int
 }
 
 // Memory reports the node's memory use.
 func (n *Node) Memory(ctx context.Context) (*NodeMemory, error) {
-	all, err := n.loadSandboxes(ctx, "")
+	all, err := n.records.List(ctx, "")
 	if err != nil {
 		return nil, err
 	}
-	out := &NodeMemory{States: map[State]int{}}
+	out := &NodeMemory{States: map[sandboxes.State]int{}}
 	if out.TotalBytes, out.AvailableBytes, err = hostMemory(); err != nil {
 		return nil, err
 	}
 	for _, s := range all {
-		if s.State == StatePooled {
+		if s.State == sandboxes.Pooled {
 			continue
 		}
 		out.States[s.State]++
-		if s.State != StateRunning || s.PID <= 0 {
+		if s.State != sandboxes.Running || s.PID <= 0 {
 			continue
 		}
 		pm, err := readProcessMemory(s.PID)

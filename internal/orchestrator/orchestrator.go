@@ -1,8 +1,10 @@
-// Package orchestrator owns the sandboxes of one node: their lifecycle state
-// machine (persisted in an embedded SQLite database before anything is done),
+// Package orchestrator runs the operations on the sandboxes of one node:
 // creating a sandbox from a template (disk overlay, network, QEMU, envd
-// handshake), killing it with full teardown, expiry, and recovery of
-// everything after a restart of the node process.
+// handshake), pausing, resuming, snapshotting, forking and killing it with
+// full teardown, expiry, and recovery of everything after a restart of the
+// node process. Each operation records its progress in the sandbox's record
+// (package sandboxes, which owns the records and the state machine) before
+// it changes anything.
 package orchestrator
 
 import (
@@ -25,29 +27,15 @@ import (
 	"github.com/agentenv/agentenv/internal/envd"
 	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/network"
+	"github.com/agentenv/agentenv/internal/sandboxes"
+	"github.com/agentenv/agentenv/internal/sharing"
 	"github.com/agentenv/agentenv/internal/statedb"
 	"github.com/agentenv/agentenv/internal/storage/lazy"
 	"github.com/agentenv/agentenv/internal/storage/repository"
 	"github.com/agentenv/agentenv/internal/store"
 	"github.com/agentenv/agentenv/internal/templates"
 	"github.com/agentenv/agentenv/internal/vmm"
-)
-
-// State is a sandbox's lifecycle state.
-type State string
-
-// The lifecycle states. Only running and paused are stable; the others mark
-// an operation in progress, and a sandbox in one of them accepts no other
-// operation.
-const (
-	StateCreating     State = "creating"
-	StateRunning      State = "running"
-	StatePausing      State = "pausing"
-	StatePaused       State = "paused"
-	StateResuming     State = "resuming"
-	StateSnapshotting State = "snapshotting"
-	StateForking      State = "forking"
-	StateKilling      State = "killing"
+	"github.com/agentenv/agentenv/internal/warmpool"
 )
 
 // Errors callers map to API responses; returned wrapped with context.
@@ -62,70 +50,6 @@ var (
 
 // EnvdPort is the port envd listens on inside every guest.
 const EnvdPort = 49983
-
-// Sandbox is the recorded state of one sandbox.
-type Sandbox struct {
-	ID            string
-	TemplateID    string
-	State         State
-	VCPUs         int
-	MemoryMiB     int
-	DiskMiB       int
-	Slot          int
-	PID           int
-	AllowInternet bool
-	Secure        bool
-	AutoPause     bool
-	// AutoResume: traffic for the sandbox while paused resumes it.
-	AutoResume bool
-	// PublicTraffic: ports other than envd's need no traffic token.
-	PublicTraffic bool
-	AccessToken   string
-	TrafficToken  string
-	DefaultUser   string
-	Metadata      map[string]string
-	EnvVars       map[string]string
-	CreatedAt     time.Time
-	StartedAt     time.Time
-	EndAt         time.Time
-	// MemFile, when set, is a frozen memory image (of a fork snapshot) the
-	// sandbox's RAM is mapped from, copy-on-write when MemPrivate; empty
-	// means the sandbox's own RAM file.
-	MemFile    string
-	MemPrivate bool
-	// SnapshotID is the fork snapshot whose disk layer backs this sandbox's
-	// overlay (and whose memory image MemFile may be).
-	SnapshotID string
-	// BaseLayer is the layer a cold-booted sandbox's overlay stacks on (its
-	// template's root layer when it was created; the template may have
-	// been rebuilt since). Empty when SnapshotID is set.
-	BaseLayer string
-	// EnvdAddr is host:port where the node reaches the sandbox's envd, and
-	// EnvdVersion the version of that envd (the one the node's initramfs
-	// carries; not persisted).
-	EnvdAddr    string
-	EnvdVersion string
-	// Phases times the steps of the operation that produced this value
-	// (set by Create; not persisted).
-	Phases []Phase
-}
-
-// Phase is one timed step of an operation.
-type Phase struct {
-	Name     string
-	Duration time.Duration
-}
-
-// phaseTimer returns a function that appends to s.Phases a step named by
-// its argument, lasting since the previous call (or since now).
-func (s *Sandbox) phaseTimer() func(name string) {
-	mark := time.Now()
-	return func(name string) {
-		now := time.Now()
-		s.Phases = append(s.Phases, Phase{name, now.Sub(mark)})
-		mark = now
-	}
-}
 
 // Config configures a node.
 type Config struct {
@@ -239,16 +163,18 @@ type Node struct {
 	// initrdSum identifies the initramfs (and so the envd) guests boot with.
 	initrdSum string
 
+	records  *sandboxes.Records
 	machines machineTable
 	ops      opLocks
-	slots    slotAllocator
-	pool     *warmPool
+	pool     *warmpool.Pool[*pooledSandbox]
 	builds   *builds.Builds
 	remote   *templates.Remote // templates of the repository, loaded lazily
 	// cgroupWarn says once that sandboxes run without cgroup limits.
 	cgroupWarn sync.Once
-	// shareErr says why paused sandboxes are not shared although
-	// Config.SharePaused asks for it (set once at start).
+	// shelf holds the paused sandboxes shared with the cluster's other
+	// nodes (nil: not shared), and shareErr says why not although
+	// Config.SharePaused asks for it (both set once at start).
+	shelf    *sharing.Shelf
 	shareErr error
 
 	stop      chan struct{}
@@ -304,9 +230,6 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 		db.Close()
 		return nil, err
 	}
-	if err := migrateSandboxes(db); err != nil {
-		return fail(err)
-	}
 	st, err := store.Open(db, cfg.DataDir, cfg.Logger)
 	if err != nil {
 		return fail(err)
@@ -319,9 +242,11 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 		templates: templates.NewCatalog(st, cfg.DataDir),
 		net:       netm,
 		log:       cfg.Logger,
-		pool:      newWarmPool(),
 		stop:      make(chan struct{}),
-		slots:     slotAllocator{last: -1},
+	}
+	n.pool = warmpool.New(cfg.PoolSize, poolStarter{n}, n.log)
+	if n.records, err = sandboxes.Open(db, st, netm.Slots(), n.storeRefs); err != nil {
+		return fail(err)
 	}
 	if n.initrdSum, err = store.FileSHA256(cfg.Initrd); err != nil {
 		return fail(err)
@@ -332,7 +257,11 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 	if err := n.adoptLegacySnapshots(ctx); err != nil {
 		return fail(fmt.Errorf("adopt the snapshots of an older release: %w", err))
 	}
-	n.checkSharing(ctx)
+	if cfg.SharePaused && cfg.Repository != nil {
+		if n.shelf, n.shareErr = sharing.Open(ctx, cfg.Repository, cfg.Instance); n.shareErr != nil {
+			n.log.Error("cluster resume is off", "err", n.shareErr)
+		}
+	}
 	n.builds = builds.New(cfg.DataDir, st, n.templates, buildHost{n}, n.log, cfg.MaxVCPUs, cfg.MaxMemoryMiB)
 	n.builds.Recover()
 	n.remote = templates.NewRemote(n.templates, cfg.Repository, cfg.DataDir, cfg.LayerCacheMiB, cfg.Peers, cfg.PeerToken, n.log)
@@ -363,7 +292,7 @@ func (n *Node) Close() error {
 	}
 	close(n.stop)
 	n.wg.Wait()
-	n.drainPool(context.Background())
+	n.pool.Close(context.Background())
 	n.remote.Close()
 	for _, m := range n.machines.all() {
 		if q := m.QMP(); q != nil {
@@ -383,11 +312,11 @@ func (n *Node) sandboxDir(id string) string { return filepath.Join(n.cfg.DataDir
 // lockOp serializes operations on one sandbox.
 func (n *Node) lockOp(id string) func() { return n.ops.lock(id) }
 
-func (n *Node) endpoint(s *Sandbox) (*network.Endpoint, error) {
+func (n *Node) endpoint(s *sandboxes.Sandbox) (*network.Endpoint, error) {
 	return n.net.Endpoint(s.ID, s.Slot, s.AllowInternet)
 }
 
-func (n *Node) withAddr(s *Sandbox) *Sandbox {
+func (n *Node) withAddr(s *sandboxes.Sandbox) *sandboxes.Sandbox {
 	if ep, err := n.endpoint(s); err == nil {
 		s.EnvdAddr = ep.GuestAddr(EnvdPort)
 	}
@@ -396,20 +325,20 @@ func (n *Node) withAddr(s *Sandbox) *Sandbox {
 }
 
 // Get returns one sandbox.
-func (n *Node) Get(ctx context.Context, id string) (*Sandbox, error) {
-	s, err := n.loadSandbox(ctx, id)
+func (n *Node) Get(ctx context.Context, id string) (*sandboxes.Sandbox, error) {
+	s, err := n.records.Get(ctx, id)
 	if err != nil {
 		return nil, err
 	}
-	if s.State == StatePooled {
+	if s.State == sandboxes.Pooled {
 		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
 	}
 	return n.withAddr(s), nil
 }
 
 // List returns all sandboxes, oldest first.
-func (n *Node) List(ctx context.Context) ([]*Sandbox, error) {
-	all, err := n.loadSandboxes(ctx, "state != ?", StatePooled)
+func (n *Node) List(ctx context.Context) ([]*sandboxes.Sandbox, error) {
+	all, err := n.records.List(ctx, "state != ?", sandboxes.Pooled)
 	if err != nil {
 		return nil, err
 	}
@@ -420,19 +349,19 @@ func (n *Node) List(ctx context.Context) ([]*Sandbox, error) {
 }
 
 // SetTimeout sets a running sandbox's end time to now + d.
-func (n *Node) SetTimeout(ctx context.Context, id string, d time.Duration) (*Sandbox, error) {
+func (n *Node) SetTimeout(ctx context.Context, id string, d time.Duration) (*sandboxes.Sandbox, error) {
 	if d <= 0 || d > n.cfg.MaxTimeout {
 		return nil, fmt.Errorf("%w: timeout must be between 1s and %s", ErrInvalid, n.cfg.MaxTimeout)
 	}
-	s, err := n.loadSandbox(ctx, id)
+	s, err := n.records.Get(ctx, id)
 	if err != nil {
 		return nil, err
 	}
-	if s.State != StateRunning {
+	if s.State != sandboxes.Running {
 		return nil, fmt.Errorf("%w: sandbox %s is %s", ErrConflict, id, s.State)
 	}
 	end := time.Now().Add(d).Truncate(time.Millisecond)
-	if err := n.setFields(ctx, id, "end_at = ?", end.UnixMilli()); err != nil {
+	if err := n.records.Set(ctx, id, "end_at = ?", end.UnixMilli()); err != nil {
 		return nil, err
 	}
 	s.EndAt = end.UTC()
@@ -466,7 +395,7 @@ func (n *Node) expiryLoop() {
 		case <-t.C:
 		}
 		ctx := context.Background()
-		expired, err := n.loadSandboxes(ctx, "state = ? AND end_at <= ?", StateRunning, time.Now().UnixMilli())
+		expired, err := n.records.List(ctx, "state = ? AND end_at <= ?", sandboxes.Running, time.Now().UnixMilli())
 		if err != nil {
 			n.log.Error("expiry scan", "err", err)
 			continue

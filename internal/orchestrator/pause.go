@@ -12,6 +12,7 @@ import (
 	"github.com/agentenv/agentenv/internal/faults"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/operation"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/store"
 	"github.com/agentenv/agentenv/internal/vmm"
@@ -27,29 +28,29 @@ const stateFileName = "devices.vmstate"
 // its memory and CPU. Resume brings it back where it stopped. The pause
 // runs to its end whatever the caller does; when it fails the sandbox runs
 // on as before.
-func (n *Node) Pause(ctx context.Context, id string) (*Sandbox, error) {
-	s, err := n.loadSandbox(ctx, id)
+func (n *Node) Pause(ctx context.Context, id string) (*sandboxes.Sandbox, error) {
+	s, err := n.records.Get(ctx, id)
 	if err != nil {
 		return nil, err
 	}
-	if s.State == StatePaused {
+	if s.State == sandboxes.Paused {
 		return nil, fmt.Errorf("%w: sandbox %s is already paused", ErrConflict, id)
 	}
 	if !s.State.Resting() {
-		return nil, busy(s)
+		return nil, sandboxes.Busy(s)
 	}
 	unlock := n.lockOp(id)
 	defer unlock()
 	o := operation.Start(ctx, "pause", n.cfg.OperationTimeout, n.log)
 	octx := o.Context()
-	if s, err = n.loadSandbox(octx, id); err != nil {
+	if s, err = n.records.Get(octx, id); err != nil {
 		return nil, o.Finish(err)
 	}
-	if err := n.move(octx, id, StateRunning, StatePausing, ""); err != nil {
+	if err := n.records.Move(octx, id, sandboxes.Running, sandboxes.Pausing, ""); err != nil {
 		return nil, o.Finish(err)
 	}
-	n.resumeOnFailure(o, s, StatePausing)
-	if err := n.pauseMachine(octx, s, StatePausing, o.Do); err != nil {
+	n.resumeOnFailure(o, s, sandboxes.Pausing)
+	if err := n.pauseMachine(octx, s, sandboxes.Pausing, o.Do); err != nil {
 		n.log.Error("pause failed; the sandbox runs on", "sandbox", id, "err", err)
 		return nil, o.Finish(fmt.Errorf("pause %s: %w", id, err))
 	}
@@ -87,13 +88,13 @@ func (n *Node) stopMachine(id string) error {
 // record and state are published, the record moves to paused, and only
 // then QEMU exits. On failure QEMU is still there, stopped, nothing is
 // published, and the caller runs it on.
-func (n *Node) pauseMachine(ctx context.Context, s *Sandbox, from State, step stepFunc) (err error) {
+func (n *Node) pauseMachine(ctx context.Context, s *sandboxes.Sandbox, from sandboxes.State, step stepFunc) (err error) {
 	m := n.machines.get(s.ID)
 	if !alive(m) {
 		return errors.New("no running machine")
 	}
 	dir := n.sandboxDir(s.ID)
-	phase := s.phaseTimer()
+	phase := s.PhaseTimer()
 	tmp := filepath.Join(dir, stateFileName+".tmp")
 	published := false
 	defer func() {
@@ -169,11 +170,11 @@ func (n *Node) pauseMachine(ctx context.Context, s *Sandbox, from State, step st
 	}
 	faults.Point(faults.PauseSaved)
 	if err := step("commit", func(ctx context.Context) error {
-		return n.move(ctx, s.ID, from, StatePaused, "pid = 0")
+		return n.records.Move(ctx, s.ID, from, sandboxes.Paused, "pid = 0")
 	}); err != nil {
 		return err
 	}
-	s.State, s.PID = StatePaused, 0
+	s.State, s.PID = sandboxes.Paused, 0
 	// Paused: QEMU has nothing left to do.
 	if err := n.stopMachine(s.ID); err != nil {
 		n.log.Warn("stop the QEMU of a paused sandbox", "sandbox", s.ID, "err", err)
@@ -197,7 +198,7 @@ type pauseRecord struct {
 // verifyPausedState checks that a paused sandbox has every file its pause
 // record needs (its RAM file, or the image its copy-on-write RAM maps) and
 // that the saved state matches its checksum.
-func (n *Node) verifyPausedState(s *Sandbox) error {
+func (n *Node) verifyPausedState(s *sandboxes.Sandbox) error {
 	dir := n.sandboxDir(s.ID)
 	rec, err := readPauseRecord(dir)
 	if err != nil {
@@ -260,20 +261,20 @@ func (n *Node) openTap(ctx context.Context, ep *network.Endpoint) (*os.File, err
 // guest's wall clock is corrected. The resume runs to its end whatever the
 // caller does; when it fails the sandbox stays paused (or, if its guest
 // already ran, is paused again).
-func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*Sandbox, error) {
+func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*sandboxes.Sandbox, error) {
 	if timeout == 0 {
 		timeout = n.cfg.DefaultTimeout
 	}
 	if timeout < 0 || timeout > n.cfg.MaxTimeout {
 		return nil, fmt.Errorf("%w: timeout must be between 1s and %s", ErrInvalid, n.cfg.MaxTimeout)
 	}
-	s, err := n.loadSandbox(ctx, id)
+	s, err := n.records.Get(ctx, id)
 	if err == nil {
-		if s.State == StateRunning {
+		if s.State == sandboxes.Running {
 			return nil, fmt.Errorf("%w: sandbox %s is already running", ErrConflict, id)
 		}
 		if !s.State.Resting() {
-			return nil, busy(s)
+			return nil, sandboxes.Busy(s)
 		}
 	} else if !errors.Is(err, ErrNotFound) || !n.sharesPaused() {
 		return nil, n.notHere(err)
@@ -282,22 +283,22 @@ func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*S
 	defer unlock()
 	o := operation.Start(ctx, "resume", n.cfg.OperationTimeout, n.log)
 	octx := o.Context()
-	s, err = n.loadSandbox(octx, id)
+	s, err = n.records.Get(octx, id)
 	if errors.Is(err, ErrNotFound) && n.sharesPaused() {
 		s, err = n.adoptShared(octx, id) // paused on another node, in shared storage
 	}
 	if err != nil {
 		return nil, o.Finish(err)
 	}
-	if s.State == StateRunning {
+	if s.State == sandboxes.Running {
 		return nil, o.Finish(fmt.Errorf("%w: sandbox %s is already running", ErrConflict, id))
 	}
-	if s.State == StatePaused {
+	if s.State == sandboxes.Paused {
 		if err := n.takeBackShared(octx, s); err != nil {
 			return nil, o.Finish(err)
 		}
 	}
-	if err := n.move(octx, id, StatePaused, StateResuming, ""); err != nil {
+	if err := n.records.Move(octx, id, sandboxes.Paused, sandboxes.Resuming, ""); err != nil {
 		return nil, o.Finish(err)
 	}
 	if err := n.resumeMachine(o, s); err != nil {
@@ -305,13 +306,13 @@ func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*S
 	}
 	now := time.Now().UTC().Truncate(time.Millisecond)
 	if err := o.Do("commit", func(ctx context.Context) error {
-		return n.move(ctx, id, StateResuming, StateRunning, "pid = ?, started_at = ?, end_at = ?",
+		return n.records.Move(ctx, id, sandboxes.Resuming, sandboxes.Running, "pid = ?, started_at = ?, end_at = ?",
 			s.PID, now.UnixMilli(), now.Add(timeout).UnixMilli())
 	}); err != nil {
 		return nil, o.Finish(fmt.Errorf("resume %s: %w", id, err))
 	}
 	o.Finish(nil)
-	s.StartedAt, s.EndAt, s.State = now, now.Add(timeout), StateRunning
+	s.StartedAt, s.EndAt, s.State = now, now.Add(timeout), sandboxes.Running
 	n.log.Info("sandbox resumed", "sandbox", id, "took", o.Elapsed().Round(time.Microsecond))
 	return n.withAddr(s), nil
 }
@@ -320,10 +321,10 @@ func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*S
 // it. Until the guest runs, a failure stops that QEMU and the sandbox stays
 // paused, its files untouched; once it ran (its RAM and disk moved on), a
 // failure pauses it again.
-func (n *Node) resumeMachine(o *operation.Op, s *Sandbox) error {
+func (n *Node) resumeMachine(o *operation.Op, s *sandboxes.Sandbox) error {
 	o.OnFailure("stay paused", func(ctx context.Context) error {
 		_ = n.stopMachine(s.ID)
-		return n.move(ctx, s.ID, StateResuming, StatePaused, "pid = 0")
+		return n.records.Move(ctx, s.ID, sandboxes.Resuming, sandboxes.Paused, "pid = 0")
 	})
 	dir := n.sandboxDir(s.ID)
 	state := filepath.Join(dir, stateFileName)
@@ -334,7 +335,7 @@ func (n *Node) resumeMachine(o *operation.Op, s *Sandbox) error {
 	if err != nil {
 		return err
 	}
-	phase := s.phaseTimer()
+	phase := s.PhaseTimer()
 	ep, err := n.endpoint(s)
 	if err != nil {
 		return err
@@ -381,14 +382,14 @@ func (n *Node) resumeMachine(o *operation.Op, s *Sandbox) error {
 	os.Remove(state)
 	o.OnFailure("pause again", func(ctx context.Context) error {
 		if m := n.machines.get(s.ID); alive(m) {
-			if err := n.pauseMachine(ctx, s, StateResuming, runStep(ctx)); err == nil {
+			if err := n.pauseMachine(ctx, s, sandboxes.Resuming, runStep(ctx)); err == nil {
 				return nil
 			} else if m.Resume(ctx) == nil {
 				n.log.Error("a failed resume could not pause the sandbox again; it runs", "sandbox", s.ID, "err", err)
-				return n.move(ctx, s.ID, StateResuming, StateRunning, "pid = ?", m.PID())
+				return n.records.Move(ctx, s.ID, sandboxes.Resuming, sandboxes.Running, "pid = ?", m.PID())
 			}
 		}
-		n.machineLost(ctx, s, StateResuming)
+		n.machineLost(ctx, s, sandboxes.Resuming)
 		return nil
 	})
 	if err := o.Do("envd-init", func(ctx context.Context) error { return initEnvd(ctx, ep.GuestAddr(EnvdPort), s) }); err != nil {
@@ -399,7 +400,7 @@ func (n *Node) resumeMachine(o *operation.Op, s *Sandbox) error {
 }
 
 // vmConfig is the machine of a sandbox; incoming restores saved state.
-func (n *Node) vmConfig(s *Sandbox, tap *os.File, incoming bool) vmm.Config {
+func (n *Node) vmConfig(s *sandboxes.Sandbox, tap *os.File, incoming bool) vmm.Config {
 	dir := n.sandboxDir(s.ID)
 	cfg := vmm.Config{
 		QEMU:          n.cfg.QEMU,
@@ -428,7 +429,7 @@ func (n *Node) vmConfig(s *Sandbox, tap *os.File, incoming bool) vmm.Config {
 
 // ramFile is the file a sandbox's RAM maps: the snapshot image it runs on
 // copy-on-write, or its own RAM file.
-func (n *Node) ramFile(s *Sandbox) string {
+func (n *Node) ramFile(s *sandboxes.Sandbox) string {
 	if s.MemFile != "" {
 		return s.MemFile
 	}

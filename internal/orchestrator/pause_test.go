@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
 func TestPauseResume(t *testing.T) {
@@ -31,7 +33,7 @@ func TestPauseResume(t *testing.T) {
 	}
 	t.Logf("pause phases: %v", p.Phases)
 	got, _ := n.Get(ctx, s.ID)
-	if got.State != StatePaused || got.PID != 0 {
+	if got.State != sandboxes.Paused || got.PID != 0 {
 		t.Fatalf("after pause: %+v", got)
 	}
 	if err := unixKill0(s.PID); err == nil {
@@ -56,7 +58,7 @@ func TestPauseResume(t *testing.T) {
 		}
 		n.Close()
 	}()
-	if got, err := n.Get(ctx, s.ID); err != nil || got.State != StatePaused {
+	if got, err := n.Get(ctx, s.ID); err != nil || got.State != sandboxes.Paused {
 		t.Fatalf("paused sandbox after restart: %+v %v", got, err)
 	}
 
@@ -66,7 +68,7 @@ func TestPauseResume(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("resume phases: %v", res.Phases)
-	if res.State != StateRunning || time.Until(res.EndAt) < 55*time.Second {
+	if res.State != sandboxes.Running || time.Until(res.EndAt) < 55*time.Second {
 		t.Fatalf("after resume: %+v", res)
 	}
 	if _, err := n.Resume(ctx, s.ID, 0); !errors.Is(err, ErrConflict) {
@@ -114,7 +116,7 @@ func TestExpiryPausesWithAutoPause(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got.State == StatePaused {
+		if got.State == sandboxes.Paused {
 			break
 		}
 		if time.Now().After(deadline) {

@@ -2,12 +2,14 @@ package orchestrator
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
-	"sync"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/vmm"
+	"github.com/agentenv/agentenv/internal/warmpool"
 )
 
 // The pool keeps, per template snapshot, a few sandboxes prepared up to the
@@ -20,152 +22,76 @@ import (
 // them. A pooled QEMU that dies leaves the pool and is replaced; when a
 // template's snapshot changes (a rebuild), the entries of the old one go.
 
-// StatePooled marks a pre-started sandbox no user owns yet.
-const StatePooled State = "pooled"
-
 // PooledMarker is a file in the directory of every pooled sandbox, removed
 // when a create claims it.
 const PooledMarker = "pooled"
 
+// pooledSandbox is an entry of the node's warm pool: a pre-started sandbox
+// and its running machine.
 type pooledSandbox struct {
-	s *Sandbox
+	s *sandboxes.Sandbox
 	m *vmm.Machine
 }
 
-// warmPool is the node's pre-started sandboxes, by template snapshot.
-type warmPool struct {
-	mu      sync.Mutex
-	entries map[string][]*pooledSandbox // guarded by mu
-	filling sync.Mutex                  // one filler at a time
+func (e *pooledSandbox) ID() string { return e.s.ID }
+
+func (e *pooledSandbox) Fits(vcpus, memMiB int) bool {
+	return e.s.VCPUs == vcpus && e.s.MemoryMiB == memMiB
 }
 
-func newWarmPool() *warmPool { return &warmPool{entries: map[string][]*pooledSandbox{}} }
+func (e *pooledSandbox) Exited() <-chan struct{} { return e.m.Exited() }
 
-// take hands out a live pre-started sandbox of the snapshot, if any.
-func (p *warmPool) take(snapID string, vcpus, memMiB int) *pooledSandbox {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	list := p.entries[snapID]
-	for i, e := range list {
-		if e.s.VCPUs != vcpus || e.s.MemoryMiB != memMiB {
-			continue
-		}
-		select {
-		case <-e.m.Exited():
-			continue // died while waiting; its exit watcher removes it
-		default:
-		}
-		p.entries[snapID] = append(list[:i:i], list[i+1:]...)
-		return e
+// poolKey names the pool entries of a template's snapshot.
+func poolKey(t *Template, ts *templateSnapshot) warmpool.Key {
+	return warmpool.Key{Template: t.Name, Snapshot: ts.SnapshotID}
+}
+
+// poolStarter makes and tears down the node's pool entries.
+type poolStarter struct{ n *Node }
+
+// Start pre-starts a sandbox of the key's template snapshot, while it is
+// still the template's current one.
+func (p poolStarter) Start(ctx context.Context, key warmpool.Key) (*pooledSandbox, error) {
+	t, err := p.n.Template(key.Template)
+	if errors.Is(err, ErrNotFound) {
+		return nil, warmpool.ErrStale
 	}
-	return nil
-}
-
-func (p *warmPool) add(snapID string, e *pooledSandbox) {
-	p.mu.Lock()
-	p.entries[snapID] = append(p.entries[snapID], e)
-	p.mu.Unlock()
-}
-
-func (p *warmPool) size(snapID string) int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return len(p.entries[snapID])
-}
-
-// remove takes sandbox id out of the pool; it reports whether it was in.
-func (p *warmPool) remove(id string) (*pooledSandbox, bool) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for snap, list := range p.entries {
-		for i, e := range list {
-			if e.s.ID == id {
-				p.entries[snap] = append(list[:i:i], list[i+1:]...)
-				return e, true
-			}
-		}
+	if err != nil {
+		return nil, err
 	}
-	return nil, false
+	ts, err := p.n.currentTemplateSnapshot(t)
+	if err != nil || ts.SnapshotID != key.Snapshot {
+		return nil, warmpool.ErrStale
+	}
+	return p.n.prestart(ctx, t, ts)
 }
 
-// takeAll empties the pool of the entries keep rejects.
-func (p *warmPool) takeAll(drop func(snapID string, e *pooledSandbox) bool) []*pooledSandbox {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var out []*pooledSandbox
-	for snap, list := range p.entries {
-		var kept []*pooledSandbox
-		for _, e := range list {
-			if drop(snap, e) {
-				out = append(out, e)
-			} else {
-				kept = append(kept, e)
-			}
-		}
-		if len(kept) == 0 {
-			delete(p.entries, snap)
-		} else {
-			p.entries[snap] = kept
-		}
-	}
-	return out
-}
+// Discard kills a pooled sandbox and forgets it.
+func (p poolStarter) Discard(ctx context.Context, e *pooledSandbox) { p.n.destroy(ctx, e.s) }
 
 // drainStalePool kills the pooled sandboxes of template snapshots that are no
 // template's current one (the template was rebuilt or deleted).
 func (n *Node) drainStalePool(ctx context.Context) {
 	current := map[string]bool{}
-	if ls, err := n.store.Labels(ctx, templateSnapshotLabel); err == nil {
-		for _, l := range ls {
-			current[l.Object] = true
-		}
-	}
-	for _, e := range n.pool.takeAll(func(snap string, _ *pooledSandbox) bool { return !current[snap] }) {
-		n.log.Info("pooled sandbox of an old template snapshot removed", "sandbox", e.s.ID, "template", e.s.TemplateID)
-		n.destroy(ctx, e.s)
-	}
-}
-
-// fillPool starts pooled sandboxes of a template snapshot until the
-// configured number wait.
-func (n *Node) fillPool(ctx context.Context, t *Template, ts *templateSnapshot) {
-	for n.pool.size(ts.SnapshotID) < n.cfg.PoolSize && ctx.Err() == nil {
-		if cur, err := n.currentTemplateSnapshot(t); err != nil || cur.SnapshotID != ts.SnapshotID {
-			return // the template changed meanwhile
-		}
-		p, err := n.prestart(ctx, t, ts)
-		if err != nil {
-			n.log.Error("pre-start pooled sandbox", "template", t.Name, "err", err)
-			return
-		}
-		n.pool.add(ts.SnapshotID, p)
-	}
-}
-
-// refillPool tops the pool of a template up in the background.
-func (n *Node) refillPool(t *Template, ts *templateSnapshot) {
-	if n.cfg.PoolSize == 0 {
+	ls, err := n.store.Labels(ctx, templateSnapshotLabel)
+	if err != nil {
+		n.log.Error("list template snapshots", "err", err)
 		return
 	}
-	n.wg.Add(1)
-	go func() {
-		defer n.wg.Done()
-		ctx, cancel := n.stopContext()
-		defer cancel()
-		n.pool.filling.Lock()
-		defer n.pool.filling.Unlock()
-		n.fillPool(ctx, t, ts)
-	}()
+	for _, l := range ls {
+		current[l.Object] = true
+	}
+	n.pool.DrainStale(ctx, func(k warmpool.Key) bool { return current[k.Snapshot] })
 }
 
 func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) (*pooledSandbox, error) {
 	now := time.Now().UTC().Truncate(time.Millisecond)
-	s := &Sandbox{
-		ID: NewSandboxID(), TemplateID: t.Name, State: StatePooled, VCPUs: ts.VCPUs, MemoryMiB: ts.MemoryMiB,
+	s := &sandboxes.Sandbox{
+		ID: NewSandboxID(), TemplateID: t.Name, State: sandboxes.Pooled, VCPUs: ts.VCPUs, MemoryMiB: ts.MemoryMiB,
 		DiskMiB: t.DiskMiB, AllowInternet: true, PublicTraffic: true, DefaultUser: t.DefaultUser, SnapshotID: ts.SnapshotID,
 		CreatedAt: now, StartedAt: now, EndAt: now,
 	}
-	if err := n.recordNew(ctx, s); err != nil {
+	if err := n.records.InsertNew(ctx, s); err != nil {
 		return nil, err
 	}
 	m, err := func() (*vmm.Machine, error) {
@@ -188,25 +114,6 @@ func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) 
 	return &pooledSandbox{s: s, m: m}, nil
 }
 
-// poolMachineExited cleans up after a pooled QEMU that died and tops the
-// pool up again.
-func (n *Node) poolMachineExited(id string, m *vmm.Machine) {
-	e, ok := n.pool.remove(id)
-	if !ok || e.m != m {
-		return
-	}
-	n.log.Warn("a pooled sandbox's QEMU exited; replacing it", "sandbox", id, "exit", m.ExitErr())
-	ctx := context.Background()
-	n.destroy(ctx, e.s)
-	t, err := n.Template(e.s.TemplateID)
-	if err != nil {
-		return
-	}
-	if ts, err := n.currentTemplateSnapshot(t); err == nil && ts.SnapshotID == e.s.SnapshotID {
-		n.refillPool(t, ts)
-	}
-}
-
 // makePooledDir creates the directory of a pooled sandbox with its marker
 // already inside: it is made under a hidden name and renamed into place, so
 // no one listing the sandboxes ever sees it unmarked (a crash leaves only the
@@ -223,16 +130,9 @@ func (n *Node) makePooledDir(id string) error {
 	return os.Rename(tmp, dir)
 }
 
-// drainPool kills every pooled sandbox (on close).
-func (n *Node) drainPool(ctx context.Context) {
-	for _, e := range n.pool.takeAll(func(string, *pooledSandbox) bool { return true }) {
-		n.destroy(ctx, e.s)
-	}
-}
-
 // claimPooled turns a pooled sandbox into the one a create asked for:
 // identity, limits and records from s, then network rules and envd init.
-func (n *Node) claimPooled(ctx context.Context, s *Sandbox) error {
+func (n *Node) claimPooled(ctx context.Context, s *sandboxes.Sandbox) error {
 	if err := os.Remove(filepath.Join(n.sandboxDir(s.ID), PooledMarker)); err != nil {
 		return err
 	}
@@ -245,7 +145,7 @@ func (n *Node) claimPooled(ctx context.Context, s *Sandbox) error {
 			return err
 		}
 	}
-	phase := s.phaseTimer()
+	phase := s.PhaseTimer()
 	if err := initEnvdAs(ctx, ep.GuestAddr(EnvdPort), s, "", true); err != nil {
 		return err
 	}
@@ -258,7 +158,7 @@ func (n *Node) claimPooled(ctx context.Context, s *Sandbox) error {
 // pays for translating the guest's network stack and envd afresh, and this
 // moves that cost out of the create path. The guest has no identity yet:
 // no token, env vars or user, until a create claims it and sends /init.
-func (n *Node) warmUp(ctx context.Context, s *Sandbox, m *vmm.Machine, snapID string) error {
+func (n *Node) warmUp(ctx context.Context, s *sandboxes.Sandbox, m *vmm.Machine, snapID string) error {
 	if err := m.LoadState(ctx, filepath.Join(n.snapshotDir(snapID), snapStateName)); err != nil {
 		return err
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/store"
 	"github.com/agentenv/agentenv/internal/vmm"
@@ -25,7 +26,7 @@ import (
 // anything on the host that no record owns (QEMU processes, namespaces,
 // veths, directories, unused snapshots) is removed.
 func (n *Node) recover(ctx context.Context) error {
-	all, err := n.loadSandboxes(ctx, "")
+	all, err := n.records.List(ctx, "")
 	if err != nil {
 		return err
 	}
@@ -33,7 +34,7 @@ func (n *Node) recover(ctx context.Context) error {
 	slots := map[string]bool{}
 	for _, s := range all {
 		switch s.State {
-		case StateRunning:
+		case sandboxes.Running:
 			m, err := vmm.Attach(ctx, n.sandboxDir(s.ID))
 			if err == nil {
 				n.adopt(s.ID, m)
@@ -43,7 +44,7 @@ func (n *Node) recover(ctx context.Context) error {
 				continue
 			}
 			n.log.Warn("running sandbox lost its QEMU; removing it", "sandbox", s.ID, "err", err)
-		case StatePaused:
+		case sandboxes.Paused:
 			// A crash between a pause's commit and its QEMU's exit leaves a
 			// stopped QEMU behind.
 			if m, err := vmm.Attach(ctx, n.sandboxDir(s.ID)); err == nil {
@@ -52,7 +53,7 @@ func (n *Node) recover(ctx context.Context) error {
 			known[s.ID] = true
 			slots[fmt.Sprint(s.Slot)] = true
 			continue
-		case StatePausing, StateResuming, StateForking, StateSnapshotting:
+		case sandboxes.Pausing, sandboxes.Resuming, sandboxes.Forking, sandboxes.Snapshotting:
 			// Interrupted in the middle of an operation: keep the sandbox in
 			// the last state it can be trusted in.
 			if to := n.recoverInterrupted(ctx, s); to != "" {
@@ -129,26 +130,26 @@ func (n *Node) recover(ctx context.Context) error {
 // crash back to a stable state and returns it ("" when nothing can be
 // trusted): a paused sandbox if its saved state is complete, else a running
 // one if its QEMU is still alive (vCPUs continued, envd re-initialised).
-func (n *Node) recoverInterrupted(ctx context.Context, s *Sandbox) State {
+func (n *Node) recoverInterrupted(ctx context.Context, s *sandboxes.Sandbox) sandboxes.State {
 	dir := n.sandboxDir(s.ID)
-	if s.State == StatePausing || s.State == StateResuming {
+	if s.State == sandboxes.Pausing || s.State == sandboxes.Resuming {
 		if rec, err := readPauseRecord(dir); err == nil && rec.matchesState(dir) == nil {
 			m, aerr := vmm.Attach(ctx, dir)
-			if aerr == nil && s.State == StateResuming {
+			if aerr == nil && s.State == sandboxes.Resuming {
 				// The resume got as far as a live QEMU: finish it.
 				if n.finishInterruptedResume(ctx, s, m) {
-					return StateRunning
+					return sandboxes.Running
 				}
 			} else if aerr == nil {
 				_ = m.Kill()
 			}
-			if n.move(ctx, s.ID, s.State, StatePaused, "pid = 0") == nil {
-				return StatePaused
+			if n.records.Move(ctx, s.ID, s.State, sandboxes.Paused, "pid = 0") == nil {
+				return sandboxes.Paused
 			}
 			return ""
 		}
 	}
-	capture := s.State == StateForking || s.State == StateSnapshotting
+	capture := s.State == sandboxes.Forking || s.State == sandboxes.Snapshotting
 	// A freeze cut short names its snapshot in the record, held by the
 	// capture's lease (leases end only after this recovery).
 	freezing := capture && n.freezeInProgress(ctx, s)
@@ -165,19 +166,19 @@ func (n *Node) recoverInterrupted(ctx context.Context, s *Sandbox) State {
 				n.pointAtOverlayBase(ctx, s)
 			}
 			if n.finishInterruptedResume(ctx, s, m) {
-				return StateRunning
+				return sandboxes.Running
 			}
 		}
 	}
 	if freezing && n.recoverFreeze(ctx, s) {
-		return StatePaused
+		return sandboxes.Paused
 	}
 	return ""
 }
 
 // freezeInProgress reports whether s's record names the snapshot a freeze
 // of s was assembling (not the one s was restored from).
-func (n *Node) freezeInProgress(ctx context.Context, s *Sandbox) bool {
+func (n *Node) freezeInProgress(ctx context.Context, s *sandboxes.Sandbox) bool {
 	if s.SnapshotID == "" {
 		return false
 	}
@@ -190,7 +191,7 @@ func (n *Node) freezeInProgress(ctx context.Context, s *Sandbox) bool {
 
 // frozenFiles reports whether a freeze of s moved its disk (and RAM) into
 // its snapshot already.
-func (n *Node) frozenFiles(s *Sandbox) bool {
+func (n *Node) frozenFiles(s *sandboxes.Sandbox) bool {
 	if _, err := os.Stat(filepath.Join(n.snapshotDir(s.SnapshotID), snapDiskName)); err == nil {
 		return true
 	}
@@ -199,7 +200,7 @@ func (n *Node) frozenFiles(s *Sandbox) bool {
 }
 
 // finishInterruptedResume continues a live machine and re-initialises envd.
-func (n *Node) finishInterruptedResume(ctx context.Context, s *Sandbox, m *vmm.Machine) bool {
+func (n *Node) finishInterruptedResume(ctx context.Context, s *sandboxes.Sandbox, m *vmm.Machine) bool {
 	if st, err := m.Status(ctx); err != nil || (st != "running" && st != "paused") {
 		_ = m.Kill()
 		return false
@@ -219,12 +220,12 @@ func (n *Node) finishInterruptedResume(ctx context.Context, s *Sandbox, m *vmm.M
 		_ = n.stopMachine(s.ID)
 		return false
 	}
-	return n.move(ctx, s.ID, s.State, StateRunning, "pid = ?", m.PID()) == nil
+	return n.records.Move(ctx, s.ID, s.State, sandboxes.Running, "pid = ?", m.PID()) == nil
 }
 
 // pointAtOverlayBase makes a sandbox's record name what its disk overlay
 // really stacks on (a capture cut short may have named its new snapshot).
-func (n *Node) pointAtOverlayBase(ctx context.Context, s *Sandbox) {
+func (n *Node) pointAtOverlayBase(ctx context.Context, s *sandboxes.Sandbox) {
 	info, err := storage.Info(ctx, filepath.Join(n.sandboxDir(s.ID), overlayName))
 	if err != nil || info.BackingFilename == "" {
 		return
@@ -241,7 +242,7 @@ func (n *Node) pointAtOverlayBase(ctx context.Context, s *Sandbox) {
 	} else {
 		s.SnapshotID, s.BaseLayer = "", base
 	}
-	if err := n.saveSandbox(ctx, s); err != nil {
+	if err := n.records.Save(ctx, s); err != nil {
 		n.log.Error("repoint an interrupted capture's record", "sandbox", s.ID, "err", err)
 	}
 }

@@ -16,6 +16,8 @@ import (
 	"github.com/agentenv/agentenv/internal/faults"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/operation"
+	"github.com/agentenv/agentenv/internal/sandboxes"
+	"github.com/agentenv/agentenv/internal/sharing"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
@@ -80,7 +82,7 @@ func (n *Node) validate(req *CreateRequest, t *Template) error {
 // from a named snapshot, and waits until its envd answers. Once the
 // request is checked the create runs to its end whatever the caller does;
 // on failure nothing of it is left behind.
-func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) {
+func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbox, error) {
 	t, err := req.template, error(nil)
 	if t == nil {
 		t, err = n.Template(req.TemplateID)
@@ -120,10 +122,10 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 		internet = *req.AllowInternet
 	}
 	now := time.Now().UTC().Truncate(time.Millisecond) // the precision stored
-	s := &Sandbox{
+	s := &sandboxes.Sandbox{
 		ID:            NewSandboxID(),
 		TemplateID:    t.Name,
-		State:         StateCreating,
+		State:         sandboxes.Creating,
 		VCPUs:         req.VCPUs,
 		MemoryMiB:     req.MemoryMiB,
 		DiskMiB:       max(req.DiskMiB, t.DiskMiB),
@@ -164,10 +166,11 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 	// this sandbox: it keeps its id and network slot, takes everything else.
 	var pooled *pooledSandbox
 	if fromTemplateSnapshot {
-		if pooled = n.pool.take(ts.SnapshotID, s.VCPUs, s.MemoryMiB); pooled != nil {
+		if p, ok := n.pool.Take(poolKey(t, ts), s.VCPUs, s.MemoryMiB); ok {
+			pooled = p
 			s.ID, s.Slot, s.PID = pooled.s.ID, pooled.s.Slot, pooled.s.PID
 		}
-		defer n.refillPool(t, ts)
+		defer n.pool.Refill(poolKey(t, ts))
 	}
 	unlock := n.lockOp(s.ID)
 	defer unlock()
@@ -183,12 +186,12 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 	})
 	if err := o.Do("record", func(ctx context.Context) error {
 		if pooled != nil {
-			if err := n.move(ctx, s.ID, StatePooled, StateCreating, ""); err != nil {
+			if err := n.records.Move(ctx, s.ID, sandboxes.Pooled, sandboxes.Creating, ""); err != nil {
 				return err
 			}
-			return n.saveSandbox(ctx, s)
+			return n.records.Save(ctx, s)
 		}
-		return n.recordNew(ctx, s)
+		return n.records.InsertNew(ctx, s)
 	}); err != nil {
 		if pooled != nil {
 			n.destroy(context.WithoutCancel(ctx), pooled.s)
@@ -223,22 +226,22 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) 
 	}
 	faults.Point(faults.CreateStarted)
 	if err := o.Do("commit", func(ctx context.Context) error {
-		return n.move(ctx, s.ID, StateCreating, StateRunning, "")
+		return n.records.Move(ctx, s.ID, sandboxes.Creating, sandboxes.Running, "")
 	}); err != nil {
 		return nil, o.Finish(err)
 	}
 	o.Finish(nil)
-	s.State = StateRunning
+	s.State = sandboxes.Running
 	n.log.Info("sandbox created", "sandbox", s.ID, "template", t.Name, "from", how, "took", o.Elapsed().Round(time.Millisecond))
 	return n.withAddr(s), nil
 }
 
-func (n *Node) boot(ctx context.Context, s *Sandbox, t *Template) error {
+func (n *Node) boot(ctx context.Context, s *sandboxes.Sandbox, t *Template) error {
 	dir := n.sandboxDir(s.ID)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("create sandbox dir: %w", err)
 	}
-	phase := s.phaseTimer()
+	phase := s.PhaseTimer()
 	overlay := filepath.Join(dir, overlayName)
 	if err := storage.CreateOverlay(ctx, t.RootDisk, overlay, s.DiskMiB); err != nil {
 		return err
@@ -262,7 +265,7 @@ func (n *Node) boot(ctx context.Context, s *Sandbox, t *Template) error {
 		return err
 	}
 	n.adopt(s.ID, m)
-	if err := n.setFields(ctx, s.ID, "pid = ?", m.PID()); err != nil {
+	if err := n.records.Set(ctx, s.ID, "pid = ?", m.PID()); err != nil {
 		return err
 	}
 	s.PID = m.PID()
@@ -320,7 +323,7 @@ func waitEnvd(ctx context.Context, m *vmm.Machine, addr string) error {
 
 // initEnvd hands envd the sandbox's environment, access token, default user
 // and the current time, as E2B's orchestrator does after every boot or resume.
-func initEnvd(ctx context.Context, addr string, s *Sandbox) error {
+func initEnvd(ctx context.Context, addr string, s *sandboxes.Sandbox) error {
 	return initEnvdAs(ctx, addr, s, s.AccessToken, false)
 }
 
@@ -333,9 +336,13 @@ var envdHTTP = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
 // envd currently holds (a fork child's envd still holds its parent's). With
 // reseed it also sends fresh host entropy, for guests restored from a
 // snapshot other guests were restored from too.
-func initEnvdAs(ctx context.Context, addr string, s *Sandbox, authToken string, reseed bool) error {
+func initEnvdAs(ctx context.Context, addr string, s *sandboxes.Sandbox, authToken string, reseed bool) error {
+	envVars := s.EnvVars
+	if envVars == nil {
+		envVars = map[string]string{}
+	}
 	body := map[string]any{
-		"envVars":   nonNil(s.EnvVars),
+		"envVars":   envVars,
 		"timestamp": time.Now().UTC().Format(time.RFC3339Nano),
 	}
 	if reseed {
@@ -397,14 +404,14 @@ func (n *Node) adopt(id string, m *vmm.Machine) {
 			return
 		}
 		ctx := context.Background()
-		s, err := n.loadSandbox(ctx, id)
+		s, err := n.records.Get(ctx, id)
 		if err != nil {
 			return
 		}
 		switch s.State {
-		case StatePooled:
-			n.poolMachineExited(id, m)
-		case StateRunning:
+		case sandboxes.Pooled:
+			n.pool.Lost(id)
+		case sandboxes.Running:
 			n.log.Warn("sandbox's QEMU exited unexpectedly; removing the sandbox", "sandbox", id, "exit", m.ExitErr())
 			if err := n.Kill(ctx, id); err != nil && !errors.Is(err, ErrNotFound) {
 				n.log.Error("clean up dead sandbox", "sandbox", id, "err", err)
@@ -419,9 +426,9 @@ func (n *Node) adopt(id string, m *vmm.Machine) {
 // A sandbox in the middle of another operation is refused (ErrConflict);
 // a kill that was cut short is finished.
 func (n *Node) Kill(ctx context.Context, id string) error {
-	s, err := n.loadSandbox(ctx, id)
-	if err == nil && !s.State.Resting() && s.State != StateKilling {
-		return busy(s)
+	s, err := n.records.Get(ctx, id)
+	if err == nil && !s.State.Resting() && s.State != sandboxes.Killing {
+		return sandboxes.Busy(s)
 	}
 	if err != nil && (!errors.Is(err, ErrNotFound) || !n.sharesPaused()) {
 		return n.notHere(err)
@@ -430,23 +437,28 @@ func (n *Node) Kill(ctx context.Context, id string) error {
 	defer unlock()
 	o := operation.Start(ctx, "kill", n.cfg.OperationTimeout, n.log)
 	octx := o.Context()
-	s, err = n.loadSandbox(octx, id)
+	s, err = n.records.Get(octx, id)
 	if errors.Is(err, ErrNotFound) && n.sharesPaused() {
-		return o.Finish(n.killShared(octx, id)) // paused on another node, in shared storage
+		// Paused on another node, in shared storage.
+		if err := n.shelf.Kill(octx, id); err != nil {
+			return o.Finish(err)
+		}
+		n.log.Info("killed a paused sandbox of another node from shared storage", "sandbox", id)
+		return o.Finish(nil)
 	}
 	if err != nil {
 		return o.Finish(err)
 	}
-	if s.State != StateKilling {
+	if s.State != sandboxes.Killing {
 		from := s.State
-		if from != StateRunning && from != StatePaused {
-			return o.Finish(busy(s))
+		if from != sandboxes.Running && from != sandboxes.Paused {
+			return o.Finish(sandboxes.Busy(s))
 		}
-		if err := o.Do("record", func(ctx context.Context) error { return n.move(ctx, id, from, StateKilling, "") }); err != nil {
+		if err := o.Do("record", func(ctx context.Context) error { return n.records.Move(ctx, id, from, sandboxes.Killing, "") }); err != nil {
 			return o.Finish(err)
 		}
 		o.OnFailure("keep the sandbox", func(ctx context.Context) error {
-			return n.move(ctx, id, StateKilling, from, "")
+			return n.records.Move(ctx, id, sandboxes.Killing, from, "")
 		})
 	}
 	// QEMU stops: from here the kill only goes forward (every step below
@@ -455,8 +467,10 @@ func (n *Node) Kill(ctx context.Context, id string) error {
 		return o.Finish(err)
 	}
 	o.Settle()
-	if m, ok := n.readSharedMark(id); ok {
-		n.forgetShared(octx, id, m.Generation)
+	if m, ok := sharing.ReadMark(n.sandboxDir(id)); ok {
+		if err := n.shelf.Forget(octx, id, m.Generation); err != nil {
+			n.log.Warn("remove a killed sandbox from shared storage", "sandbox", id, "err", err)
+		}
 	}
 	n.destroy(octx, s)
 	n.ops.forget(id)
@@ -466,7 +480,7 @@ func (n *Node) Kill(ctx context.Context, id string) error {
 
 // destroy tears a sandbox down completely; every step tolerates pieces that
 // are already gone, so it also serves failed creates and recovery.
-func (n *Node) destroy(ctx context.Context, s *Sandbox) {
+func (n *Node) destroy(ctx context.Context, s *sandboxes.Sandbox) {
 	if err := n.stopMachine(s.ID); err != nil {
 		n.log.Error("kill qemu", "sandbox", s.ID, "err", err)
 	}
@@ -490,7 +504,7 @@ func (n *Node) destroy(ctx context.Context, s *Sandbox) {
 	if err := os.RemoveAll(dir); err != nil {
 		n.log.Error("remove sandbox files", "sandbox", s.ID, "err", err)
 	}
-	if err := n.deleteSandbox(ctx, s.ID); err != nil {
+	if err := n.records.Delete(ctx, s.ID); err != nil {
 		n.log.Error("forget sandbox", "sandbox", s.ID, "err", err)
 	}
 }
@@ -554,7 +568,7 @@ func (n *Node) qemuCgroup(id string) string {
 // bound would make the kernel write guest memory back under the sandbox's
 // feet), and a generous number of threads. They stop a runaway QEMU from
 // taking the host, not a guest from using what it was given.
-func (n *Node) limits(s *Sandbox) vmm.Limits {
+func (n *Node) limits(s *sandboxes.Sandbox) vmm.Limits {
 	return vmm.Limits{CPUs: float64(s.VCPUs + 1), MemoryBytes: int64(2*s.MemoryMiB)<<20 + 1<<30, Pids: 1024}
 }
 

@@ -11,6 +11,7 @@ import (
 	"sort"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage/repository"
 	"github.com/agentenv/agentenv/internal/store"
 )
@@ -88,7 +89,7 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 			return nil, fmt.Errorf("%w: the repository holds a snapshot named %q (made on another node)", ErrConflict, name)
 		}
 	}
-	s, err := n.loadSandbox(ctx, id)
+	s, err := n.records.Get(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -97,7 +98,7 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 	if err == nil && defaultUser == "" {
 		defaultUser = t.DefaultUser
 	}
-	c, err := n.capture(ctx, "snapshot", id, 0, 0, StateSnapshotting)
+	c, err := n.capture(ctx, "snapshot", id, 0, 0, sandboxes.Snapshotting)
 	if c == nil || c.snapID == "" {
 		return nil, err
 	}

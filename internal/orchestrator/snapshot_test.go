@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/storage/repository"
 )
@@ -36,7 +37,7 @@ func TestNamedSnapshotAsTemplate(t *testing.T) {
 	if _, err := n.Snapshot(ctx, src.ID, "prepared-env"); !errors.Is(err, ErrConflict) {
 		t.Fatalf("duplicate snapshot name: %v", err)
 	}
-	if got, _ := n.Get(ctx, src.ID); got.State != StateRunning {
+	if got, _ := n.Get(ctx, src.ID); got.State != sandboxes.Running {
 		t.Fatalf("source after snapshot: %+v", got)
 	}
 	list, _ := n.Snapshots()
@@ -159,7 +160,7 @@ func TestIncrementalSnapshot(t *testing.T) {
 	}
 	// The source now runs copy-on-write on the first snapshot's RAM image.
 	cur, _ := n.Get(ctx, src.ID)
-	if !cur.MemPrivate || cur.State != StateRunning {
+	if !cur.MemPrivate || cur.State != sandboxes.Running {
 		t.Fatalf("source after the first snapshot: %+v", cur)
 	}
 	c = newEnvdClient(cur)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/guestexec"
 	"github.com/agentenv/agentenv/internal/operation"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/store"
 )
 
@@ -89,10 +90,10 @@ func (n *Node) PrepareTemplateSnapshot(ctx context.Context, name string) error {
 	unlock := n.lockOp(s.ID)
 	defer unlock()
 	o := operation.Start(ctx, "template-snapshot", n.cfg.OperationTimeout, n.log)
-	if err := n.move(o.Context(), s.ID, StateRunning, StateSnapshotting, ""); err != nil {
+	if err := n.records.Move(o.Context(), s.ID, sandboxes.Running, sandboxes.Snapshotting, ""); err != nil {
 		return o.Finish(err)
 	}
-	snapID, lease, err := n.freeze(o, s, StateSnapshotting)
+	snapID, lease, err := n.freeze(o, s, sandboxes.Snapshotting)
 	if err != nil {
 		return o.Finish(fmt.Errorf("freeze template %s: %w", name, err))
 	}
@@ -113,11 +114,11 @@ func (n *Node) PrepareTemplateSnapshot(ctx context.Context, name string) error {
 // restoreTemplate creates s from a template snapshot, on a RAM file of its
 // own (a copy of the snapshot's image); authToken is the token that
 // snapshot's envd holds.
-func (n *Node) restoreTemplate(ctx context.Context, s *Sandbox, ts *templateSnapshot, authToken string) error {
+func (n *Node) restoreTemplate(ctx context.Context, s *sandboxes.Sandbox, ts *templateSnapshot, authToken string) error {
 	if err := os.MkdirAll(n.sandboxDir(s.ID), 0o700); err != nil {
 		return err
 	}
-	phase := s.phaseTimer()
+	phase := s.PhaseTimer()
 	if err := n.copySnapshotRAM(ts.SnapshotID, s.ID); err != nil {
 		return err
 	}
@@ -145,10 +146,8 @@ func (n *Node) prepareTemplateSnapshots() {
 			n.log.Error("template snapshot", "template", t.Name, "err", err)
 			continue
 		}
-		if snap, err := n.currentTemplateSnapshot(t); err == nil && n.cfg.PoolSize > 0 {
-			n.pool.filling.Lock()
-			n.fillPool(ctx, t, snap)
-			n.pool.filling.Unlock()
+		if snap, err := n.currentTemplateSnapshot(t); err == nil {
+			n.pool.Fill(ctx, poolKey(t, snap))
 		}
 	}
 }
@@ -158,7 +157,7 @@ const readyTimeout = 5 * time.Minute
 
 // startAndWaitReady starts a template's start command in the background of
 // its boot sandbox and polls its ready command until it exits 0.
-func (n *Node) startAndWaitReady(ctx context.Context, s *Sandbox, t *Template) error {
+func (n *Node) startAndWaitReady(ctx context.Context, s *sandboxes.Sandbox, t *Template) error {
 	// Detached from envd's pipes, so the command outlives the shell
 	// (nohup is not in every image; there is no terminal to hang up anyway).
 	script := "/bin/sh -c " + guestexec.Quote(t.StartCmd) + " </dev/null >/tmp/.aenv-start.log 2>&1 &"
@@ -193,6 +192,6 @@ func (n *Node) refillTemplatePool(name string) {
 		return
 	}
 	if ts, err := n.currentTemplateSnapshot(t); err == nil {
-		n.refillPool(t, ts)
+		n.pool.Refill(poolKey(t, ts))
 	}
 }

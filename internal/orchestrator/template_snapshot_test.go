@@ -6,9 +6,11 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
-func phaseNames(s *Sandbox) []string {
+func phaseNames(s *sandboxes.Sandbox) []string {
 	var out []string
 	for _, p := range s.Phases {
 		out = append(out, p.Name)
@@ -67,7 +69,7 @@ func TestCreateFromTemplateSnapshot(t *testing.T) {
 
 func TestCreateFromPool(t *testing.T) {
 	n := testNode(t)
-	n.cfg.PoolSize = 2
+	n.pool.SetSize(2)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	if err := n.PrepareTemplateSnapshot(ctx, "minimal"); err != nil {
@@ -78,7 +80,7 @@ func TestCreateFromPool(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n.fillPool(ctx, tmpl, snap)
+	n.pool.Fill(ctx, poolKey(tmpl, snap))
 	if all, _ := n.List(ctx); len(all) != 0 {
 		t.Fatalf("pooled sandboxes are listed: %d", len(all))
 	}
@@ -90,7 +92,7 @@ func TestCreateFromPool(t *testing.T) {
 		if err != nil || r.stdout != "1\n" {
 			t.Fatalf("pooled create %d: %+v %v", i, r, err)
 		}
-		if got, err := n.Get(ctx, s.ID); err != nil || got.State != StateRunning || got.AllowInternet {
+		if got, err := n.Get(ctx, s.ID); err != nil || got.State != sandboxes.Running || got.AllowInternet {
 			t.Fatalf("pooled sandbox record: %+v %v", got, err)
 		}
 	}
@@ -98,9 +100,9 @@ func TestCreateFromPool(t *testing.T) {
 	// Closing drains the pool: only the three created sandboxes remain recorded.
 	n2 := openTestNode(t, n.cfg.DataDir)
 	defer n2.Close()
-	all, _ := n2.loadSandboxes(ctx, "")
+	all, _ := n2.records.List(ctx, "")
 	for _, s := range all {
-		if s.State == StatePooled {
+		if s.State == sandboxes.Pooled {
 			t.Fatalf("pooled sandbox left after close: %s", s.ID)
 		}
 		n2.Kill(ctx, s.ID)

@@ -29,6 +29,7 @@ import (
 	"github.com/agentenv/agentenv/internal/envd/gen/processpb"
 	"github.com/agentenv/agentenv/internal/envd/gen/processpb/processpbconnect"
 	"github.com/agentenv/agentenv/internal/guest"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/templates"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
@@ -43,7 +44,7 @@ func testNode(t testing.TB, opts ...func(*Config)) *Node {
 	slot := takeTestSlot()
 	n := openTestNodeIn(t, dir, slot, opts...)
 	t.Cleanup(func() {
-		all, _ := n.loadSandboxes(context.Background(), "")
+		all, _ := n.records.List(context.Background(), "")
 		for _, s := range all {
 			if err := n.Kill(context.Background(), s.ID); err != nil {
 				n.destroy(context.Background(), s) // left mid-operation by a failed test
@@ -187,7 +188,7 @@ type envdClient struct {
 	fs          filesystempbconnect.FilesystemClient
 }
 
-func newEnvdClient(s *Sandbox) *envdClient {
+func newEnvdClient(s *sandboxes.Sandbox) *envdClient {
 	url := "http://" + s.EnvdAddr
 	return &envdClient{
 		addr:  s.EnvdAddr,
@@ -245,7 +246,7 @@ func (c *envdClient) run(ctx context.Context, user, cmd string, args ...string) 
 	return r, nil
 }
 
-func create(t *testing.T, n *Node, req CreateRequest) *Sandbox {
+func create(t *testing.T, n *Node, req CreateRequest) *sandboxes.Sandbox {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
@@ -261,7 +262,7 @@ func create(t *testing.T, n *Node, req CreateRequest) *Sandbox {
 func TestSandboxLifecycleMinimal(t *testing.T) {
 	n := testNode(t)
 	s := create(t, n, CreateRequest{TemplateID: "minimal", Secure: true, EnvVars: map[string]string{"GREETING": "hello from env"}})
-	if s.State != StateRunning || s.PID == 0 || s.AccessToken == "" {
+	if s.State != sandboxes.Running || s.PID == 0 || s.AccessToken == "" {
 		t.Fatalf("unexpected sandbox %+v", s)
 	}
 	c := newEnvdClient(s)
@@ -316,7 +317,7 @@ func TestSandboxLifecycleMinimal(t *testing.T) {
 	assertGone(t, n, s)
 }
 
-func assertGone(t *testing.T, n *Node, s *Sandbox) {
+func assertGone(t *testing.T, n *Node, s *sandboxes.Sandbox) {
 	t.Helper()
 	if _, err := n.Get(context.Background(), s.ID); !errors.Is(err, ErrNotFound) {
 		t.Errorf("sandbox still recorded: %v", err)

@@ -1,4 +1,4 @@
-package orchestrator
+package sandboxes
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/statedb"
 	"github.com/agentenv/agentenv/internal/store"
 )
@@ -45,8 +46,31 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 `
 
-// migrateSandboxes creates (or brings up to date) the sandboxes table.
-func migrateSandboxes(db *sql.DB) error {
+// Records is the sandboxes table of a node's database.
+type Records struct {
+	db *sql.DB
+	st *store.Store
+	// refs names the store objects a sandbox is made of (held as its
+	// references in the store, written with its record).
+	refs func(*Sandbox) []string
+
+	slotMu     sync.Mutex // serializes the slot choice and insert of new records
+	lastSlot   int        // the slot handed out last; guarded by slotMu
+	totalSlots int
+}
+
+// Open creates (or brings up to date) the sandboxes table of db, whose
+// store st holds the references each record names through refs; new
+// records get network slots in [0, slots).
+func Open(db *sql.DB, st *store.Store, slots int, refs func(*Sandbox) []string) (*Records, error) {
+	if err := Migrate(db); err != nil {
+		return nil, err
+	}
+	return &Records{db: db, st: st, refs: refs, lastSlot: -1, totalSlots: slots}, nil
+}
+
+// Migrate creates (or brings up to date) the sandboxes table.
+func Migrate(db *sql.DB) error {
 	if _, err := db.Exec(schema); err != nil {
 		return fmt.Errorf("migrate state db: %w", err)
 	}
@@ -108,26 +132,14 @@ func scanSandbox(row interface{ Scan(...any) error }) (*Sandbox, error) {
 	return &s, nil
 }
 
-// sandboxHolder names a sandbox as a holder of store references.
-func sandboxHolder(id string) string { return "sandbox/" + id }
+// Holder names a sandbox as a holder of store references.
+func Holder(id string) string { return "sandbox/" + id }
 
-// storeRefs are the store objects a sandbox is made of: the snapshot or
-// layer its disk overlay stacks on, and the snapshot whose RAM image its
-// memory maps.
-func (n *Node) storeRefs(s *Sandbox) []string {
-	base := s.SnapshotID
-	if base == "" {
-		base = s.BaseLayer
-	}
-	return []string{base, n.memoryBaseOf(s)}
-}
-
-// insertSandbox records a new sandbox and what it references, in one
-// transaction.
-func (n *Node) insertSandbox(ctx context.Context, s *Sandbox) error {
+// Insert records a new sandbox and what it references, in one transaction.
+func (r *Records) Insert(ctx context.Context, s *Sandbox) error {
 	meta, _ := json.Marshal(nonNil(s.Metadata))
 	env, _ := json.Marshal(nonNil(s.EnvVars))
-	err := n.store.Tx(ctx, func(tx *sql.Tx) error {
+	err := r.st.Tx(ctx, func(tx *sql.Tx) error {
 		if _, err := tx.ExecContext(ctx, `INSERT INTO sandboxes (`+sandboxColumns+`, updated_at)
 		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
 			s.ID, s.TemplateID, s.State, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure,
@@ -136,7 +148,7 @@ func (n *Node) insertSandbox(ctx context.Context, s *Sandbox) error {
 			s.AutoResume, s.PublicTraffic, s.BaseLayer, time.Now().UnixMilli()); err != nil {
 			return err
 		}
-		return store.SetRefs(tx, sandboxHolder(s.ID), n.storeRefs(s)...)
+		return store.SetRefs(tx, Holder(s.ID), r.refs(s)...)
 	})
 	if err != nil {
 		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
@@ -144,14 +156,14 @@ func (n *Node) insertSandbox(ctx context.Context, s *Sandbox) error {
 	return nil
 }
 
-// saveSandbox rewrites every recorded field of an existing sandbox but its
-// state (which only move changes), and what it references, in one
-// transaction.
-func (n *Node) saveSandbox(ctx context.Context, s *Sandbox) error {
-	return n.store.Tx(ctx, func(tx *sql.Tx) error { return n.saveSandboxTx(ctx, tx, s) })
+// Save rewrites every recorded field of an existing sandbox but its state
+// (which only Move changes), and what it references, in one transaction.
+func (r *Records) Save(ctx context.Context, s *Sandbox) error {
+	return r.st.Tx(ctx, func(tx *sql.Tx) error { return r.SaveTx(ctx, tx, s) })
 }
 
-func (n *Node) saveSandboxTx(ctx context.Context, tx *sql.Tx, s *Sandbox) error {
+// SaveTx is Save within the store transaction tx.
+func (r *Records) SaveTx(ctx context.Context, tx *sql.Tx, s *Sandbox) error {
 	meta, _ := json.Marshal(nonNil(s.Metadata))
 	env, _ := json.Marshal(nonNil(s.EnvVars))
 	_, err := tx.ExecContext(ctx, `UPDATE sandboxes SET template_id = ?, vcpus = ?, memory_mib = ?,
@@ -165,7 +177,7 @@ func (n *Node) saveSandboxTx(ctx context.Context, tx *sql.Tx, s *Sandbox) error 
 	if err != nil {
 		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
 	}
-	if err := store.SetRefs(tx, sandboxHolder(s.ID), n.storeRefs(s)...); err != nil {
+	if err := store.SetRefs(tx, Holder(s.ID), r.refs(s)...); err != nil {
 		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
 	}
 	return nil
@@ -178,22 +190,37 @@ func nonNil(m map[string]string) map[string]string {
 	return m
 }
 
-func (n *Node) loadSandbox(ctx context.Context, id string) (*Sandbox, error) {
-	row := n.db.QueryRowContext(ctx, `SELECT `+sandboxColumns+` FROM sandboxes WHERE id = ?`, id)
+// Get returns the record of sandbox id (errkind.ErrNotFound if none).
+func (r *Records) Get(ctx context.Context, id string) (*Sandbox, error) {
+	row := r.db.QueryRowContext(ctx, `SELECT `+sandboxColumns+` FROM sandboxes WHERE id = ?`, id)
 	s, err := scanSandbox(row)
 	if errors.Is(err, sql.ErrNoRows) {
-		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
+		return nil, fmt.Errorf("%w: sandbox %q", errkind.ErrNotFound, id)
 	}
 	return s, err
 }
 
-func (n *Node) loadSandboxes(ctx context.Context, where string, args ...any) ([]*Sandbox, error) {
+// List returns the records matching the SQL condition where (all when
+// empty) with its args, oldest first.
+func (r *Records) List(ctx context.Context, where string, args ...any) ([]*Sandbox, error) {
 	q := `SELECT ` + sandboxColumns + ` FROM sandboxes`
 	if where != "" {
 		q += " WHERE " + where
 	}
 	q += " ORDER BY created_at, id"
-	rows, err := n.db.QueryContext(ctx, q, args...)
+	rows, err := r.db.QueryContext(ctx, q, args...)
+	if err != nil {
+		return nil, fmt.Errorf("list sandboxes: %w", err)
+	}
+	return scanSandboxes(rows)
+}
+
+// UnreferencedTx returns, within tx, the records that hold no store
+// reference (made by a release before references were recorded).
+func (r *Records) UnreferencedTx(ctx context.Context, tx *sql.Tx) ([]*Sandbox, error) {
+	rows, err := tx.QueryContext(ctx, `SELECT `+sandboxColumns+` FROM sandboxes
+		WHERE NOT EXISTS (SELECT 1 FROM refs WHERE refs.holder = 'sandbox/' || sandboxes.id)
+		ORDER BY created_at, id`)
 	if err != nil {
 		return nil, fmt.Errorf("list sandboxes: %w", err)
 	}
@@ -214,21 +241,23 @@ func scanSandboxes(rows *sql.Rows) ([]*Sandbox, error) {
 	return out, rows.Err()
 }
 
-func (n *Node) setFields(ctx context.Context, id string, set string, args ...any) error {
+// Set updates columns of sandbox id other than its state and references
+// (set is e.g. "end_at = ?", with its args).
+func (r *Records) Set(ctx context.Context, id string, set string, args ...any) error {
 	args = append(args, time.Now().UnixMilli(), id)
-	if _, err := n.db.ExecContext(ctx, `UPDATE sandboxes SET `+set+`, updated_at = ? WHERE id = ?`, args...); err != nil {
+	if _, err := r.db.ExecContext(ctx, `UPDATE sandboxes SET `+set+`, updated_at = ? WHERE id = ?`, args...); err != nil {
 		return fmt.Errorf("update sandbox %s: %w", id, err)
 	}
 	return nil
 }
 
-// deleteSandbox forgets a sandbox and its references, in one transaction.
-func (n *Node) deleteSandbox(ctx context.Context, id string) error {
-	err := n.store.Tx(ctx, func(tx *sql.Tx) error {
+// Delete forgets a sandbox and its references, in one transaction.
+func (r *Records) Delete(ctx context.Context, id string) error {
+	err := r.st.Tx(ctx, func(tx *sql.Tx) error {
 		if _, err := tx.ExecContext(ctx, `DELETE FROM sandboxes WHERE id = ?`, id); err != nil {
 			return err
 		}
-		return store.DropRefs(tx, sandboxHolder(id))
+		return store.DropRefs(tx, Holder(id))
 	})
 	if err != nil {
 		return fmt.Errorf("forget sandbox %s: %w", id, err)
@@ -236,30 +265,24 @@ func (n *Node) deleteSandbox(ctx context.Context, id string) error {
 	return nil
 }
 
-// slotAllocator hands out network slots.
-type slotAllocator struct {
-	mu   sync.Mutex
-	last int // the slot handed out last; guarded by mu
-}
-
-// recordNew gives a new sandbox a free network slot and records it (with
+// InsertNew gives a new sandbox a free network slot and records it (with
 // what it references), atomically with respect to other new sandboxes.
-func (n *Node) recordNew(ctx context.Context, s *Sandbox) error {
-	n.slots.mu.Lock()
-	defer n.slots.mu.Unlock()
-	slot, err := n.freeSlot(ctx)
+func (r *Records) InsertNew(ctx context.Context, s *Sandbox) error {
+	r.slotMu.Lock()
+	defer r.slotMu.Unlock()
+	slot, err := r.freeSlot(ctx)
 	if err != nil {
 		return err
 	}
 	s.Slot = slot
-	return n.insertSandbox(ctx, s)
+	return r.Insert(ctx, s)
 }
 
 // freeSlot returns a network slot no sandbox uses, going round the range
 // from the last one handed out, so a just-freed guest address is not reused
-// at once (clients may still hold connections to it). n.slots.mu is held.
-func (n *Node) freeSlot(ctx context.Context) (int, error) {
-	rows, err := n.db.QueryContext(ctx, `SELECT slot FROM sandboxes`)
+// at once (clients may still hold connections to it). r.slotMu is held.
+func (r *Records) freeSlot(ctx context.Context) (int, error) {
+	rows, err := r.db.QueryContext(ctx, `SELECT slot FROM sandboxes`)
 	if err != nil {
 		return 0, fmt.Errorf("find free network slot: %w", err)
 	}
@@ -275,13 +298,12 @@ func (n *Node) freeSlot(ctx context.Context) (int, error) {
 	if err := rows.Err(); err != nil {
 		return 0, err
 	}
-	total := n.net.Slots()
-	for i := 1; i <= total; i++ {
-		s := (n.slots.last + i) % total
+	for i := 1; i <= r.totalSlots; i++ {
+		s := (r.lastSlot + i) % r.totalSlots
 		if !used[s] {
-			n.slots.last = s
+			r.lastSlot = s
 			return s, nil
 		}
 	}
-	return 0, fmt.Errorf("%w: all %d network slots are in use", ErrCapacity, total)
+	return 0, fmt.Errorf("%w: all %d network slots are in use", errkind.ErrCapacity, r.totalSlots)
 }

@@ -1,0 +1,75 @@
+// Package sandboxes owns the records of a node's sandboxes and their state
+// machine: the sandboxes table of the node's SQLite database (written in the
+// same transaction as the store references each record holds), the table
+// of states and allowed transitions, the one function that moves a sandbox
+// between states, and the allocation of network slots to new records.
+//
+// It knows nothing of QEMU, networks or files: the orchestrator runs the
+// operations and records their outcome here.
+package sandboxes
+
+import "time"
+
+// Sandbox is the recorded state of one sandbox.
+type Sandbox struct {
+	ID            string
+	TemplateID    string
+	State         State
+	VCPUs         int
+	MemoryMiB     int
+	DiskMiB       int
+	Slot          int
+	PID           int
+	AllowInternet bool
+	Secure        bool
+	AutoPause     bool
+	// AutoResume: traffic for the sandbox while paused resumes it.
+	AutoResume bool
+	// PublicTraffic: ports other than envd's need no traffic token.
+	PublicTraffic bool
+	AccessToken   string
+	TrafficToken  string
+	DefaultUser   string
+	Metadata      map[string]string
+	EnvVars       map[string]string
+	CreatedAt     time.Time
+	StartedAt     time.Time
+	EndAt         time.Time
+	// MemFile, when set, is a frozen memory image (of a fork snapshot) the
+	// sandbox's RAM is mapped from, copy-on-write when MemPrivate; empty
+	// means the sandbox's own RAM file.
+	MemFile    string
+	MemPrivate bool
+	// SnapshotID is the fork snapshot whose disk layer backs this sandbox's
+	// overlay (and whose memory image MemFile may be).
+	SnapshotID string
+	// BaseLayer is the layer a cold-booted sandbox's overlay stacks on (its
+	// template's root layer when it was created; the template may have
+	// been rebuilt since). Empty when SnapshotID is set.
+	BaseLayer string
+	// EnvdAddr is host:port where the node reaches the sandbox's envd, and
+	// EnvdVersion the version of that envd (the one the node's initramfs
+	// carries; not persisted).
+	EnvdAddr    string
+	EnvdVersion string
+	// Phases times the steps of the operation that produced this value
+	// (set by a create; not persisted).
+	Phases []Phase
+}
+
+// Phase is one timed step of an operation.
+type Phase struct {
+	Name     string
+	Duration time.Duration
+}
+
+// PhaseTimer returns a function that appends to s.Phases a step named by
+// its argument, lasting since the previous call (or since now).
+func (s *Sandbox) PhaseTimer() func(name string) {
+	mark := time.Now()
+	return func(name string) {
+		now := time.Now()
+		s.Phases = append(s.Phases, Phase{name, now.Sub(mark)})
+		mark = now
+	}
+}
