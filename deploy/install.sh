@@ -4,9 +4,9 @@
 #
 #   deploy/install.sh server
 #       one machine: aenv server on 127.0.0.1:8000 (AENV_LISTEN to change)
-#   AENV_API_KEY=e2b_... deploy/install.sh scheduler
-#   AENV_API_KEY=e2b_... deploy/install.sh gateway --scheduler http://10.0.0.1:9090
-#   AENV_API_KEY=e2b_... deploy/install.sh node --scheduler http://10.0.0.1:9090 \
+#   AENV_API_KEY=e2b_... AENV_NODE_TOKEN=... deploy/install.sh scheduler
+#   AENV_API_KEY=e2b_... AENV_NODE_TOKEN=... deploy/install.sh gateway --scheduler http://10.0.0.1:9090
+#   AENV_API_KEY=e2b_... AENV_NODE_TOKEN=... deploy/install.sh node --scheduler http://10.0.0.1:9090 \
 #       --advertise-url http://10.0.0.5:8000 [-- --repository oss://...]
 #
 # Arguments after `--` are passed on to `aenv <role>` (AENV_ARGS). Every
@@ -55,6 +55,10 @@ if [ "$role" != server ]; then
 		echo "set AENV_API_KEY to the cluster's key (e2b_<hex>; the same on every machine)" >&2
 		exit 1
 	fi
+	if ! [[ "${AENV_NODE_TOKEN:-}" =~ ^[A-Za-z0-9._~+/=-]{32,256}$ ]] || [ "$AENV_NODE_TOKEN" = "$AENV_API_KEY" ]; then
+		echo "set AENV_NODE_TOKEN to the cluster's node credential (e.g. \$(openssl rand -hex 32); the same on every machine, not the API key)" >&2
+		exit 1
+	fi
 fi
 if [ "$role" = node ] || [ "$role" = gateway ]; then
 	[ -n "$scheduler" ] || { echo "$role needs --scheduler URL" >&2; exit 1; }
@@ -85,6 +89,7 @@ env_file=$(mktemp /etc/aenv/.aenv.env.XXXXXX)
 {
 	echo "AENV_LISTEN=$listen"
 	[ -n "${AENV_API_KEY:-}" ] && echo "AENV_API_KEY=$AENV_API_KEY"
+	[ -n "${AENV_NODE_TOKEN:-}" ] && echo "AENV_NODE_TOKEN=$AENV_NODE_TOKEN"
 	[ -n "$scheduler" ] && echo "AENV_SCHEDULER_URL=$scheduler"
 	[ -n "$advertise" ] && echo "AENV_ADVERTISE_URL=$advertise"
 	echo "AENV_ARGS=${extra[*]:-}"

@@ -6,6 +6,7 @@ package api
 
 import (
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
 	"crypto/subtle"
 	"encoding/json"
@@ -14,19 +15,18 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
-	"regexp"
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/apikeys"
 	"github.com/agentenv/agentenv/internal/builds"
+	"github.com/agentenv/agentenv/internal/httperr"
+	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/proxy"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage/lazy"
 )
-
-// APIKeyPattern is the form of API keys the E2B SDKs accept.
-var APIKeyPattern = regexp.MustCompile(`^e2b_[0-9a-f]+$`)
 
 // Node is what the API needs from the orchestrator: the sandboxes, their
 // lifecycle, named snapshots, templates and builds, and what the node
@@ -46,6 +46,8 @@ type Node interface {
 	// Fork clones a running sandbox into count children (timeout 0: the
 	// node default).
 	Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]orchestrator.ForkResult, error)
+	// SetNetwork replaces what a sandbox's guest may reach.
+	SetNetwork(ctx context.Context, id string, internet bool, egress network.Egress) (*sandboxes.Sandbox, error)
 	Snapshot(ctx context.Context, id, name string) (*orchestrator.NamedSnapshot, error)
 	Snapshots() ([]*orchestrator.NamedSnapshot, error)
 	DeleteSnapshot(ctx context.Context, name string) error
@@ -67,10 +69,16 @@ type Node interface {
 
 // Config configures the API server.
 type Config struct {
-	// APIKey is the key clients present, or APIKeySHA256 its SHA-256 (a
-	// node stores only the hash). One of them is required.
+	// Keys checks the keys clients present (the node's named keys,
+	// package apikeys). APIKey, or APIKeySHA256 its SHA-256, is one more
+	// key accepted besides (a cluster's shared key, AENV_API_KEY). At
+	// least one of them is required.
+	Keys         KeyChecker
 	APIKey       string
 	APIKeySHA256 [32]byte
+	// NodeToken, when set, is the cluster's node credential: a request
+	// presenting it in HeaderNodeToken (the gateway's) needs no API key.
+	NodeToken string
 	// Domain is the sandbox domain reported to SDKs and matched in
 	// `{port}-{id}.{domain}` hosts.
 	Domain string
@@ -85,29 +93,46 @@ type Config struct {
 
 // Server is the HTTP handler of a node's API.
 type Server struct {
-	cfg  Config
-	node Node
-	mux  *http.ServeMux
-	log  *slog.Logger
+	cfg     Config
+	node    Node
+	mux     *http.ServeMux
+	log     *slog.Logger
+	handler http.Handler // serve, with request ids
+	// uploadKey signs build-file upload links (valid while this process
+	// runs).
+	uploadKey []byte
+}
+
+// HeaderNodeToken carries the cluster's node credential (gateway → node).
+const HeaderNodeToken = "X-Aenv-Node-Token"
+
+// KeyChecker says whether a key a client presents is one of the node's
+// (and which: its name).
+type KeyChecker interface {
+	Check(ctx context.Context, key string) (name string, ok bool, err error)
 }
 
 // New builds the API handler.
 func New(node Node, cfg Config) (*Server, error) {
 	switch {
 	case cfg.APIKey != "":
-		if !APIKeyPattern.MatchString(cfg.APIKey) {
+		if !apikeys.Pattern.MatchString(cfg.APIKey) {
 			return nil, errors.New("api key must match e2b_<hex>")
 		}
 		cfg.APIKeySHA256 = sha256.Sum256([]byte(cfg.APIKey))
 		cfg.APIKey = "" // only the hash is kept
-	case cfg.APIKeySHA256 == [32]byte{}:
+	case cfg.APIKeySHA256 == [32]byte{} && cfg.Keys == nil:
 		return nil, errors.New("no API key")
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	s := &Server{cfg: cfg, node: node, mux: http.NewServeMux(), log: cfg.Logger}
+	s := &Server{cfg: cfg, node: node, mux: http.NewServeMux(), log: cfg.Logger, uploadKey: make([]byte, 32)}
+	if _, err := rand.Read(s.uploadKey); err != nil {
+		return nil, err
+	}
 	s.routes()
+	s.handler = httperr.WithIDs(http.HandlerFunc(s.serve))
 	return s, nil
 }
 
@@ -141,7 +166,7 @@ func (s *Server) routes() {
 	s.mux.Handle("POST /sandboxes/{id}/fork", auth(s.forkSandbox))
 	s.mux.Handle("POST /sandboxes/{id}/snapshots", auth(s.createSnapshot))
 	s.mux.Handle("DELETE /snapshots/{name}", auth(s.deleteSnapshot))
-	s.mux.Handle("PUT /sandboxes/{id}/network", auth(s.notYet("changing a running sandbox's network")))
+	s.mux.Handle("PUT /sandboxes/{id}/network", auth(s.updateNetwork))
 	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
 	})
@@ -149,7 +174,9 @@ func (s *Server) routes() {
 
 // ServeHTTP routes sandbox traffic to the proxy and everything else to the
 // REST API.
-func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.handler.ServeHTTP(w, r) }
+
+func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 	if s.cfg.SandboxProxy != nil && IsSandboxRequest(r, s.cfg.Domain) {
 		s.cfg.SandboxProxy.ServeHTTP(w, r)
 		return
@@ -188,7 +215,52 @@ func (s *Server) signedFile(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) requireKey(h func(http.ResponseWriter, *http.Request)) http.Handler {
-	return requireKeyHash(s.cfg.APIKeySHA256, h)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if t := r.Header.Get(HeaderNodeToken); t != "" && s.cfg.NodeToken != "" {
+			got, want := sha256.Sum256([]byte(t)), sha256.Sum256([]byte(s.cfg.NodeToken))
+			if subtle.ConstantTimeCompare(got[:], want[:]) == 1 {
+				h(w, r)
+				return
+			}
+			writeError(w, http.StatusUnauthorized, "invalid node token")
+			return
+		}
+		got := presentedKey(r)
+		if got == "" {
+			writeError(w, http.StatusUnauthorized, "missing API key: send it in the X-API-Key header")
+			return
+		}
+		if s.cfg.APIKeySHA256 != ([32]byte{}) {
+			sum := sha256.Sum256([]byte(got))
+			if subtle.ConstantTimeCompare(sum[:], s.cfg.APIKeySHA256[:]) == 1 {
+				h(w, r)
+				return
+			}
+		}
+		if s.cfg.Keys != nil {
+			_, ok, err := s.cfg.Keys.Check(r.Context(), got)
+			if err != nil {
+				httperr.Internal(w, s.log, http.StatusInternalServerError, "checking the API key failed", err)
+				return
+			}
+			if ok {
+				h(w, r)
+				return
+			}
+		}
+		writeError(w, http.StatusUnauthorized, "invalid API key")
+	})
+}
+
+// presentedKey is the API key of a request: X-API-Key, or a bearer token.
+func presentedKey(r *http.Request) string {
+	if k := r.Header.Get("X-API-Key"); k != "" {
+		return k
+	}
+	if a := r.Header.Get("Authorization"); len(a) > 7 && a[:7] == "Bearer " {
+		return a[7:]
+	}
+	return ""
 }
 
 // RequireKey wraps h with the API key check (X-API-Key or a bearer token;
@@ -200,12 +272,7 @@ func RequireKey(key string, h func(http.ResponseWriter, *http.Request)) http.Han
 
 func requireKeyHash(want [32]byte, h func(http.ResponseWriter, *http.Request)) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		got := r.Header.Get("X-API-Key")
-		if got == "" {
-			if a := r.Header.Get("Authorization"); len(a) > 7 && a[:7] == "Bearer " {
-				got = a[7:]
-			}
-		}
+		got := presentedKey(r)
 		if got == "" {
 			writeError(w, http.StatusUnauthorized, "missing API key: send it in the X-API-Key header")
 			return
@@ -219,37 +286,10 @@ func requireKeyHash(want [32]byte, h func(http.ResponseWriter, *http.Request)) h
 	})
 }
 
-func (s *Server) notYet(op string) func(http.ResponseWriter, *http.Request) {
-	return func(w http.ResponseWriter, r *http.Request) {
-		if _, ok := s.sandboxID(w, r); !ok {
-			return
-		}
-		writeError(w, http.StatusNotImplemented, notYetMessage(op))
-	}
-}
-
-func notYetMessage(op string) string {
-	switch op {
-	case "pause", "resume":
-		return op + " is not supported by this node: it cannot pause sandboxes"
-	case "fork", "snapshots":
-		return op + " is not implemented on this node yet"
-	}
-	return op + " is not implemented on this node yet"
-}
-
 // Error is the JSON body of every error response.
-type Error struct {
-	Code    int    `json:"code"`
-	Message string `json:"message"`
-}
+type Error = httperr.Body
 
-// WriteError answers with the API's error body, {code, message}.
-func WriteError(w http.ResponseWriter, status int, msg string) { writeError(w, status, msg) }
-
-func writeError(w http.ResponseWriter, status int, msg string) {
-	writeJSON(w, status, Error{Code: status, Message: msg})
-}
+func writeError(w http.ResponseWriter, status int, msg string) { httperr.Write(w, status, msg) }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
 	w.Header().Set("Content-Type", "application/json")
@@ -257,13 +297,27 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
-// writeNodeError maps orchestrator errors to statuses.
+// writeNodeError maps orchestrator errors to statuses. A failure of the
+// node's own (5xx) is logged under the request id, which is all its answer
+// says besides its kind; a refusal (4xx) says why, in words that never name
+// the node's data dir.
 func (s *Server) writeNodeError(w http.ResponseWriter, err error) {
-	status := statusOf(err)
-	if status == http.StatusInternalServerError {
-		s.log.Error("request failed", "err", err)
+	switch status := statusOf(err); {
+	case status == http.StatusGatewayTimeout:
+		httperr.Internal(w, s.log, status, "the operation did not finish in time", err)
+	case status >= 500:
+		httperr.Internal(w, s.log, status, "internal error", err)
+	default:
+		writeError(w, status, s.scrub(err.Error()))
 	}
-	writeError(w, status, err.Error())
+}
+
+// scrub replaces the node's data dir in a message shown to a client.
+func (s *Server) scrub(msg string) string {
+	if dir := s.node.DataDir(); dir != "" && dir != "/" {
+		msg = strings.ReplaceAll(msg, strings.TrimSuffix(dir, "/"), "<data dir>")
+	}
+	return msg
 }
 
 // statusOf is the HTTP status of an orchestrator error.

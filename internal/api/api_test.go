@@ -214,7 +214,15 @@ func TestBadInputChangesNothing(t *testing.T) {
 		{"secure wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","secure":"yes"}`, 400},
 		{"network wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","network":"open"}`, 400},
 		{"autoResume wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","autoResume":true}`, 400},
-		{"allowOut lists", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowOut":["1.1.1.1"]}}`, 400},
+		{"allowOut domain", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowOut":["*.example.com"]}}`, 400},
+		{"denyOut malformed CIDR", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"denyOut":["10.0.0.0/33"]}}`, 400},
+		{"denyOut all but internet on", "POST", "/v2/sandboxes", `{"templateID":"base","allow_internet_access":true,"network":{"denyOut":["0.0.0.0/0"]}}`, 400},
+		{"network rules", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"rules":{"api.example.com":[{}]}}}`, 400},
+		{"network update malformed", "PUT", "/sandboxes/sbx1/network", `{"allowOut":"1.1.1.1"}`, 400},
+		{"network update bad CIDR", "PUT", "/sandboxes/sbx1/network", `{"denyOut":["1.2.3.0/99"]}`, 400},
+		{"network update IPv6", "PUT", "/sandboxes/sbx1/network", `{"allowOut":["fd00::/8"]}`, 400},
+		{"network update too many", "PUT", "/sandboxes/sbx1/network", `{"allowOut":[` + strings.Repeat(`"1.2.3.4",`, 64) + `"1.2.3.4"]}`, 400},
+		{"network update unknown", "PUT", "/sandboxes/nope/network", `{"allowOut":["1.2.3.4"]}`, 404},
 		{"volume mounts", "POST", "/v2/sandboxes", `{"templateID":"base","volumeMounts":[{"name":"v","path":"/v"}]}`, 400},
 		{"cpu zero", "POST", "/v2/sandboxes", `{"templateID":"base","cpuCount":0}`, 400},
 		{"unknown template", "POST", "/v2/sandboxes", `{"templateID":"missing"}`, 404},
@@ -708,5 +716,47 @@ func TestPrivateTrafficAndAutoResume(t *testing.T) {
 	sb, _ = a.node.Get(context.Background(), pub["sandboxID"].(string))
 	if r := routeOf(sb); r.TrafficToken != "" || r.AutoResume {
 		t.Fatalf("route %+v", r)
+	}
+}
+
+// Egress rules given at create and replaced by PUT /sandboxes/{id}/network
+// show in the sandbox's details as E2B shows them.
+func TestNetworkRules(t *testing.T) {
+	a := newTestAPI(t)
+	created := a.create(`{"templateID":"base","network":{"allowOut":["10.1.2.3","10.1.0.0/16"],"denyOut":["0.0.0.0/0"]}}`)
+	id := created["sandboxID"].(string)
+	network := func() (map[string]any, bool) {
+		t.Helper()
+		rec := a.do("GET", "/sandboxes/"+id, "")
+		var out struct {
+			Network  map[string]any `json:"network"`
+			Internet bool           `json:"allowInternetAccess"`
+		}
+		if err := json.Unmarshal(rec.Body.Bytes(), &out); err != nil {
+			t.Fatal(err)
+		}
+		return out.Network, out.Internet
+	}
+	n, internet := network()
+	if internet || fmt.Sprint(n["allowOut"]) != "[10.1.0.0/16]" || fmt.Sprint(n["denyOut"]) != "[0.0.0.0/0]" {
+		t.Fatalf("after create: internet %v, network %v", internet, n)
+	}
+	rec := a.do("PUT", "/sandboxes/"+id+"/network", `{"denyOut":["192.0.2.0/24"]}`)
+	if rec.Code != http.StatusNoContent {
+		t.Fatalf("update: %d %s", rec.Code, rec.Body)
+	}
+	n, internet = network()
+	if !internet || fmt.Sprint(n["allowOut"]) != "[]" || fmt.Sprint(n["denyOut"]) != "[192.0.2.0/24]" {
+		t.Fatalf("after update: internet %v, network %v", internet, n)
+	}
+	// A sandbox mid-operation refuses; a paused one takes the rules.
+	a.node.add(&sandboxes.Sandbox{ID: "busy1", State: sandboxes.Forking})
+	assertError(t, a.do("PUT", "/sandboxes/busy1/network", `{"allowOut":["1.2.3.4"]}`), http.StatusConflict)
+	a.node.add(&sandboxes.Sandbox{ID: "paused1", State: sandboxes.Paused})
+	if rec := a.do("PUT", "/sandboxes/paused1/network", `{"allow_internet_access":false}`); rec.Code != http.StatusNoContent {
+		t.Fatalf("update of a paused sandbox: %d %s", rec.Code, rec.Body)
+	}
+	if sb, _ := a.node.Get(t.Context(), "paused1"); sb.AllowInternet {
+		t.Fatal("the paused sandbox kept its internet access")
 	}
 }

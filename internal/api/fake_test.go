@@ -3,12 +3,12 @@ package api
 import (
 	"context"
 	"fmt"
-	"os"
 	"sort"
 	"sync"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/builds"
+	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage/lazy"
@@ -22,6 +22,8 @@ type fakeNode struct {
 	mutations int // successful Create/Kill/SetTimeout calls
 	seq       int
 	logs      map[string][]byte
+	// pauseErr, when set, is what Pause answers.
+	pauseErr error
 }
 
 func newFakeNode() *fakeNode {
@@ -67,6 +69,9 @@ func (f *fakeNode) Create(ctx context.Context, req orchestrator.CreateRequest) (
 	}
 	if req.Secure {
 		sb.AccessToken = "envd-token-" + sb.ID
+	}
+	if req.Egress != nil {
+		sb.Egress = *req.Egress
 	}
 	f.sandboxes[sb.ID] = sb
 	cp := *sb
@@ -126,6 +131,9 @@ func (f *fakeNode) SetTimeout(ctx context.Context, id string, d time.Duration) (
 func (f *fakeNode) Pause(ctx context.Context, id string) (*sandboxes.Sandbox, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if f.pauseErr != nil {
+		return nil, f.pauseErr
+	}
 	sb, ok := f.sandboxes[id]
 	if !ok {
 		return nil, fmt.Errorf("%w: sandbox %s", orchestrator.ErrNotFound, id)
@@ -222,7 +230,10 @@ func (f *fakeNode) Templates() ([]*orchestrator.Template, error) { return nil, n
 func (f *fakeNode) DeleteTemplate(ctx context.Context, name string) error {
 	return fmt.Errorf("%w: template %q", orchestrator.ErrNotFound, name)
 }
-func (f *fakeNode) DataDir() string { return os.TempDir() }
+func (f *fakeNode) DataDir() string { return fakeDataDir }
+
+const fakeDataDir = "/var/lib/aenv-fake"
+
 func (f *fakeNode) Memory(ctx context.Context) (*orchestrator.NodeMemory, error) {
 	return &orchestrator.NodeMemory{States: map[sandboxes.State]int{}}, nil
 }
@@ -245,4 +256,19 @@ func (f *fakeNode) mutationCount() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.mutations
+}
+
+func (f *fakeNode) SetNetwork(ctx context.Context, id string, internet bool, egress network.Egress) (*sandboxes.Sandbox, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	sb, ok := f.sandboxes[id]
+	if !ok {
+		return nil, fmt.Errorf("%w: sandbox %s", orchestrator.ErrNotFound, id)
+	}
+	if !sb.State.Resting() {
+		return nil, sandboxes.Busy(sb)
+	}
+	sb.AllowInternet, sb.Egress = internet, egress
+	f.mutations++
+	return sb, nil
 }

@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/httperr"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 )
@@ -323,7 +324,7 @@ func (s *Server) sandboxMetrics(w http.ResponseWriter, r *http.Request) {
 	}
 	m, err := fetchEnvdMetrics(r.Context(), sb)
 	if err != nil {
-		writeError(w, http.StatusBadGateway, "read metrics from the sandbox: "+err.Error())
+		httperr.Internal(w, s.log, http.StatusBadGateway, "reading metrics from the sandbox failed", err)
 		return
 	}
 	ts := time.Unix(m.Timestamp, 0).UTC()

@@ -7,13 +7,16 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/netip"
 	"net/url"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 )
@@ -109,8 +112,9 @@ type sandboxDetailJSON struct {
 	State           string            `json:"state"`
 	Metadata        map[string]string `json:"metadata"`
 	// AllowInternetAccess and Lifecycle are in newer E2B responses.
-	AllowInternetAccess *bool          `json:"allowInternetAccess,omitempty"`
-	Lifecycle           *lifecycleJSON `json:"lifecycle,omitempty"`
+	AllowInternetAccess *bool           `json:"allowInternetAccess,omitempty"`
+	Network             *networkOutJSON `json:"network,omitempty"`
+	Lifecycle           *lifecycleJSON  `json:"lifecycle,omitempty"`
 }
 
 type lifecycleJSON struct {
@@ -171,6 +175,7 @@ func (s *Server) detailBody(sb *sandboxes.Sandbox) sandboxDetailJSON {
 	}
 	internet := sb.AllowInternet
 	out.AllowInternetAccess = &internet
+	out.Network = networkBody(sb)
 	out.Lifecycle = &lifecycleJSON{OnTimeout: "kill", AutoResume: sb.AutoResume}
 	if sb.AutoPause {
 		out.Lifecycle.OnTimeout = "pause"
@@ -242,16 +247,11 @@ func (req *createSandboxRequest) toCreateRequest(secureDefault bool) (orchestrat
 		cr.Secure = *req.Secure
 	}
 	if n := req.Network; n != nil {
-		internet, err := n.internetAccess()
+		internet, egress, err := n.egress(req.AllowInternetAccess)
 		if err != nil {
 			return cr, err
 		}
-		if internet != nil {
-			if req.AllowInternetAccess != nil && *req.AllowInternetAccess != *internet {
-				return cr, errors.New("allow_internet_access contradicts network.allowOut/denyOut")
-			}
-			cr.AllowInternet = internet
-		}
+		cr.AllowInternet, cr.Egress = internet, egress
 		if n.AllowPublicTraffic != nil && !*n.AllowPublicTraffic {
 			cr.PrivateTraffic = true
 		}
@@ -280,17 +280,84 @@ func (req *createSandboxRequest) toCreateRequest(secureDefault bool) (orchestrat
 	return cr, nil
 }
 
-// internetAccess maps the egress lists this node can honour (nothing, or
-// denying everything) onto allow_internet_access.
-func (n *networkJSON) internetAccess() (*bool, error) {
-	if len(n.AllowOut) == 0 && len(n.DenyOut) == 0 {
-		return nil, nil
+// egress reads E2B's allowOut and denyOut lists. Denying everything
+// (ALL_TRAFFIC, 0.0.0.0/0) is internet access off, and contradicts
+// allow_internet_access=true; nil results mean the request gave none.
+func (n *networkJSON) egress(allowInternet *bool) (*bool, *network.Egress, error) {
+	if n.AllowOut == nil && n.DenyOut == nil {
+		return allowInternet, nil, nil
 	}
-	if len(n.AllowOut) == 0 && len(n.DenyOut) == 1 && n.DenyOut[0] == "0.0.0.0/0" {
-		f := false
-		return &f, nil
+	allow, err := network.ParseRules("network.allowOut", n.AllowOut)
+	if err != nil {
+		return nil, nil, err
 	}
-	return nil, errors.New("network.allowOut/denyOut lists are not supported on this node (only denyOut [\"0.0.0.0/0\"], which equals allow_internet_access=false)")
+	deny, err := network.ParseRules("network.denyOut", n.DenyOut)
+	if err != nil {
+		return nil, nil, err
+	}
+	internet := allowInternet
+	all := netip.MustParsePrefix(network.AllTraffic)
+	if i := slices.Index(deny, all); i >= 0 {
+		if allowInternet != nil && *allowInternet {
+			return nil, nil, errors.New("allow_internet_access contradicts network.denyOut " + network.AllTraffic)
+		}
+		off := false
+		internet, deny = &off, slices.Delete(deny, i, i+1)
+	}
+	return internet, &network.Egress{Allow: allow, Deny: deny}, nil
+}
+
+// networkOutJSON is the network part of a sandbox's details.
+type networkOutJSON struct {
+	AllowOut []string `json:"allowOut"`
+	DenyOut  []string `json:"denyOut"`
+}
+
+func networkBody(sb *sandboxes.Sandbox) *networkOutJSON {
+	out := &networkOutJSON{AllowOut: network.Strings(sb.Egress.Allow), DenyOut: network.Strings(sb.Egress.Deny)}
+	if !sb.AllowInternet {
+		out.DenyOut = append(out.DenyOut, network.AllTraffic)
+	}
+	return out
+}
+
+// networkUpdateJSON is the body of PUT /sandboxes/{id}/network.
+type networkUpdateJSON struct {
+	AllowOut            []string        `json:"allowOut"`
+	DenyOut             []string        `json:"denyOut"`
+	AllowInternetAccess *bool           `json:"allow_internet_access"`
+	Rules               map[string]any  `json:"rules"`
+	EgressProxy         *map[string]any `json:"egressProxy"`
+}
+
+// updateNetwork replaces a sandbox's egress rules: the lists given become
+// its lists (absent ones empty), and its internet access is on unless
+// allow_internet_access is false or denyOut denies everything.
+func (s *Server) updateNetwork(w http.ResponseWriter, r *http.Request) {
+	var body networkUpdateJSON
+	if err := decodeBody(r, &body); err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	if len(body.Rules) > 0 || (body.EgressProxy != nil && *body.EgressProxy != nil) {
+		writeError(w, http.StatusBadRequest, "network rules and egressProxy are not supported on this node")
+		return
+	}
+	nj := networkJSON{AllowOut: body.AllowOut, DenyOut: body.DenyOut}
+	if nj.AllowOut == nil {
+		nj.AllowOut = []string{}
+	}
+	internet, egress, err := nj.egress(body.AllowInternetAccess)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	on := internet == nil || *internet
+	if _, err := s.node.SetNetwork(r.Context(), r.PathValue("id"), on, *egress); err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
 }
 
 func truncate(s string, n int) string {

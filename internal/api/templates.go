@@ -160,7 +160,7 @@ var filesHashRE = regexp.MustCompile(`^[0-9a-f]{16,128}$`)
 
 // uploadSignature authorises a build-file upload link.
 func (s *Server) uploadSignature(templateID, hash string) string {
-	m := hmac.New(sha256.New, s.cfg.APIKeySHA256[:])
+	m := hmac.New(sha256.New, s.uploadKey)
 	fmt.Fprintf(m, "build-files\n%s\n%s", templateID, hash)
 	return hex.EncodeToString(m.Sum(nil))
 }

@@ -18,7 +18,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/agentenv/agentenv/internal/api"
+	"github.com/agentenv/agentenv/internal/apikeys"
 	"github.com/agentenv/agentenv/internal/gateway"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/scheduler"
@@ -28,6 +28,7 @@ import (
 // nodeOptions make a server a cluster node.
 type nodeOptions struct {
 	key          string // the cluster's API key (AENV_API_KEY)
+	nodeToken    string // the cluster's node credential (AENV_NODE_TOKEN)
 	scheduler    string
 	nodeID       string
 	advertise    string
@@ -41,10 +42,11 @@ func nodeCmd() *cobra.Command {
 		Use:   "node",
 		Short: "Run a cluster node: a server that reports to a scheduler and serves the gateway",
 		Long: `A node is a server (same flags) that joins a cluster: it reports its capacity, templates and
-sandboxes to the scheduler every few seconds, and the gateway routes requests to it. All nodes and the
-gateway share one API key (AENV_API_KEY, or the same <data-dir>/api-key file), which also authenticates
-them to the scheduler. Paused sandboxes resume on another node when the nodes share a repository.`,
-		Example: `  AENV_API_KEY=e2b_... aenv node --scheduler http://10.0.0.1:9090 --listen 0.0.0.0:8000 \
+sandboxes to the scheduler every few seconds, and the gateway routes requests to it. Clients use the
+cluster's API key (AENV_API_KEY, or keys made with ` + "`aenv key create`" + `); nodes, the gateway and the scheduler
+authenticate to each other with the node credential (AENV_NODE_TOKEN), which no API client has. Paused
+sandboxes resume on another node when the nodes share a repository.`,
+		Example: `  AENV_API_KEY=e2b_... AENV_NODE_TOKEN=... aenv node --scheduler http://10.0.0.1:9090 --listen 0.0.0.0:8000 \
       --advertise-url http://10.0.0.5:8000 --repository oss://aenv/cluster?endpoint=http://10.0.0.2:7070`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -58,6 +60,9 @@ them to the scheduler. Paused sandboxes resume on another node when the nodes sh
 			}
 			key, err := clusterKey()
 			if err != nil {
+				return err
+			}
+			if n.nodeToken, err = clusterNodeToken(key); err != nil {
 				return err
 			}
 			n.key = key
@@ -101,7 +106,7 @@ func (n *nodeOptions) complete(listen string) error {
 
 // reportNode runs the node's heartbeats to the scheduler until ctx ends.
 func reportNode(ctx context.Context, node *orchestrator.Node, n *nodeOptions, logf func(string, ...any)) {
-	client := scheduler.NewClient(&http.Client{Timeout: 10 * time.Second}, n.scheduler, n.key)
+	client := scheduler.NewClient(&http.Client{Timeout: 10 * time.Second}, n.scheduler, n.nodeToken)
 	r := &scheduler.Reporter{Client: client, Report: func(ctx context.Context) (*pb.NodeReport, error) {
 		c, err := node.Capacity(ctx)
 		if err != nil {
@@ -128,18 +133,18 @@ func schedulerCmd() *cobra.Command {
 		Short: "Run the cluster scheduler (Connect/gRPC): node heartbeats, placement, sandbox location",
 		Long: `The scheduler keeps the latest report of every node in memory and nothing else: restarting it
 loses nothing, the nodes report again within one interval. Nodes and the gateway authenticate with the
-cluster's API key (AENV_API_KEY).`,
-		Example: `  AENV_API_KEY=e2b_... aenv scheduler --listen :9090`,
+cluster's node credential (AENV_NODE_TOKEN); the client API key is refused.`,
+		Example: `  AENV_NODE_TOKEN=$(cat /etc/aenv/node-token) aenv scheduler --listen :9090`,
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
-			key, err := clusterKey()
+			token, err := clusterNodeToken(os.Getenv("AENV_API_KEY"))
 			if err != nil {
 				return err
 			}
 			log := newLogger(logLevel)
-			s := scheduler.New(scheduler.Config{Token: key, Interval: interval, LostAfter: lostAfter, Logger: log})
+			s := scheduler.New(scheduler.Config{Token: token, Interval: interval, LostAfter: lostAfter, Logger: log})
 			mux := http.NewServeMux()
 			mux.Handle(s.Handler())
 			mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
@@ -153,13 +158,32 @@ cluster's API key (AENV_API_KEY).`,
 	return cmd
 }
 
+var nodeTokenRE = regexp.MustCompile(`^[A-Za-z0-9._~+/=-]{32,256}$`)
+
+// clusterNodeToken is the cluster's node credential, from AENV_NODE_TOKEN:
+// what nodes and gateways present to the scheduler, the gateway to nodes,
+// and nodes to each other. It must differ from the client API key, so that
+// no API client can register a node or pass for the gateway.
+func clusterNodeToken(apiKey string) (string, error) {
+	t := os.Getenv("AENV_NODE_TOKEN")
+	switch {
+	case t == "":
+		return "", errors.New("set AENV_NODE_TOKEN to the cluster's node credential (the same on every node, gateway and scheduler, and not the API key; e.g. $(openssl rand -hex 32))")
+	case !nodeTokenRE.MatchString(t):
+		return "", errors.New("AENV_NODE_TOKEN must be 32-256 characters of [A-Za-z0-9._~+/=-]")
+	case t == apiKey:
+		return "", errors.New("AENV_NODE_TOKEN must not be the API key: API clients would pass for nodes")
+	}
+	return t, nil
+}
+
 // clusterKey is the API key a cluster shares, from AENV_API_KEY.
 func clusterKey() (string, error) {
 	k := os.Getenv("AENV_API_KEY")
 	if k == "" {
 		return "", errors.New("set AENV_API_KEY to the cluster's API key (the same on every node, gateway and scheduler; `aenv key --rotate` makes one)")
 	}
-	if !api.APIKeyPattern.MatchString(k) {
+	if !apikeys.Pattern.MatchString(k) {
 		return "", errors.New("AENV_API_KEY must look like e2b_<hex>")
 	}
 	return k, nil
@@ -192,8 +216,9 @@ func gatewayCmd() *cobra.Command {
 		Short: "Run the cluster gateway: one E2B-compatible endpoint (REST + sandbox proxy) in front of all nodes",
 		Long: `The gateway serves the same API as a node. It places new sandboxes through the scheduler, sends
 every request about a sandbox to the node that holds it, and gathers lists from all nodes. While the
-scheduler is down it keeps routing from what it remembers. Clients use the cluster's API key.`,
-		Example: `  AENV_API_KEY=e2b_... aenv gateway --scheduler http://10.0.0.1:9090 --listen :8080
+scheduler is down it keeps routing from what it remembers. Clients use the cluster's API key; the gateway
+presents the node credential (AENV_NODE_TOKEN) to the nodes and the scheduler instead of it.`,
+		Example: `  AENV_API_KEY=e2b_... AENV_NODE_TOKEN=... aenv gateway --scheduler http://10.0.0.1:9090 --listen :8080
   E2B_API_URL=http://10.0.0.1:8080 E2B_SANDBOX_URL=http://10.0.0.1:8080 E2B_API_KEY=e2b_... node app.js`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -203,13 +228,17 @@ scheduler is down it keeps routing from what it remembers. Clients use the clust
 			if err != nil {
 				return err
 			}
+			token, err := clusterNodeToken(key)
+			if err != nil {
+				return err
+			}
 			if sched == "" {
 				return errors.New("--scheduler is required (the scheduler's URL, e.g. http://10.0.0.1:9090)")
 			}
 			log := newLogger(logLevel)
 			g := gateway.New(gateway.Config{
-				Scheduler: scheduler.NewClient(&http.Client{Timeout: 10 * time.Second}, sched, key),
-				APIKey:    key, Domain: domain, Logger: log,
+				Scheduler: scheduler.NewClient(&http.Client{Timeout: 10 * time.Second}, sched, token),
+				APIKey:    key, NodeToken: token, Domain: domain, Logger: log,
 			})
 			return serve(ctx, listen, g, log.Info, "aenv gateway listening")
 		},

@@ -19,9 +19,11 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/agentenv/agentenv/internal/api"
+	"github.com/agentenv/agentenv/internal/apikeys"
 	"github.com/agentenv/agentenv/internal/guest"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/proxy"
+	"github.com/agentenv/agentenv/internal/statedb"
 	"github.com/agentenv/agentenv/internal/storage/repository"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
@@ -41,19 +43,20 @@ func pathsOf(dataDir string) nodePaths {
 }
 
 type serverOptions struct {
-	dataDir       string
-	listen        string
-	domain        string
-	networkCIDR   string
-	instance      string
-	poolSize      int
-	layerCache    int
-	peers         []string
-	peerTokenFile string
-	repository    string
-	qemuUser      string
-	noCgroups     bool
-	logLevel      string
+	dataDir        string
+	listen         string
+	domain         string
+	networkCIDR    string
+	instance       string
+	poolSize       int
+	layerCache     int
+	peers          []string
+	peerTokenFile  string
+	repository     string
+	qemuUser       string
+	insecureNoJail bool
+	noCgroups      bool
+	logLevel       string
 }
 
 func serverCmd() *cobra.Command {
@@ -88,7 +91,8 @@ func serverFlags(cmd *cobra.Command, o *serverOptions) {
 	cmd.Flags().StringVar(&o.peerTokenFile, "p2p-token-file", "", "file holding the secret token the nodes of a peer group share (env AENV_P2P_TOKEN also works)")
 	cmd.Flags().StringVar(&o.repository, "repository", "", "snapshot repository: /path, posix_fs:///path or oss://bucket/prefix?endpoint=…&region=… (default: <data-dir>/repository)")
 	cmd.Flags().BoolVar(&o.noCgroups, "no-cgroups", false, "run QEMUs without per-sandbox cgroup limits (CPU, memory, tasks): faster resumes and forks on cgroup v1 hosts")
-	cmd.Flags().StringVar(&o.qemuUser, "qemu-user", orchestrator.DefaultQEMUUser, "unprivileged user QEMU switches to after start (aenv setup makes it; \"\" or a missing user: QEMU stays root)")
+	cmd.Flags().StringVar(&o.qemuUser, "qemu-user", orchestrator.DefaultQEMUUser, "unprivileged user QEMU switches to after start (aenv setup makes it)")
+	cmd.Flags().BoolVar(&o.insecureNoJail, "insecure-no-jail", false, "run QEMU as root when its unprivileged user is missing or --qemu-user is \"\" (a guest that escapes QEMU then owns the host)")
 	cmd.Flags().StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 }
 
@@ -97,7 +101,7 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 	if os.Geteuid() != 0 {
 		return errors.New("aenv server must run as root (it creates network namespaces and tap devices)")
 	}
-	keyHash, err := loadAPIKeyHash(o.dataDir)
+	envKey, hasEnvKey, err := envAPIKey()
 	if err != nil {
 		return err
 	}
@@ -122,15 +126,26 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 	if err != nil {
 		return err
 	}
+	if peerToken == "" && cluster != nil {
+		peerToken = cluster.nodeToken // the nodes' credential serves their peer traffic too
+	}
 	if len(o.peers) > 0 && peerToken == "" {
 		return errors.New("--p2p-peers needs the peer group's token: --p2p-token-file or AENV_P2P_TOKEN")
 	}
 	qemuUser := o.qemuUser
 	if qemuUser != "" {
 		if _, err := user.Lookup(qemuUser); err != nil {
-			log.Warn("QEMU runs as root: its unprivileged user does not exist (aenv setup makes it)", "user", qemuUser)
+			if !o.insecureNoJail {
+				return fmt.Errorf("QEMU's unprivileged user %q does not exist: run `aenv setup` (it makes it), or pass --insecure-no-jail to run QEMU as root", qemuUser)
+			}
 			qemuUser = ""
 		}
+	} else if !o.insecureNoJail {
+		return errors.New("--qemu-user \"\" runs QEMU as root: pass --insecure-no-jail as well to accept that")
+	}
+	if qemuUser == "" {
+		log.Warn("INSECURE: QEMU runs as root (--insecure-no-jail): a guest that escapes QEMU owns this host")
+		fmt.Fprintln(os.Stderr, "aenv server: WARNING: --insecure-no-jail: QEMU runs as root; a guest that escapes QEMU owns this host")
 	}
 	probe := vmm.ProbeAccel()
 	if w := probe.Warning(); w != "" {
@@ -161,8 +176,38 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		return err
 	}
 	defer node.Close()
+	// The client API keys (in the node's database, beside its records);
+	// `aenv key` manages them through the admin socket while the node runs.
+	keysDB, err := statedb.Open(filepath.Join(o.dataDir, statedb.FileName))
+	if err != nil {
+		return err
+	}
+	defer keysDB.Close()
+	keys, err := apikeys.Open(keysDB)
+	if err != nil {
+		return err
+	}
+	if err := adoptLegacyKey(ctx, keys, o.dataDir); err != nil {
+		return err
+	}
+	if l, err := keys.List(ctx); err != nil {
+		return err
+	} else if len(l) == 0 && !hasEnvKey {
+		return fmt.Errorf("%w (or set AENV_API_KEY)", apikeys.ErrNoKeys)
+	}
+	admin, err := apikeys.ListenAdmin(o.dataDir)
+	if err != nil {
+		return err
+	}
+	adminSrv := &http.Server{Handler: keys.Handler(log), ReadHeaderTimeout: 10 * time.Second}
+	go adminSrv.Serve(admin)
+	defer adminSrv.Close()
 	px := proxy.New(api.Resolver{Node: node}, o.domain, orchestrator.EnvdPort, log)
-	handler, err := api.New(node, api.Config{APIKeySHA256: keyHash, Domain: o.domain, SandboxProxy: px, PeerChunks: node.PeerChunks(), Logger: log})
+	acfg := api.Config{Keys: keys, APIKeySHA256: envKey, Domain: o.domain, SandboxProxy: px, PeerChunks: node.PeerChunks(), Logger: log}
+	if cluster != nil {
+		acfg.NodeToken = cluster.nodeToken
+	}
+	handler, err := api.New(node, acfg)
 	if err != nil {
 		return err
 	}

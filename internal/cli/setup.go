@@ -6,9 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/agentenv/agentenv/internal/datadir"
-	"github.com/agentenv/agentenv/internal/store"
-	"github.com/agentenv/agentenv/internal/templates"
 	"io"
 	"os"
 	"os/exec"
@@ -16,6 +13,10 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/datadir"
+	"github.com/agentenv/agentenv/internal/store"
+	"github.com/agentenv/agentenv/internal/templates"
 
 	"github.com/spf13/cobra"
 

@@ -25,6 +25,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/agentenv/agentenv/internal/api"
+	"github.com/agentenv/agentenv/internal/httperr"
 	"github.com/agentenv/agentenv/internal/proxy"
 	pb "github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb"
 	"github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb/schedulerpbconnect"
@@ -33,9 +34,11 @@ import (
 // Config configures a gateway.
 type Config struct {
 	Scheduler schedulerpbconnect.SchedulerClient
-	// APIKey is the cluster's key: clients present it to the gateway, the
-	// gateway to the nodes.
-	APIKey string
+	// APIKey is the cluster's client key: clients present it to the
+	// gateway. NodeToken is the cluster's node credential: the gateway
+	// presents it to the nodes (never the client's key).
+	APIKey    string
+	NodeToken string
 	// Domain is the sandbox domain of `{port}-{id}.{domain}` hosts (empty:
 	// any).
 	Domain string
@@ -47,11 +50,12 @@ type Config struct {
 
 // Gateway is the cluster endpoint's HTTP handler.
 type Gateway struct {
-	cfg    Config
-	log    *slog.Logger
-	client *http.Client
-	proxy  *httputil.ReverseProxy
-	mux    *http.ServeMux
+	cfg     Config
+	log     *slog.Logger
+	client  *http.Client
+	proxy   *httputil.ReverseProxy
+	mux     *http.ServeMux
+	handler http.Handler // serve, with request ids
 
 	mu     sync.Mutex
 	routes map[string]route
@@ -81,13 +85,17 @@ func New(cfg Config) *Gateway {
 			pr.SetURL(pr.In.Context().Value(targetKey{}).(*url.URL))
 			pr.Out.Host = pr.In.Host // sandbox hosts ({port}-{id}.{domain}) route on the node too
 			pr.SetXForwarded()
+			if _, sandbox := proxy.ParseTarget(pr.In, g.cfg.Domain); !sandbox {
+				g.asGateway(pr.Out.Header) // REST: the node sees the gateway, not the client's key
+			}
 		},
 		FlushInterval: -1, // streams (Connect, SSE) pass through at once
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
-			api.WriteError(w, http.StatusBadGateway, fmt.Sprintf("the sandbox's node did not answer: %v", err))
+			httperr.Internal(w, g.log, http.StatusBadGateway, "the sandbox's node did not answer", err)
 		},
 	}
 	g.registerRoutes()
+	g.handler = httperr.WithIDs(http.HandlerFunc(g.serve))
 	return g
 }
 
@@ -109,25 +117,27 @@ func (g *Gateway) registerRoutes() {
 		g.mux.Handle(p+"/", key(g.toTemplateNode))
 	}
 	g.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		api.WriteError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
+		httperr.Write(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
 	})
 }
 
 // ServeHTTP sends sandbox traffic to the sandbox's node and the REST API to
 // its handlers.
-func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) { g.handler.ServeHTTP(w, r) }
+
+func (g *Gateway) serve(w http.ResponseWriter, r *http.Request) {
 	if t, ok := proxy.ParseTarget(r, g.cfg.Domain); ok {
 		// Answered as a node's proxy answers: 400 for a malformed target,
 		// 502 for a sandbox no node holds.
 		switch {
 		case !proxy.ValidSandboxID(t.SandboxID):
-			api.WriteError(w, http.StatusBadRequest, "invalid sandbox id in "+proxy.HeaderSandboxID)
+			httperr.Write(w, http.StatusBadRequest, "invalid sandbox id in "+proxy.HeaderSandboxID)
 		case t.Port == 0:
-			api.WriteError(w, http.StatusBadRequest, "invalid "+proxy.HeaderSandboxPort+" header")
+			httperr.Write(w, http.StatusBadRequest, "invalid "+proxy.HeaderSandboxPort+" header")
 		default:
 			rt, err := g.locate(r.Context(), t.SandboxID)
 			if errors.Is(err, errUnknownSandbox) {
-				api.WriteError(w, http.StatusBadGateway, fmt.Sprintf("sandbox %q not found", t.SandboxID))
+				httperr.Write(w, http.StatusBadGateway, fmt.Sprintf("sandbox %q not found", t.SandboxID))
 				return
 			}
 			if err != nil {
@@ -248,7 +258,7 @@ func (g *Gateway) holds(ctx context.Context, nodeURL, id string) bool {
 	if err != nil {
 		return false
 	}
-	req.Header.Set("X-API-Key", g.cfg.APIKey)
+	g.asGateway(req.Header)
 	resp, err := g.client.Do(req)
 	if err != nil {
 		return false
@@ -280,18 +290,19 @@ func (g *Gateway) writeLocateError(w http.ResponseWriter, id string, err error) 
 	var lost errNodeLost
 	switch {
 	case errors.As(err, &lost):
-		api.WriteError(w, http.StatusServiceUnavailable, fmt.Sprintf("sandbox %s: %v", id, err))
+		// The gateway's own words (which node, what to do), not internals.
+		httperr.Write(w, http.StatusServiceUnavailable, fmt.Sprintf("sandbox %s: %v", id, err))
 	case errors.Is(err, errUnknownSandbox):
-		api.WriteError(w, http.StatusNotFound, fmt.Sprintf("sandbox %q not found", id))
+		httperr.Write(w, http.StatusNotFound, fmt.Sprintf("sandbox %q not found", id))
 	default:
-		api.WriteError(w, http.StatusBadGateway, err.Error())
+		httperr.Internal(w, g.log, http.StatusBadGateway, "locating the sandbox failed", err)
 	}
 }
 
 func (g *Gateway) proxyTo(w http.ResponseWriter, r *http.Request, nodeURL string) {
 	u, err := url.Parse(nodeURL)
 	if err != nil {
-		api.WriteError(w, http.StatusBadGateway, fmt.Sprintf("node URL %q: %v", nodeURL, err))
+		httperr.Internal(w, g.log, http.StatusBadGateway, "the sandbox's node has a malformed address", err)
 		return
 	}
 	g.proxy.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), targetKey{}, u)))
@@ -317,12 +328,12 @@ func (g *Gateway) toSandboxNode(w http.ResponseWriter, r *http.Request) {
 	if r.Method == http.MethodPost {
 		body, err := readBody(r)
 		if err != nil {
-			api.WriteError(w, http.StatusRequestEntityTooLarge, err.Error())
+			httperr.Write(w, http.StatusRequestEntityTooLarge, err.Error())
 			return
 		}
 		status, hdr, resp, err := g.call(r, rt.url, body)
 		if err != nil {
-			api.WriteError(w, http.StatusBadGateway, fmt.Sprintf("node %s: %v", rt.nodeID, err))
+			httperr.Internal(w, g.log, http.StatusBadGateway, fmt.Sprintf("node %s did not answer", rt.nodeID), err)
 			return
 		}
 		if status/100 == 2 {
@@ -352,20 +363,20 @@ func takesShared(r *http.Request) bool {
 func (g *Gateway) onAnyNode(w http.ResponseWriter, r *http.Request, template string, locateErr error) {
 	body, err := readBody(r)
 	if err != nil {
-		api.WriteError(w, http.StatusRequestEntityTooLarge, err.Error())
+		httperr.Write(w, http.StatusRequestEntityTooLarge, err.Error())
 		return
 	}
 	pctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
 	resp, err := g.cfg.Scheduler.Place(pctx, connect.NewRequest(&pb.PlaceRequest{TemplateId: template, MemoryBytes: 512 << 20}))
 	cancel()
 	if err != nil {
-		api.WriteError(w, http.StatusServiceUnavailable, "no node can take the sandbox now: "+err.Error())
+		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "no node can take the sandbox now", err)
 		return
 	}
 	n := resp.Msg.Node
 	status, hdr, out, err := g.call(r, n.Url, body)
 	if err != nil {
-		api.WriteError(w, http.StatusBadGateway, fmt.Sprintf("node %s: %v", n.NodeId, err))
+		httperr.Internal(w, g.log, http.StatusBadGateway, fmt.Sprintf("node %s did not answer", n.NodeId), err)
 		return
 	}
 	if status/100 == 2 {
@@ -388,7 +399,7 @@ func (g *Gateway) onAnyNode(w http.ResponseWriter, r *http.Request, template str
 func (g *Gateway) toTemplateNode(w http.ResponseWriter, r *http.Request) {
 	nodes, err := g.readyNodes(r.Context())
 	if err != nil || len(nodes) == 0 {
-		api.WriteError(w, http.StatusServiceUnavailable, fmt.Sprintf("no ready node for the template API (%v)", err))
+		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "no ready node for the template API", err)
 		return
 	}
 	g.proxyTo(w, r, nodes[0].Url)
@@ -414,11 +425,12 @@ func (g *Gateway) call(r *http.Request, nodeURL string, body []byte) (int, http.
 	if err != nil {
 		return 0, nil, nil, err
 	}
-	for _, h := range []string{"X-API-Key", "Authorization", "Content-Type", "User-Agent"} {
+	for _, h := range []string{"Content-Type", "User-Agent", httperr.Header} {
 		if v := r.Header.Get(h); v != "" {
 			req.Header.Set(h, v)
 		}
 	}
+	g.asGateway(req.Header)
 	resp, err := g.client.Do(req)
 	if err != nil {
 		return 0, nil, nil, err
@@ -429,6 +441,14 @@ func (g *Gateway) call(r *http.Request, nodeURL string, body []byte) (int, http.
 		return 0, nil, nil, err
 	}
 	return resp.StatusCode, resp.Header, b, nil
+}
+
+// asGateway makes a request to a node carry the node credential instead of
+// the client's API key.
+func (g *Gateway) asGateway(h http.Header) {
+	h.Del("X-API-Key")
+	h.Del("Authorization")
+	h.Set(api.HeaderNodeToken, g.cfg.NodeToken)
 }
 
 func copyResponse(w http.ResponseWriter, status int, hdr http.Header, body []byte) {
@@ -472,7 +492,7 @@ func (g *Gateway) learn(body []byte, rt route) {
 func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
 	body, err := readBody(r)
 	if err != nil {
-		api.WriteError(w, http.StatusRequestEntityTooLarge, err.Error())
+		httperr.Write(w, http.StatusRequestEntityTooLarge, err.Error())
 		return
 	}
 	var req struct {
@@ -481,11 +501,11 @@ func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
 		MemoryMB   int64  `json:"memoryMB"`
 	}
 	if err := json.Unmarshal(body, &req); err != nil {
-		api.WriteError(w, http.StatusBadRequest, "invalid JSON body: "+err.Error())
+		httperr.Write(w, http.StatusBadRequest, "invalid JSON body: "+err.Error())
 		return
 	}
 	if req.TemplateID == "" {
-		api.WriteError(w, http.StatusBadRequest, "templateID is required")
+		httperr.Write(w, http.StatusBadRequest, "templateID is required")
 		return
 	}
 	mem := req.MemoryMB << 20
@@ -507,7 +527,11 @@ func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
 			if connect.CodeOf(err) == connect.CodeResourceExhausted {
 				status = http.StatusTooManyRequests
 			}
-			api.WriteError(w, status, "no node can take the sandbox now: "+err.Error())
+			if status == http.StatusTooManyRequests {
+				httperr.Write(w, status, "no node can take the sandbox now: every node is full")
+			} else {
+				httperr.Internal(w, g.log, status, "no node can take the sandbox now", err)
+			}
 			return
 		}
 		n := resp.Msg.Node
@@ -528,14 +552,14 @@ func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
 		g.log.Warn("create failed on a node; trying another", "node", n.NodeId, "err", lastErr)
 		excluded = append(excluded, n.NodeId)
 	}
-	api.WriteError(w, http.StatusServiceUnavailable, "the sandbox could not be created on any node: "+lastErr)
+	httperr.Internal(w, g.log, http.StatusServiceUnavailable, "the sandbox could not be created on any node", errors.New(lastErr))
 }
 
 // fanOut sends a GET to every ready node and returns their answers.
 func (g *Gateway) fanOut(w http.ResponseWriter, r *http.Request) ([][]byte, []http.Header, bool) {
 	nodes, err := g.readyNodes(r.Context())
 	if err != nil {
-		api.WriteError(w, http.StatusServiceUnavailable, err.Error())
+		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "the cluster's nodes are unavailable", err)
 		return nil, nil, false
 	}
 	bodies := make([][]byte, len(nodes))
@@ -566,7 +590,7 @@ func (g *Gateway) fanOut(w http.ResponseWriter, r *http.Request) ([][]byte, []ht
 			return nil, nil, false
 		}
 		if err != nil {
-			api.WriteError(w, http.StatusBadGateway, fmt.Sprintf("node %s: %v", nodes[i].NodeId, err))
+			httperr.Internal(w, g.log, http.StatusBadGateway, fmt.Sprintf("node %s did not answer", nodes[i].NodeId), err)
 			return nil, nil, false
 		}
 	}
@@ -624,7 +648,7 @@ func (g *Gateway) gatherSorted(w http.ResponseWriter, r *http.Request, newestFir
 	}
 	all, err := gather(bodies)
 	if err != nil {
-		api.WriteError(w, http.StatusBadGateway, err.Error())
+		httperr.Internal(w, g.log, http.StatusBadGateway, "a node's answer was unreadable", err)
 		return nil, nil, false
 	}
 	sort.SliceStable(all, func(i, j int) bool {
@@ -681,7 +705,7 @@ func (g *Gateway) listSnapshots(w http.ResponseWriter, r *http.Request) {
 	for _, b := range bodies {
 		var items []json.RawMessage
 		if err := json.Unmarshal(b, &items); err != nil {
-			api.WriteError(w, http.StatusBadGateway, "a node's snapshot list: "+err.Error())
+			httperr.Internal(w, g.log, http.StatusBadGateway, "a node's snapshot list was unreadable", err)
 			return
 		}
 		for _, it := range items {
@@ -704,7 +728,7 @@ func (g *Gateway) listSnapshots(w http.ResponseWriter, r *http.Request) {
 func (g *Gateway) deleteSnapshot(w http.ResponseWriter, r *http.Request) {
 	nodes, err := g.readyNodes(r.Context())
 	if err != nil {
-		api.WriteError(w, http.StatusServiceUnavailable, err.Error())
+		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "the cluster's nodes are unavailable", err)
 		return
 	}
 	deleted := false
@@ -713,7 +737,7 @@ func (g *Gateway) deleteSnapshot(w http.ResponseWriter, r *http.Request) {
 	for _, n := range nodes {
 		status, _, b, err := g.call(r, n.Url, nil)
 		if err != nil {
-			api.WriteError(w, http.StatusBadGateway, fmt.Sprintf("node %s: %v", n.NodeId, err))
+			httperr.Internal(w, g.log, http.StatusBadGateway, fmt.Sprintf("node %s did not answer", n.NodeId), err)
 			return
 		}
 		if status/100 == 2 {
@@ -730,7 +754,7 @@ func (g *Gateway) deleteSnapshot(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(lastStatus)
 		w.Write(last)
 	default:
-		api.WriteError(w, http.StatusNotFound, fmt.Sprintf("snapshot %q not found", r.PathValue("name")))
+		httperr.Write(w, http.StatusNotFound, fmt.Sprintf("snapshot %q not found", r.PathValue("name")))
 	}
 }
 
@@ -754,7 +778,7 @@ type nodeJSON struct {
 func (g *Gateway) listNodes(w http.ResponseWriter, r *http.Request) {
 	nodes, err := g.nodeList(r.Context())
 	if err != nil {
-		api.WriteError(w, http.StatusServiceUnavailable, err.Error())
+		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "the cluster's nodes are unavailable", err)
 		return
 	}
 	out := []nodeJSON{}

@@ -18,6 +18,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/agentenv/agentenv/internal/api"
+	"github.com/agentenv/agentenv/internal/httperr"
 	"github.com/agentenv/agentenv/internal/scheduler"
 	pb "github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb"
 )
@@ -34,6 +35,8 @@ type listedSandbox struct {
 	StartedAt time.Time `json:"startedAt"`
 }
 
+const testNodeToken = "gateway-test-node-token-0123456789abcdef"
+
 func standInNode(t *testing.T, sandboxes []listedSandbox, failing *bool) *httptest.Server {
 	t.Helper()
 	sort.Slice(sandboxes, func(i, j int) bool {
@@ -45,11 +48,12 @@ func standInNode(t *testing.T, sandboxes []listedSandbox, failing *bool) *httpte
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /v2/sandboxes", func(w http.ResponseWriter, r *http.Request) {
 		if failing != nil && *failing {
-			api.WriteError(w, http.StatusInternalServerError, "disk on fire")
+			httperr.Write(w, http.StatusInternalServerError, "disk on fire")
 			return
 		}
-		if r.Header.Get("X-API-Key") != key {
-			api.WriteError(w, http.StatusUnauthorized, "key")
+		// Nodes see the gateway's node credential, never the client's key.
+		if r.Header.Get(api.HeaderNodeToken) != testNodeToken || r.Header.Get("X-API-Key") != "" {
+			httperr.Write(w, http.StatusUnauthorized, "key")
 			return
 		}
 		limit, _ := strconv.Atoi(r.URL.Query().Get("limit"))
@@ -57,7 +61,7 @@ func standInNode(t *testing.T, sandboxes []listedSandbox, failing *bool) *httpte
 			limit = 100
 		}
 		if limit < 0 || limit > 1000 {
-			api.WriteError(w, http.StatusBadRequest, "limit must be an integer between 1 and 1000")
+			httperr.Write(w, http.StatusBadRequest, "limit must be an integer between 1 and 1000")
 			return
 		}
 		var afterNS int64 = 1<<63 - 1
@@ -90,7 +94,7 @@ func standInNode(t *testing.T, sandboxes []listedSandbox, failing *bool) *httpte
 				return
 			}
 		}
-		api.WriteError(w, http.StatusNotFound, "not found")
+		httperr.Write(w, http.StatusNotFound, "not found")
 	})
 	srv := httptest.NewServer(mux)
 	t.Cleanup(srv.Close)
@@ -132,7 +136,7 @@ func newHarness(t *testing.T, perNode int, failing *bool) *harness {
 			t.Fatal(err)
 		}
 	}
-	g := New(Config{Scheduler: client, APIKey: key, Logger: slog.New(slog.DiscardHandler)})
+	g := New(Config{Scheduler: client, APIKey: key, NodeToken: testNodeToken, Logger: slog.New(slog.DiscardHandler)})
 	h.gw = httptest.NewServer(g)
 	t.Cleanup(h.gw.Close)
 	return h

@@ -112,7 +112,9 @@ type Endpoint struct {
 	HostIP   netip.Addr
 	NSIP     netip.Addr
 	HostVeth string
+	// Internet and Egress are what the guest may reach (see Egress).
 	Internet bool
+	Egress   Egress
 }
 
 // GuestAddr returns the host-reachable address of a port in the guest.
@@ -121,7 +123,7 @@ func (e *Endpoint) GuestAddr(port int) string {
 }
 
 // Endpoint returns the addressing of a slot without creating anything.
-func (m *Manager) Endpoint(id string, slot int, internet bool) (*Endpoint, error) {
+func (m *Manager) Endpoint(id string, slot int, internet bool, egress Egress) (*Endpoint, error) {
 	if slot < 0 || slot >= m.Slots() {
 		return nil, fmt.Errorf("network slot %d out of range 0..%d", slot, m.Slots()-1)
 	}
@@ -138,6 +140,7 @@ func (m *Manager) Endpoint(id string, slot int, internet bool) (*Endpoint, error
 		NSIP:      ip(n + 2),
 		HostVeth:  fmt.Sprintf("%s%d", m.hostVethPrefix(), slot),
 		Internet:  internet,
+		Egress:    egress,
 	}, nil
 }
 
@@ -198,8 +201,12 @@ table ip aenv {
 		type filter hook forward priority filter; policy drop;
 		ct state established,related accept
 		iifname "{{.Veth}}" oifname "{{.Tap}}" ip daddr {{.Guest}} accept
+		iifname "{{.Tap}}" oifname "{{.Veth}}" ip daddr { {{.Never}} } drop
+{{- if .Allow}}
+		iifname "{{.Tap}}" oifname "{{.Veth}}" ip daddr { {{.Allow}} } accept
+{{- end}}
 {{- if .Internet}}
-		iifname "{{.Tap}}" oifname "{{.Veth}}" ip daddr { 0.0.0.0/8, 127.0.0.0/8, 169.254.0.0/16, 224.0.0.0/4, 240.0.0.0/4, {{.CIDR}} } drop
+		iifname "{{.Tap}}" oifname "{{.Veth}}" ip daddr { {{.Deny}} } drop
 		iifname "{{.Tap}}" oifname "{{.Veth}}" accept
 {{- end}}
 	}
@@ -273,17 +280,30 @@ func (m *Manager) Setup(ctx context.Context, ep *Endpoint) (err error) {
 	return m.applyRules(ctx, ep)
 }
 
-// SetInternet switches a sandbox's outbound internet access.
-func (m *Manager) SetInternet(ctx context.Context, ep *Endpoint, on bool) error {
-	ep.Internet = on
+// Exists reports whether a sandbox's namespace is there (it goes with a
+// host reboot; Setup makes it again).
+func (m *Manager) Exists(ep *Endpoint) bool {
+	h, err := netns.GetFromName(ep.Namespace)
+	if err != nil {
+		return false
+	}
+	h.Close()
+	return true
+}
+
+// SetEgress replaces, atomically (one nftables transaction), what a
+// sandbox's guest may reach.
+func (m *Manager) SetEgress(ctx context.Context, ep *Endpoint, internet bool, egress Egress) error {
+	ep.Internet, ep.Egress = internet, egress
 	return m.applyRules(ctx, ep)
 }
 
 func (m *Manager) applyRules(ctx context.Context, ep *Endpoint) error {
+	never, allow, deny := m.forwardRules(ep.Egress)
 	var buf bytes.Buffer
 	if err := nsRules.Execute(&buf, map[string]any{
 		"Veth": nsVethName, "Tap": TapName, "NSIP": ep.NSIP, "Guest": GuestIP,
-		"CIDR": m.cidr, "Internet": ep.Internet,
+		"Internet": ep.Internet, "Never": never, "Allow": allow, "Deny": deny,
 	}); err != nil {
 		return err
 	}

@@ -24,7 +24,7 @@ func TestEndpointAddressing(t *testing.T) {
 		{16383, "10.213.255.253", "10.213.255.254", "aenv-h16383"},
 	}
 	for _, tt := range tests {
-		ep, err := m.Endpoint("abc", tt.slot, true)
+		ep, err := m.Endpoint("abc", tt.slot, true, Egress{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -32,7 +32,7 @@ func TestEndpointAddressing(t *testing.T) {
 			t.Errorf("slot %d: got %s %s %s", tt.slot, ep.HostIP, ep.NSIP, ep.HostVeth)
 		}
 	}
-	if _, err := m.Endpoint("abc", 16384, true); err == nil {
+	if _, err := m.Endpoint("abc", 16384, true, Egress{}); err == nil {
 		t.Error("slot past the range accepted")
 	}
 	if _, err := NewManager("10.213.0.0/16", "Bad-Name"); err == nil {
@@ -57,7 +57,7 @@ func TestSetupTeardown(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	ep, err := m.Endpoint("nettest", 3, false)
+	ep, err := m.Endpoint("nettest", 3, false, Egress{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -85,7 +85,7 @@ func TestSetupTeardown(t *testing.T) {
 	if strings.Contains(string(rules), `iifname "tap0" oifname "veth0" accept`) {
 		t.Errorf("internet disabled but egress rule present:\n%s", rules)
 	}
-	if err := m.SetInternet(ctx, ep, true); err != nil {
+	if err := m.SetEgress(ctx, ep, true, Egress{}); err != nil {
 		t.Fatal(err)
 	}
 	rules, _ = exec.Command("ip", "netns", "exec", ep.Namespace, "nft", "list", "table", "ip", "aenv").CombinedOutput()

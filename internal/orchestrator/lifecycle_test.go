@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/operation"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 )
@@ -178,26 +180,77 @@ for i in range(20):
 else:
     print("unreachable:", err)
 `
-	allowed := create(t, n, CreateRequest{TemplateID: "base"})
+	reaches := func(s *sandboxes.Sandbox) (bool, string) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		r, err := newEnvdClient(s).run(ctx, "", "python3", "-c", strings.Replace(probe, "range(20)", "range(3)", 1))
+		if err != nil {
+			t.Fatalf("probe in %s: %v", s.ID, err)
+		}
+		return strings.HasPrefix(r.stdout, "internet says hi"), r.stdout
+	}
+	// The test host is at a private address, as a cluster's own services
+	// are: a guest with internet access does not reach it by default.
+	def := create(t, n, CreateRequest{TemplateID: "base"})
+	if ok, out := reaches(def); ok {
+		t.Fatalf("a default sandbox reached a host at a private address: %s", out)
+	}
+	host := network.Egress{Allow: []netip.Prefix{netip.MustParsePrefix("10.216.0.2/32")}}
+	allowed := create(t, n, CreateRequest{TemplateID: "base", Egress: &host})
+	ok, out := reaches(allowed)
+	if !ok {
+		t.Fatalf("a sandbox allowed to reach the host cannot: %s", out)
+	}
+	if !strings.Contains(out, "10.216.0.1") {
+		t.Errorf("egress not masqueraded behind the host (want source 10.216.0.1): %s", out)
+	}
 	off := false
 	blocked := create(t, n, CreateRequest{TemplateID: "base", AllowInternet: &off})
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	r, err := newEnvdClient(allowed).run(ctx, "", "python3", "-c", probe)
-	if err != nil || !strings.HasPrefix(r.stdout, "internet says hi") {
-		t.Fatalf("default sandbox cannot reach the internet host: %+v %v", r, err)
+	if ok, out := reaches(blocked); ok {
+		t.Fatalf("sandbox with internet off reached the host: %s", out)
 	}
-	ep, _ := n.endpoint(allowed)
-	if !strings.Contains(r.stdout, "10.216.0.1") {
-		t.Errorf("egress not masqueraded behind the host (want source 10.216.0.1, ns %s): %s", ep.NSIP, r.stdout)
+	// Rules change on a running sandbox, and survive pause, resume and
+	// fork (children inherit).
+	ctx := context.Background()
+	if _, err := n.SetNetwork(ctx, def.ID, true, host); err != nil {
+		t.Fatal(err)
 	}
-	r, err = newEnvdClient(blocked).run(ctx, "", "python3", "-c", strings.Replace(probe, "range(20)", "range(2)", 1))
-	if err != nil || !strings.HasPrefix(r.stdout, "unreachable") {
-		t.Fatalf("sandbox with internet off reached the internet host: %+v %v", r, err)
+	if ok, out := reaches(def); !ok {
+		t.Fatalf("after opening the host: %s", out)
 	}
-	// Neither sandbox reaches the other's envd.
+	if _, err := n.SetNetwork(ctx, allowed.ID, true, network.Egress{}); err != nil {
+		t.Fatal(err)
+	}
+	if ok, out := reaches(allowed); ok {
+		t.Fatalf("after closing the host again: %s", out)
+	}
+	if _, err := n.Pause(ctx, def.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.Resume(ctx, def.ID, 0); err != nil {
+		t.Fatal(err)
+	}
+	if ok, out := reaches(def); !ok {
+		t.Fatalf("the rules did not survive pause and resume: %s", out)
+	}
+	kids, err := n.Fork(ctx, def.ID, 1, 0)
+	if err != nil || kids[0].Err != nil {
+		t.Fatalf("fork: %v %v", err, kids)
+	}
+	t.Cleanup(func() { n.Kill(context.Background(), kids[0].Sandbox.ID) })
+	if ok, out := reaches(kids[0].Sandbox); !ok {
+		t.Fatalf("the fork child did not inherit its parent's rules: %s", out)
+	}
+	if ok, out := reaches(blocked); ok {
+		t.Fatalf("the other sandbox's rules changed: %s", out)
+	}
+	// No sandbox reaches another's envd, even with everything allowed.
+	if _, err := n.SetNetwork(ctx, allowed.ID, true, network.Egress{Allow: []netip.Prefix{netip.MustParsePrefix("0.0.0.0/0")}}); err != nil {
+		t.Fatal(err)
+	}
 	bep, _ := n.endpoint(blocked)
-	r, err = newEnvdClient(allowed).run(ctx, "", "python3", "-c", fmt.Sprintf(`
+	r, err := newEnvdClient(allowed).run(ctx, "", "python3", "-c", fmt.Sprintf(`
 import socket
 try:
     socket.create_connection((%q, 49983), timeout=3); print("reached")

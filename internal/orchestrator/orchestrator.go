@@ -313,7 +313,7 @@ func (n *Node) sandboxDir(id string) string { return filepath.Join(n.cfg.DataDir
 func (n *Node) lockOp(id string) func() { return n.ops.lock(id) }
 
 func (n *Node) endpoint(s *sandboxes.Sandbox) (*network.Endpoint, error) {
-	return n.net.Endpoint(s.ID, s.Slot, s.AllowInternet)
+	return n.net.Endpoint(s.ID, s.Slot, s.AllowInternet, s.Egress)
 }
 
 func (n *Node) withAddr(s *sandboxes.Sandbox) *sandboxes.Sandbox {

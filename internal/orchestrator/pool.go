@@ -140,8 +140,9 @@ func (n *Node) claimPooled(ctx context.Context, s *sandboxes.Sandbox) error {
 	if err != nil {
 		return err
 	}
-	if !s.AllowInternet {
-		if err := n.net.SetInternet(ctx, ep, false); err != nil {
+	// The pooled sandbox has the default rules; the create's replace them.
+	if !s.AllowInternet || len(s.Egress.Allow) > 0 || len(s.Egress.Deny) > 0 {
+		if err := n.net.SetEgress(ctx, ep, s.AllowInternet, s.Egress); err != nil {
 			return err
 		}
 	}

@@ -35,10 +35,14 @@ type CreateRequest struct {
 	// than envd's (E2B's allowPublicTraffic: false).
 	PrivateTraffic bool
 	Secure         bool
-	// AllowInternet nil means allowed.
+	// AllowInternet nil means allowed (or, for a named snapshot, as the
+	// snapshotted sandbox was).
 	AllowInternet *bool
-	Metadata      map[string]string
-	EnvVars       map[string]string
+	// Egress, when set, opens and closes ranges beyond AllowInternet's
+	// default; nil means none (or the named snapshot's).
+	Egress   *network.Egress
+	Metadata map[string]string
+	EnvVars  map[string]string
 	// noSnapshot forces a cold boot even when a template snapshot exists.
 	noSnapshot bool
 	// template, when set, is booted instead of the template TemplateID
@@ -117,9 +121,15 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 	if err := n.validate(&req, t); err != nil {
 		return nil, err
 	}
-	internet := true
+	internet, egress := true, network.Egress{}
+	if named != nil && req.AllowInternet == nil && req.Egress == nil {
+		internet, egress = !named.NoInternet, named.Egress
+	}
 	if req.AllowInternet != nil {
 		internet = *req.AllowInternet
+	}
+	if req.Egress != nil {
+		egress = *req.Egress
 	}
 	now := time.Now().UTC().Truncate(time.Millisecond) // the precision stored
 	s := &sandboxes.Sandbox{
@@ -130,6 +140,7 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 		MemoryMiB:     req.MemoryMiB,
 		DiskMiB:       max(req.DiskMiB, t.DiskMiB),
 		AllowInternet: internet,
+		Egress:        egress,
 		Secure:        req.Secure,
 		AutoPause:     req.AutoPause,
 		AutoResume:    req.AutoResume,

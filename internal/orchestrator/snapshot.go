@@ -11,6 +11,7 @@ import (
 	"sort"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage/repository"
 	"github.com/agentenv/agentenv/internal/store"
@@ -44,6 +45,11 @@ type NamedSnapshot struct {
 	// StateHasRAM: the state holds the pages that differ from the RAM image
 	// (in repository copies of incremental snapshots).
 	StateHasRAM bool `json:"stateHasRAM,omitempty"`
+	// NoInternet and Egress are the snapshotted sandbox's network rules,
+	// which sandboxes created from the snapshot keep unless their create
+	// gives rules of its own.
+	NoInternet bool           `json:"noInternet,omitempty"`
+	Egress     network.Egress `json:"egress,omitzero"`
 }
 
 // setNamedSnapshot points label ns.Name at snapshot ns.SnapshotID, in tx;
@@ -107,6 +113,7 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 		Name: name, SnapshotID: c.snapID, SandboxID: id, TemplateID: s.TemplateID, VCPUs: s.VCPUs,
 		MemoryMiB: s.MemoryMiB, DiskMiB: s.DiskMiB, DefaultUser: defaultUser,
 		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), AccessToken: s.AccessToken,
+		NoInternet: !s.AllowInternet, Egress: s.Egress,
 	}
 	if werr := n.store.Tx(context.WithoutCancel(ctx), func(tx *sql.Tx) error { return setNamedSnapshot(tx, ns) }); werr != nil {
 		return nil, werr

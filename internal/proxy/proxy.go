@@ -7,7 +7,6 @@ package proxy
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -17,6 +16,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/httperr"
 )
 
 // Header names the SDKs use to address a sandbox.
@@ -170,8 +171,7 @@ func New(r Resolver, domain string, envdPort int, log *slog.Logger) *Proxy {
 		Transport:     transport,
 		FlushInterval: -1, // stream every write through immediately
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
-			p.log.Debug("proxy upstream error", "err", err)
-			writeError(w, http.StatusBadGateway, "sandbox is not reachable: "+err.Error())
+			httperr.Internal(w, p.log, http.StatusBadGateway, "the sandbox is not reachable", err)
 		},
 	}
 	return p
@@ -194,19 +194,18 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	route, err := p.resolver.Route(r.Context(), t.SandboxID)
 	if err != nil {
-		msg := fmt.Sprintf("sandbox %q not found", t.SandboxID)
 		if !errors.Is(err, ErrUnknownSandbox) {
-			msg = "sandbox lookup failed: " + err.Error()
+			httperr.Internal(w, p.log, http.StatusBadGateway, "looking the sandbox up failed", err)
+			return
 		}
-		writeError(w, http.StatusBadGateway, msg)
+		writeError(w, http.StatusBadGateway, fmt.Sprintf("sandbox %q not found", t.SandboxID))
 		return
 	}
 	if !route.Running && route.AutoResume {
 		if res, ok := p.resolver.(Resumer); ok {
 			route, err = res.Resume(r.Context(), t.SandboxID)
 			if err != nil {
-				p.log.Warn("auto-resume failed", "sandbox", t.SandboxID, "err", err)
-				writeError(w, http.StatusBadGateway, fmt.Sprintf("sandbox %q is paused and could not be resumed: %v", t.SandboxID, err))
+				httperr.Internal(w, p.log, http.StatusBadGateway, fmt.Sprintf("sandbox %q is paused and resuming it failed", t.SandboxID), err)
 				return
 			}
 		}
@@ -272,8 +271,4 @@ func dialAddr(hostport string) (string, error) {
 	return net.JoinHostPort(ip, port), nil
 }
 
-func writeError(w http.ResponseWriter, status int, msg string) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	_ = json.NewEncoder(w).Encode(map[string]any{"code": status, "message": msg})
-}
+func writeError(w http.ResponseWriter, status int, msg string) { httperr.Write(w, status, msg) }

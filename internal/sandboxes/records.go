@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/errkind"
+	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/statedb"
 	"github.com/agentenv/agentenv/internal/store"
 )
@@ -41,7 +42,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 	snapshot_id    TEXT NOT NULL DEFAULT '',
 	auto_resume    INTEGER NOT NULL DEFAULT 0,
 	public_traffic INTEGER NOT NULL DEFAULT 1,
-	base_layer     TEXT NOT NULL DEFAULT ''
+	base_layer     TEXT NOT NULL DEFAULT '',
+	egress         TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 `
@@ -89,6 +91,7 @@ var laterColumns = []struct{ name, decl string }{
 	{"auto_resume", "INTEGER NOT NULL DEFAULT 0"},
 	{"public_traffic", "INTEGER NOT NULL DEFAULT 1"},
 	{"base_layer", "TEXT NOT NULL DEFAULT ''"},
+	{"egress", "TEXT NOT NULL DEFAULT ''"},
 }
 
 func addMissingColumns(db *sql.DB) error {
@@ -108,17 +111,22 @@ func addMissingColumns(db *sql.DB) error {
 
 const sandboxColumns = `id, template_id, state, vcpus, memory_mib, disk_mib, slot, pid, allow_internet, secure,
 	auto_pause, access_token, traffic_token, default_user, metadata, env_vars, created_at, started_at, end_at,
-	mem_file, mem_private, snapshot_id, auto_resume, public_traffic, base_layer`
+	mem_file, mem_private, snapshot_id, auto_resume, public_traffic, base_layer, egress`
 
 func scanSandbox(row interface{ Scan(...any) error }) (*Sandbox, error) {
 	var s Sandbox
-	var meta, env string
+	var meta, env, egress string
 	var created, started, end int64
 	if err := row.Scan(&s.ID, &s.TemplateID, &s.State, &s.VCPUs, &s.MemoryMiB, &s.DiskMiB, &s.Slot, &s.PID,
 		&s.AllowInternet, &s.Secure, &s.AutoPause, &s.AccessToken, &s.TrafficToken, &s.DefaultUser,
 		&meta, &env, &created, &started, &end, &s.MemFile, &s.MemPrivate, &s.SnapshotID,
-		&s.AutoResume, &s.PublicTraffic, &s.BaseLayer); err != nil {
+		&s.AutoResume, &s.PublicTraffic, &s.BaseLayer, &egress); err != nil {
 		return nil, err
+	}
+	if egress != "" {
+		if err := json.Unmarshal([]byte(egress), &s.Egress); err != nil {
+			return nil, fmt.Errorf("sandbox %s egress rules: %w", s.ID, err)
+		}
 	}
 	if err := json.Unmarshal([]byte(meta), &s.Metadata); err != nil {
 		return nil, fmt.Errorf("sandbox %s metadata: %w", s.ID, err)
@@ -141,11 +149,11 @@ func (r *Records) Insert(ctx context.Context, s *Sandbox) error {
 	env, _ := json.Marshal(nonNil(s.EnvVars))
 	err := r.st.Tx(ctx, func(tx *sql.Tx) error {
 		if _, err := tx.ExecContext(ctx, `INSERT INTO sandboxes (`+sandboxColumns+`, updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
 			s.ID, s.TemplateID, s.State, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure,
 			s.AutoPause, s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env),
 			s.CreatedAt.UnixMilli(), s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID,
-			s.AutoResume, s.PublicTraffic, s.BaseLayer, time.Now().UnixMilli()); err != nil {
+			s.AutoResume, s.PublicTraffic, s.BaseLayer, egressJSON(s.Egress), time.Now().UnixMilli()); err != nil {
 			return err
 		}
 		return store.SetRefs(tx, Holder(s.ID), r.refs(s)...)
@@ -169,11 +177,12 @@ func (r *Records) SaveTx(ctx context.Context, tx *sql.Tx, s *Sandbox) error {
 	_, err := tx.ExecContext(ctx, `UPDATE sandboxes SET template_id = ?, vcpus = ?, memory_mib = ?,
 		disk_mib = ?, slot = ?, pid = ?, allow_internet = ?, secure = ?, auto_pause = ?, access_token = ?,
 		traffic_token = ?, default_user = ?, metadata = ?, env_vars = ?, created_at = ?, started_at = ?, end_at = ?,
-		mem_file = ?, mem_private = ?, snapshot_id = ?, auto_resume = ?, public_traffic = ?, base_layer = ?, updated_at = ? WHERE id = ?`,
+		mem_file = ?, mem_private = ?, snapshot_id = ?, auto_resume = ?, public_traffic = ?, base_layer = ?, egress = ?,
+		updated_at = ? WHERE id = ?`,
 		s.TemplateID, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure, s.AutoPause,
 		s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env), s.CreatedAt.UnixMilli(),
 		s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID, s.AutoResume, s.PublicTraffic,
-		s.BaseLayer, time.Now().UnixMilli(), s.ID)
+		s.BaseLayer, egressJSON(s.Egress), time.Now().UnixMilli(), s.ID)
 	if err != nil {
 		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
 	}
@@ -181,6 +190,16 @@ func (r *Records) SaveTx(ctx context.Context, tx *sql.Tx, s *Sandbox) error {
 		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
 	}
 	return nil
+}
+
+// egressJSON is the recorded form of a sandbox's egress rules ("" for
+// none, as in records made before they existed).
+func egressJSON(e network.Egress) string {
+	if len(e.Allow) == 0 && len(e.Deny) == 0 {
+		return ""
+	}
+	b, _ := json.Marshal(e)
+	return string(b)
 }
 
 func nonNil(m map[string]string) map[string]string {

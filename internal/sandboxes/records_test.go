@@ -3,6 +3,7 @@ package sandboxes
 import (
 	"database/sql"
 	"errors"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/errkind"
+	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/statedb"
 	"github.com/agentenv/agentenv/internal/store"
 )
@@ -163,6 +165,7 @@ func TestRecordsHoldReferences(t *testing.T) {
 	}
 	s.State = Paused
 	s.Metadata = map[string]string{"k": "w"}
+	s.Egress = network.Egress{Allow: []netip.Prefix{netip.MustParsePrefix("10.1.0.0/16")}, Deny: []netip.Prefix{netip.MustParsePrefix("192.0.2.7/32")}}
 	if err := r.Save(ctx, s); err != nil {
 		t.Fatal(err)
 	}
@@ -170,7 +173,8 @@ func TestRecordsHoldReferences(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got.State != Running || got.Metadata["k"] != "w" || !got.EndAt.Equal(s.EndAt) {
+	if got.State != Running || got.Metadata["k"] != "w" || !got.EndAt.Equal(s.EndAt) ||
+		!slices.Equal(got.Egress.Allow, s.Egress.Allow) || !slices.Equal(got.Egress.Deny, s.Egress.Deny) {
 		t.Fatalf("after Save: %+v", got)
 	}
 	if err := r.Delete(ctx, "s1"); err != nil {

@@ -8,7 +8,11 @@
 // operations and records their outcome here.
 package sandboxes
 
-import "time"
+import (
+	"time"
+
+	"github.com/agentenv/agentenv/internal/network"
+)
 
 // Sandbox is the recorded state of one sandbox.
 type Sandbox struct {
@@ -21,8 +25,11 @@ type Sandbox struct {
 	Slot          int
 	PID           int
 	AllowInternet bool
-	Secure        bool
-	AutoPause     bool
+	// Egress is what the guest may reach beyond AllowInternet's default
+	// (E2B's network.allowOut and denyOut).
+	Egress    network.Egress
+	Secure    bool
+	AutoPause bool
 	// AutoResume: traffic for the sandbox while paused resumes it.
 	AutoResume bool
 	// PublicTraffic: ports other than envd's need no traffic token.

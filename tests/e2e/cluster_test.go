@@ -2,6 +2,9 @@ package e2e
 
 import (
 	"context"
+
+	"connectrpc.com/connect"
+
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -14,6 +17,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/scheduler"
+	pb "github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb"
 )
 
 // A cluster on loopback: `aenv scheduler`, `aenv gateway` and three
@@ -50,7 +56,7 @@ func (p *proc) start(t *testing.T, bin string) {
 	}
 	defer logf.Close()
 	p.cmd = exec.Command(bin, p.args...)
-	p.cmd.Env = append(append(os.Environ(), "AENV_API_KEY="+apiKey), p.env...)
+	p.cmd.Env = append(append(os.Environ(), "AENV_API_KEY="+apiKey, "AENV_NODE_TOKEN="+nodeToken), p.env...)
 	p.cmd.Stdout, p.cmd.Stderr = logf, logf
 	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
 	if err := p.cmd.Start(); err != nil {
@@ -274,6 +280,45 @@ func TestCluster(t *testing.T) {
 		t.Fatalf("three creates placed on %v\n%s", where, c.logs())
 	}
 	t.Logf("placed: %v", where)
+
+	// The node credential is not the API key: a client with the key cannot
+	// pass for a node (the scheduler refuses its heartbeats and calls) or
+	// for the gateway (nodes refuse it as a node token).
+	t.Run("credentials", func(t *testing.T) {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		asClient := scheduler.NewClient(http.DefaultClient, c.sched.url, apiKey)
+		if _, err := asClient.Heartbeat(ctx, connect.NewRequest(&pb.HeartbeatRequest{Node: &pb.NodeReport{NodeId: "intruder", Url: "http://127.0.0.1:1"}})); connect.CodeOf(err) != connect.CodeUnauthenticated {
+			t.Fatalf("a heartbeat with the API key: %v, want unauthenticated", err)
+		}
+		if _, err := asClient.ListNodes(ctx, connect.NewRequest(&pb.ListNodesRequest{})); connect.CodeOf(err) != connect.CodeUnauthenticated {
+			t.Fatalf("listing nodes with the API key: %v, want unauthenticated", err)
+		}
+		asNode := scheduler.NewClient(http.DefaultClient, c.sched.url, nodeToken)
+		resp, err := asNode.ListNodes(ctx, connect.NewRequest(&pb.ListNodesRequest{}))
+		if err != nil || len(resp.Msg.Nodes) != 3 {
+			t.Fatalf("listing nodes with the node token: %v", err)
+		}
+		for _, tc := range []struct {
+			name, token string
+			want        int
+		}{
+			{"the node token", nodeToken, http.StatusOK},
+			{"the API key as a node token", apiKey, http.StatusUnauthorized},
+			{"a wrong node token", strings.Repeat("x", 64), http.StatusUnauthorized},
+		} {
+			req, _ := http.NewRequestWithContext(ctx, "GET", c.nodes[0].url+"/sandboxes", nil)
+			req.Header.Set("X-Aenv-Node-Token", tc.token)
+			r, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r.Body.Close()
+			if r.StatusCode != tc.want {
+				t.Errorf("a node asked with %s: %d, want %d", tc.name, r.StatusCode, tc.want)
+			}
+		}
+	})
 
 	t.Run("routing", func(t *testing.T) {
 		for _, id := range ids {

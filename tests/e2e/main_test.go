@@ -32,7 +32,9 @@ import (
 )
 
 const (
-	apiKey      = "e2b_5eed0000000000000000000000000000000000e2e"
+	apiKey = "e2b_5eed0000000000000000000000000000000000e2e"
+	// nodeToken is the cluster tests' node credential (AENV_NODE_TOKEN).
+	nodeToken   = "aenv-e2e-node-token-0123456789abcdef0123456789abcdef"
 	instance    = "sdkt"
 	networkCIDR = "10.217.0.0/16"
 	envdPort    = 49983
@@ -209,6 +211,18 @@ type apiError struct {
 
 func (e *apiError) Error() string { return fmt.Sprintf("HTTP %d: %s", e.Status, e.Body) }
 
+// checkNoHostPaths fails for an answer that names the server's data dir
+// (or the test data dir its templates come from): no answer of the API
+// may show host paths, whatever went wrong.
+func (s *server) checkNoHostPaths(body []byte) error {
+	for _, dir := range []string{s.dataDir, os.Getenv("AENV_TEST_DATA_DIR")} {
+		if dir != "" && bytes.Contains(body, []byte(dir)) {
+			return fmt.Errorf("the answer shows the host path %s: %s", dir, body)
+		}
+	}
+	return nil
+}
+
 // rest calls the REST API with the key; out (if non-nil) receives the JSON.
 func (s *server) rest(ctx context.Context, method, path string, in, out any) error {
 	var body io.Reader
@@ -232,6 +246,9 @@ func (s *server) rest(ctx context.Context, method, path string, in, out any) err
 	}
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
+	if err := s.checkNoHostPaths(b); err != nil {
+		return fmt.Errorf("%s %s: %w", method, path, err)
+	}
 	if resp.StatusCode/100 != 2 {
 		return &apiError{Status: resp.StatusCode, Body: string(b)}
 	}
