@@ -153,6 +153,10 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 	} else {
 		log.Info("accelerator", "accel", probe.Accel, "reason", probe.Reason)
 	}
+	var repoSecret []byte // a single server seals with a secret of its own
+	if cluster != nil {
+		repoSecret = []byte(cluster.nodeToken) // the nodes share the repository and this
+	}
 	node, err := orchestrator.Open(ctx, orchestrator.Config{
 		DataDir:           o.dataDir,
 		Kernel:            k.BootImage(),
@@ -170,6 +174,7 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		Peers:             o.peers,
 		PeerToken:         peerToken,
 		Repository:        repo,
+		RepositorySecret:  repoSecret,
 		Logger:            log,
 	})
 	if err != nil {

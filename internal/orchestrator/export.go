@@ -75,6 +75,7 @@ func (n *Node) exportSnapshot(ctx context.Context, ns *NamedSnapshot) error {
 	}
 	rec := *ns
 	rec.TemplateLayer, rec.StateHasRAM = t.Layer, hasRAM
+	rec.AccessToken = n.tokens.Seal(ns.AccessToken) // never in plaintext in shared storage
 	if err := storage.WriteJSONAtomic(filepath.Join(stage, exportRecordName), rec, 0o600); err != nil {
 		return err
 	}
@@ -118,6 +119,14 @@ func (n *Node) importSnapshot(ctx context.Context, name string) (*NamedSnapshot,
 	if err := storage.ReadJSON(filepath.Join(stage, exportRecordName), &rec); err != nil {
 		return nil, fmt.Errorf("%w: snapshot %q record: %v", ErrCorrupt, name, err)
 	}
+	token, legacy, err := n.tokens.Open(rec.AccessToken)
+	if err != nil {
+		return nil, fmt.Errorf("%w: snapshot %q was sealed with another secret than this node's (AENV_NODE_TOKEN differs)", ErrCorrupt, name)
+	}
+	if legacy {
+		n.log.Warn("a snapshot in the repository holds its envd token in plaintext (written by an older release)", "snapshot", name)
+	}
+	rec.AccessToken = token
 	t, err := n.Template(rec.TemplateID)
 	if err != nil {
 		return nil, fmt.Errorf("snapshot %q needs template %q: %w", name, rec.TemplateID, err)

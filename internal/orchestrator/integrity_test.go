@@ -979,7 +979,9 @@ func TestSnapshotNamesAreClusterWide(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	withRepo := func(c *Config) { c.Repository = repo }
+	// The nodes of a cluster share the repository and the secret that
+	// seals the tokens written there.
+	withRepo := func(c *Config) { c.Repository, c.RepositorySecret = repo, []byte("the test cluster's node token, 32+ bytes") }
 	slotA, slotB := takeTestSlot(), takeTestSlot()
 	defer releaseTestSlot(slotA)
 	defer releaseTestSlot(slotB)

@@ -28,6 +28,7 @@ import (
 	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/sandboxes"
+	"github.com/agentenv/agentenv/internal/sealed"
 	"github.com/agentenv/agentenv/internal/sharing"
 	"github.com/agentenv/agentenv/internal/statedb"
 	"github.com/agentenv/agentenv/internal/storage/lazy"
@@ -105,6 +106,11 @@ type Config struct {
 	// QEMUUser, when set, is the unprivileged user the sandboxes' QEMUs
 	// run as once started (see vmm.Config.User).
 	QEMUUser string
+	// RepositorySecret is the secret the nodes sharing Repository share:
+	// the tokens written there are sealed with it. Empty: the node's own
+	// (repository.secret in the data dir), for a repository no other node
+	// reads.
+	RepositorySecret []byte
 	// SharePaused uploads every paused sandbox to the Repository (which the
 	// nodes of a cluster share), so that any node can resume it.
 	SharePaused bool
@@ -176,6 +182,9 @@ type Node struct {
 	// Config.SharePaused asks for it (both set once at start).
 	shelf    *sharing.Shelf
 	shareErr error
+	// tokens seals the tokens the node writes to the repository (nil
+	// without one).
+	tokens *sealed.Key
 
 	stop      chan struct{}
 	closeOnce sync.Once
@@ -257,8 +266,19 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 	if err := n.adoptLegacySnapshots(ctx); err != nil {
 		return fail(fmt.Errorf("adopt the snapshots of an older release: %w", err))
 	}
+	if cfg.Repository != nil {
+		secret := cfg.RepositorySecret
+		if len(secret) == 0 {
+			if secret, err = sealed.LocalSecret(cfg.DataDir); err != nil {
+				return fail(fmt.Errorf("repository secret: %w", err))
+			}
+		}
+		if n.tokens, err = sealed.NewKey(secret, "repository tokens"); err != nil {
+			return fail(fmt.Errorf("repository secret: %w", err))
+		}
+	}
 	if cfg.SharePaused && cfg.Repository != nil {
-		if n.shelf, n.shareErr = sharing.Open(ctx, cfg.Repository, cfg.Instance); n.shareErr != nil {
+		if n.shelf, n.shareErr = sharing.Open(ctx, cfg.Repository, cfg.Instance, n.tokens); n.shareErr != nil {
 			n.log.Error("cluster resume is off", "err", n.shareErr)
 		}
 	}

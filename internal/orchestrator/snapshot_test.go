@@ -77,14 +77,15 @@ func TestNamedSnapshotAsTemplate(t *testing.T) {
 // TestSnapshotRepository commits a named snapshot to a posix_fs repository,
 // loses the node's local copy, and creates a sandbox from the repository's.
 func TestSnapshotRepository(t *testing.T) {
-	repo, err := repository.OpenPosixFS(filepath.Join(t.TempDir(), "repo"))
+	repoRoot := filepath.Join(t.TempDir(), "repo")
+	repo, err := repository.OpenPosixFS(repoRoot)
 	if err != nil {
 		t.Fatal(err)
 	}
 	n := testNode(t, func(c *Config) { c.Repository = repo })
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	src := create(t, n, CreateRequest{TemplateID: "minimal"})
+	src := create(t, n, CreateRequest{TemplateID: "minimal", Secure: true})
 	if r, err := newEnvdClient(src).run(ctx, "", "/bin/sh", "-c", "echo durable > /home/user/f"); err != nil || r.exit != 0 {
 		t.Fatalf("prepare: %+v %v", r, err)
 	}
@@ -99,6 +100,12 @@ func TestSnapshotRepository(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("repository artifact: %d files", len(m.Files))
+	// The envd token the snapshot's guest holds is sealed there, never in
+	// plaintext.
+	if rec, err := os.ReadFile(filepath.Join(repoRoot, repoKindSnapshot, "durable", exportRecordName)); err != nil ||
+		src.AccessToken == "" || strings.Contains(string(rec), src.AccessToken) {
+		t.Fatalf("the repository's record holds the envd token in plaintext (or is unreadable: %v)", err)
+	}
 	// Lose the local copy: the source sandbox (which depends on it), the
 	// record and the files.
 	if err := n.Kill(ctx, src.ID); err != nil {

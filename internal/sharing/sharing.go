@@ -27,6 +27,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/sandboxes"
+	"github.com/agentenv/agentenv/internal/sealed"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/storage/repository"
 )
@@ -106,18 +107,24 @@ func NewGeneration() string {
 // Shelf is the cluster's shared repository seen as a shelf of paused
 // sandboxes, by one node.
 type Shelf struct {
-	repo repository.Repository
-	node string // the node's name, written into its uploads and claims
+	repo   repository.Repository
+	node   string      // the node's name, written into its uploads and claims
+	tokens *sealed.Key // seals the sandboxes' tokens in the repository
 }
 
 // Open returns the shelf of repo for node, or an error wrapping
 // errkind.ErrSetup that says why paused sandboxes cannot be shared over it
-// (the repository does not refuse concurrent Puts atomically).
-func Open(ctx context.Context, repo repository.Repository, node string) (*Shelf, error) {
+// (the repository does not refuse concurrent Puts atomically). The
+// sandboxes' envd access and traffic tokens are written sealed with
+// tokens, which every node of the cluster must share.
+func Open(ctx context.Context, repo repository.Repository, node string, tokens *sealed.Key) (*Shelf, error) {
+	if tokens == nil {
+		return nil, fmt.Errorf("%w: paused sandboxes are not shared between nodes: no sealing secret", errkind.ErrSetup)
+	}
 	if err := repository.CheckAtomicPut(ctx, repo); err != nil {
 		return nil, fmt.Errorf("%w: paused sandboxes are not shared between nodes: %v", errkind.ErrSetup, err)
 	}
-	return &Shelf{repo: repo, node: node}, nil
+	return &Shelf{repo: repo, node: node, tokens: tokens}, nil
 }
 
 // Put uploads the files in stage as the paused sandbox of rec (replacing an
@@ -127,7 +134,10 @@ func Open(ctx context.Context, repo repository.Repository, node string) (*Shelf,
 func (sh *Shelf) Put(ctx context.Context, stage string, rec *Record) error {
 	rec.Node = sh.node
 	rec.Sandbox.Phases = nil
-	if err := storage.WriteJSONAtomic(filepath.Join(stage, RecordFile), rec, 0o600); err != nil {
+	stored := *rec
+	stored.Sandbox.AccessToken = sh.tokens.Seal(rec.Sandbox.AccessToken)
+	stored.Sandbox.TrafficToken = sh.tokens.Seal(rec.Sandbox.TrafficToken)
+	if err := storage.WriteJSONAtomic(filepath.Join(stage, RecordFile), &stored, 0o600); err != nil {
 		return err
 	}
 	if err := sh.Remove(ctx, rec.Sandbox.ID); err != nil {
@@ -149,6 +159,13 @@ func (sh *Shelf) Get(ctx context.Context, id, stage string) (*Record, error) {
 	var rec Record
 	if err := storage.ReadJSON(filepath.Join(stage, RecordFile), &rec); err != nil || rec.Sandbox.ID != id || rec.Generation == "" {
 		return nil, fmt.Errorf("%w: shared paused sandbox %s record", errkind.ErrCorrupt, id)
+	}
+	for _, tok := range []*string{&rec.Sandbox.AccessToken, &rec.Sandbox.TrafficToken} {
+		plain, _, err := sh.tokens.Open(*tok)
+		if err != nil {
+			return nil, fmt.Errorf("%w: shared paused sandbox %s: its tokens were sealed with another secret than this node's (AENV_NODE_TOKEN differs)", errkind.ErrCorrupt, id)
+		}
+		*tok = plain
 	}
 	os.Remove(filepath.Join(stage, RecordFile))
 	return &rec, nil

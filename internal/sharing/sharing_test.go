@@ -6,12 +6,14 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/sandboxes"
+	"github.com/agentenv/agentenv/internal/sealed"
 	"github.com/agentenv/agentenv/internal/storage/repository"
 )
 
@@ -19,19 +21,65 @@ import (
 // repository.
 func twoNodes(t *testing.T) (*Shelf, *Shelf) {
 	t.Helper()
-	repo, err := repository.OpenPosixFS(t.TempDir())
+	root := t.TempDir()
+	repo, err := repository.OpenPosixFS(root)
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, err := Open(t.Context(), repo, "node-a")
+	repoRoots[repo] = root
+	a, err := Open(t.Context(), repo, "node-a", clusterKey(t, "the cluster's node token, 32+ bytes"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := Open(t.Context(), repo, "node-b")
+	b, err := Open(t.Context(), repo, "node-b", clusterKey(t, "the cluster's node token, 32+ bytes"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	return a, b
+}
+
+var repoRoots = map[repository.Repository]string{}
+
+func clusterKey(t *testing.T, secret string) *sealed.Key {
+	t.Helper()
+	k, err := sealed.NewKey([]byte(secret), "repository tokens")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
+}
+
+// The repository never holds a sandbox's tokens in plaintext; a node with
+// the cluster's secret gets them back, one with another secret is refused.
+func TestTokensAreSealed(t *testing.T) {
+	a, b := twoNodes(t)
+	stage := t.TempDir()
+	os.WriteFile(filepath.Join(stage, "state"), []byte("s"), 0o600)
+	rec := &Record{Sandbox: sandboxes.Sandbox{ID: "sb1", AccessToken: "envd-secret-token", TrafficToken: "traffic-secret-token"},
+		Pause: json.RawMessage(`{}`), Generation: NewGeneration()}
+	if err := a.Put(t.Context(), stage, rec); err != nil {
+		t.Fatal(err)
+	}
+	err := filepath.Walk(repoRoots[a.repo], func(p string, info os.FileInfo, err error) error {
+		if err != nil || info.IsDir() {
+			return err
+		}
+		if b, _ := os.ReadFile(p); strings.Contains(string(b), "secret-token") {
+			t.Errorf("%s holds a token in plaintext", p)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := b.Get(t.Context(), "sb1", t.TempDir())
+	if err != nil || got.Sandbox.AccessToken != "envd-secret-token" || got.Sandbox.TrafficToken != "traffic-secret-token" {
+		t.Fatalf("tokens back: %+v %v", got, err)
+	}
+	stranger, _ := Open(t.Context(), a.repo, "node-x", clusterKey(t, "another cluster's token, 32+ bytes"))
+	if _, err := stranger.Get(t.Context(), "sb1", t.TempDir()); !errors.Is(err, errkind.ErrCorrupt) {
+		t.Fatalf("a node with another secret: %v", err)
+	}
 }
 
 // upload puts a paused sandbox with one state file on shelf sh and marks
