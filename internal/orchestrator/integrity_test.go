@@ -981,7 +981,9 @@ func TestSnapshotNamesAreClusterWide(t *testing.T) {
 	}
 	// The nodes of a cluster share the repository and the secret that
 	// seals the tokens written there.
-	withRepo := func(c *Config) { c.Repository, c.RepositorySecret = repo, []byte("the test cluster's node token, 32+ bytes") }
+	withRepo := func(c *Config) {
+		c.Repository, c.RepositorySecret = repo, []byte("the test cluster's node token, 32+ bytes")
+	}
 	slotA, slotB := takeTestSlot(), takeTestSlot()
 	defer releaseTestSlot(slotA)
 	defer releaseTestSlot(slotB)
