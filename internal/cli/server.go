@@ -54,6 +54,7 @@ type serverOptions struct {
 	peerTokenFile  string
 	repository     string
 	qemuUser       string
+	qemuUIDBase    int
 	insecureNoJail bool
 	noCgroups      bool
 	logLevel       string
@@ -91,7 +92,8 @@ func serverFlags(cmd *cobra.Command, o *serverOptions) {
 	cmd.Flags().StringVar(&o.peerTokenFile, "p2p-token-file", "", "file holding the secret token the nodes of a peer group share (env AENV_P2P_TOKEN also works)")
 	cmd.Flags().StringVar(&o.repository, "repository", "", "snapshot repository: /path, posix_fs:///path or oss://bucket/prefix?endpoint=…&region=… (default: <data-dir>/repository)")
 	cmd.Flags().BoolVar(&o.noCgroups, "no-cgroups", false, "run QEMUs without per-sandbox cgroup limits (CPU, memory, tasks): faster resumes and forks on cgroup v1 hosts")
-	cmd.Flags().StringVar(&o.qemuUser, "qemu-user", orchestrator.DefaultQEMUUser, "unprivileged user QEMU switches to after start (aenv setup makes it)")
+	cmd.Flags().IntVar(&o.qemuUIDBase, "qemu-uid-base", orchestrator.DefaultQEMUUIDBase, "the QEMU of the sandbox in network slot s runs as uid and gid BASE+s (no user need exist); 0: --qemu-user instead")
+	cmd.Flags().StringVar(&o.qemuUser, "qemu-user", "", "with --qemu-uid-base 0: the one unprivileged user every QEMU switches to (aenv setup makes aenv-qemu)")
 	cmd.Flags().BoolVar(&o.insecureNoJail, "insecure-no-jail", false, "run QEMU as root when its unprivileged user is missing or --qemu-user is \"\" (a guest that escapes QEMU then owns the host)")
 	cmd.Flags().StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 }
@@ -133,17 +135,23 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		return errors.New("--p2p-peers needs the peer group's token: --p2p-token-file or AENV_P2P_TOKEN")
 	}
 	qemuUser := o.qemuUser
-	if qemuUser != "" {
+	switch {
+	case o.qemuUIDBase < 0 || o.qemuUIDBase > 1<<31-1<<16:
+		return fmt.Errorf("--qemu-uid-base %d: want 0, or a base that leaves room for every slot below 2^31", o.qemuUIDBase)
+	case o.qemuUIDBase > 0 && qemuUser != "":
+		return errors.New("--qemu-uid-base and --qemu-user exclude each other (set --qemu-uid-base 0 to use one shared user)")
+	case o.qemuUIDBase > 0:
+	case qemuUser != "":
 		if _, err := user.Lookup(qemuUser); err != nil {
 			if !o.insecureNoJail {
-				return fmt.Errorf("QEMU's unprivileged user %q does not exist: run `aenv setup` (it makes it), or pass --insecure-no-jail to run QEMU as root", qemuUser)
+				return fmt.Errorf("QEMU's unprivileged user %q does not exist: run `aenv setup` (it makes aenv-qemu), or pass --insecure-no-jail to run QEMU as root", qemuUser)
 			}
 			qemuUser = ""
 		}
-	} else if !o.insecureNoJail {
-		return errors.New("--qemu-user \"\" runs QEMU as root: pass --insecure-no-jail as well to accept that")
+	case !o.insecureNoJail:
+		return errors.New("--qemu-uid-base 0 without --qemu-user runs QEMU as root: pass --insecure-no-jail as well to accept that")
 	}
-	if qemuUser == "" {
+	if o.qemuUIDBase == 0 && qemuUser == "" {
 		log.Warn("INSECURE: QEMU runs as root (--insecure-no-jail): a guest that escapes QEMU owns this host")
 		fmt.Fprintln(os.Stderr, "aenv server: WARNING: --insecure-no-jail: QEMU runs as root; a guest that escapes QEMU owns this host")
 	}
@@ -169,6 +177,7 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		PoolSize:          o.poolSize,
 		LayerCacheMiB:     o.layerCache,
 		SharePaused:       cluster != nil && o.repository != "",
+		QEMUUIDBase:       o.qemuUIDBase,
 		QEMUUser:          qemuUser,
 		NoCgroups:         o.noCgroups,
 		Peers:             o.peers,

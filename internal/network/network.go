@@ -280,6 +280,11 @@ func (m *Manager) Setup(ctx context.Context, ep *Endpoint) (err error) {
 	return m.applyRules(ctx, ep)
 }
 
+// NamespacePath is the file of sandbox id's network namespace.
+func (m *Manager) NamespacePath(id string) string {
+	return "/run/netns/" + m.nsPrefix() + id
+}
+
 // Exists reports whether a sandbox's namespace is there (it goes with a
 // host reboot; Setup makes it again).
 func (m *Manager) Exists(ep *Endpoint) bool {

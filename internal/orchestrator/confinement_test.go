@@ -2,17 +2,21 @@ package orchestrator
 
 import (
 	"context"
+	"net"
 	"os"
-	"os/user"
+	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/vmm"
+	"github.com/vishvananda/netns"
 )
 
 // TestQEMUConfinement: a sandbox's QEMU runs under its seccomp filter and in
@@ -28,13 +32,9 @@ func TestQEMUConfinement(t *testing.T) {
 	if !strings.Contains(string(status), "Seccomp:\t2") {
 		t.Fatalf("QEMU runs without its seccomp filter:\n%s", status)
 	}
-	if n.cfg.QEMUUser == "" {
-		t.Logf("QEMU runs as root: user %s does not exist (aenv setup makes it)", DefaultQEMUUser)
-	} else {
-		u, _ := user.Lookup(n.cfg.QEMUUser)
-		if !strings.Contains(string(status), "Uid:\t"+u.Uid+"\t"+u.Uid+"\t"+u.Uid) {
-			t.Fatalf("QEMU does not run as %s (uid %s):\n%s", n.cfg.QEMUUser, u.Uid, status)
-		}
+	id := strconv.Itoa(n.cfg.QEMUUIDBase + s.Slot)
+	if !strings.Contains(string(status), "Uid:\t"+id+"\t"+id+"\t"+id) || !strings.Contains(string(status), "Gid:\t"+id+"\t"+id+"\t"+id) {
+		t.Fatalf("QEMU does not run as its slot's ids %s:\n%s", id, status)
 	}
 	if m := n.machines.get(s.ID); m == nil || m.CgroupErr != nil {
 		t.Skipf("skipped: this host's cgroups are not writable (%v)", m.CgroupErr)
@@ -112,5 +112,138 @@ func TestDiskQuota(t *testing.T) {
 	t.Logf("guest disk %d MiB; host overlay after filling it: %d MiB allocated", info.VirtualSize>>20, used>>20)
 	if used > info.VirtualSize+info.VirtualSize/20 {
 		t.Fatalf("overlay uses %d bytes for a %d-byte disk", used, info.VirtualSize)
+	}
+}
+
+// TestQEMUHasNoHostNetwork: every QEMU (cold boot, resume, fork child) is
+// born in its sandbox's network namespace, so the node's API on the host's
+// loopback is out of its reach.
+func TestQEMUHasNoHostNetwork(t *testing.T) {
+	n := testNode(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+	check := func(what string, s *sandboxes.Sandbox) {
+		t.Helper()
+		var qemuNS, sandboxNS syscall.Stat_t
+		if err := syscall.Stat("/proc/"+strconv.Itoa(s.PID)+"/ns/net", &qemuNS); err != nil {
+			t.Fatal(err)
+		}
+		if err := syscall.Stat(n.net.NamespacePath(s.ID), &sandboxNS); err != nil {
+			t.Fatal(err)
+		}
+		if qemuNS.Ino != sandboxNS.Ino || qemuNS.Dev != sandboxNS.Dev {
+			t.Fatalf("%s: QEMU %d is not in its sandbox's network namespace", what, s.PID)
+		}
+		// From QEMU's namespace, the host loopback listener is not there.
+		reached, err := dialFrom("/proc/"+strconv.Itoa(s.PID)+"/ns/net", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if reached {
+			t.Fatalf("%s: QEMU's namespace reaches the host's loopback at %s", what, ln.Addr())
+		}
+	}
+	if ok, err := dialFrom("", ln.Addr().String()); err != nil || !ok {
+		t.Fatalf("control: the host does not reach its own listener: %v", err)
+	}
+	ctx := context.Background()
+	s := create(t, n, CreateRequest{TemplateID: "minimal"})
+	check("cold boot", s)
+	if _, err := n.Pause(ctx, s.ID); err != nil {
+		t.Fatal(err)
+	}
+	if s, err = n.Resume(ctx, s.ID, 0); err != nil {
+		t.Fatal(err)
+	}
+	check("resume", s)
+	kids, err := n.Fork(ctx, s.ID, 1, 0)
+	if err != nil || kids[0].Err != nil {
+		t.Fatalf("fork: %v %v", err, kids)
+	}
+	t.Cleanup(func() { n.Kill(context.Background(), kids[0].Sandbox.ID) })
+	check("fork child", kids[0].Sandbox)
+}
+
+// dialFrom reports whether a TCP connection to addr succeeds from the
+// network namespace at nsPath ("": this process's).
+func dialFrom(nsPath, addr string) (bool, error) {
+	type result struct {
+		ok  bool
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		runtime.LockOSThread()
+		if nsPath != "" {
+			orig, err := netns.Get()
+			if err != nil {
+				done <- result{err: err}
+				return
+			}
+			target, err := netns.GetFromPath(nsPath)
+			if err != nil {
+				done <- result{err: err}
+				return
+			}
+			defer target.Close()
+			if err := netns.Set(target); err != nil {
+				done <- result{err: err}
+				return
+			}
+			defer func() {
+				if netns.Set(orig) == nil {
+					runtime.UnlockOSThread()
+				}
+				orig.Close()
+			}()
+		} else {
+			defer runtime.UnlockOSThread()
+		}
+		c, err := net.DialTimeout("tcp", addr, 2*time.Second)
+		if err == nil {
+			c.Close()
+		}
+		done <- result{ok: err == nil}
+	}()
+	r := <-done
+	return r.ok, r.err
+}
+
+// TestQEMUsCannotReachEachOther: two sandboxes' QEMUs run under ids of
+// their own, and from one's ids the other's process and files are out of
+// reach.
+func TestQEMUsCannotReachEachOther(t *testing.T) {
+	n := testNode(t)
+	a := create(t, n, CreateRequest{TemplateID: "minimal"})
+	b := create(t, n, CreateRequest{TemplateID: "minimal"})
+	ua, gb := n.cfg.QEMUUIDBase+a.Slot, n.cfg.QEMUUIDBase+b.Slot
+	if ua == gb {
+		t.Fatalf("two sandboxes share QEMU ids %d", ua)
+	}
+	// A process with a's QEMU's ids (not QEMU itself: it cannot be made to
+	// run our code) tries b's QEMU and b's disk.
+	probe := exec.Command("/bin/sh", "-c", `kill -0 "$1" 2>/dev/null && echo signalled; cat "$2" >/dev/null 2>&1 && echo read; ls "$3" >/dev/null 2>&1 && echo listed; echo done`,
+		"probe", strconv.Itoa(b.PID), filepath.Join(n.sandboxDir(b.ID), overlayName), n.sandboxDir(b.ID))
+	probe.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(ua), Gid: uint32(ua)}}
+	out, err := probe.CombinedOutput()
+	if err != nil || strings.TrimSpace(string(out)) != "done" {
+		t.Fatalf("from sandbox %s's QEMU ids, sandbox %s's QEMU or files were reachable: %q %v", a.ID, b.ID, out, err)
+	}
+	// Control: b's own ids own b's disk.
+	var st syscall.Stat_t
+	if err := syscall.Stat(filepath.Join(n.sandboxDir(b.ID), overlayName), &st); err != nil || int(st.Uid) != gb {
+		t.Fatalf("b's disk is owned by %d, want %d (%v)", st.Uid, gb, err)
 	}
 }

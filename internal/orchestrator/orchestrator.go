@@ -103,9 +103,13 @@ type Config struct {
 	// hosts moving a process into its cgroups costs a resume or fork tens
 	// of milliseconds; see docs/RELIABILITY.md).
 	NoCgroups bool
-	// QEMUUser, when set, is the unprivileged user the sandboxes' QEMUs
-	// run as once started (see vmm.Config.User).
-	QEMUUser string
+	// QEMUUIDBase, when set, jails every sandbox's QEMU under ids of its
+	// own: the QEMU of the sandbox in network slot s runs as uid and gid
+	// QEMUUIDBase+s (no user need exist), so no QEMU can signal another or
+	// open what another owns. QEMUUser instead runs every QEMU as one
+	// named user (see vmm.Config.User). Neither: QEMU stays root.
+	QEMUUIDBase int
+	QEMUUser    string
 	// RepositorySecret is the secret the nodes sharing Repository share:
 	// the tokens written there are sealed with it. Empty: the node's own
 	// (repository.secret in the data dir), for a repository no other node

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/faults"
@@ -420,11 +421,21 @@ func (n *Node) vmConfig(s *sandboxes.Sandbox, tap *os.File, incoming bool) vmm.C
 		Tap:           tap,
 
 		NoFreePageReporting: n.cfg.NoFreePageReporting,
-		User:                n.cfg.QEMUUser,
+		User:                n.qemuUser(s),
+		NetNS:               n.net.NamespacePath(s.ID),
 		Cgroup:              n.qemuCgroup(s.ID),
 		Limits:              n.limits(s),
 	}
 	return cfg
+}
+
+// qemuUser is who a sandbox's QEMU runs as ("": root).
+func (n *Node) qemuUser(s *sandboxes.Sandbox) string {
+	if n.cfg.QEMUUIDBase > 0 {
+		id := n.cfg.QEMUUIDBase + s.Slot
+		return strconv.Itoa(id) + ":" + strconv.Itoa(id)
+	}
+	return n.cfg.QEMUUser
 }
 
 // ramFile is the file a sandbox's RAM maps: the snapshot image it runs on

@@ -583,5 +583,10 @@ func (n *Node) limits(s *sandboxes.Sandbox) vmm.Limits {
 	return vmm.Limits{CPUs: float64(s.VCPUs + 1), MemoryBytes: int64(2*s.MemoryMiB)<<20 + 1<<30, Pids: 1024}
 }
 
-// DefaultQEMUUser is the unprivileged user `aenv setup` makes for QEMU.
+// DefaultQEMUUser is the unprivileged user `aenv setup` makes for QEMU
+// (used when QEMUs share one user instead of ids of their own).
 const DefaultQEMUUser = "aenv-qemu"
+
+// DefaultQEMUUIDBase numbers the ids sandboxes' QEMUs run as: far above
+// the users and subordinate id ranges a host hands out.
+const DefaultQEMUUIDBase = 1_700_000_000

@@ -13,7 +13,6 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
-	"os/user"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -155,7 +154,7 @@ func openTestNodeIn(t testing.TB, dir string, slot int, opts ...func(*Config)) *
 		Accel:       accel,
 		NetworkCIDR: cidr,
 		Instance:    instance,
-		QEMUUser:    testQEMUUser(),
+		QEMUUIDBase: testQEMUUIDBase + slot*100000, // ids of its own per test node
 		BootTimeout: 60 * time.Second,
 		Logger:      slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})),
 	}
@@ -169,14 +168,8 @@ func openTestNodeIn(t testing.TB, dir string, slot int, opts ...func(*Config)) *
 	return n
 }
 
-// testQEMUUser is the unprivileged user `aenv setup` makes for QEMU, when
-// it exists.
-func testQEMUUser() string {
-	if _, err := user.Lookup(DefaultQEMUUser); err == nil {
-		return DefaultQEMUUser
-	}
-	return ""
-}
+// testQEMUUIDBase numbers the ids test nodes' QEMUs run as.
+const testQEMUUIDBase = 1_600_000_000
 
 // testHTTP keeps no idle connections: guest addresses are reused by later
 // sandboxes (and by the next test's node).

@@ -58,8 +58,14 @@ type Config struct {
 	// default). Saved state only loads into a machine with the same setting.
 	NoFreePageReporting bool
 	// User, when set, is the unprivileged user QEMU switches to once it
-	// has opened its files and devices (-runas).
+	// has opened its files and devices (-runas): a user name, or
+	// "uid:gid" (ids no user need have, as Firecracker's jailer takes).
 	User string
+	// NetNS, when set, is the network namespace (a file such as
+	// /run/netns/<name>) QEMU is started in: the sandbox's own, so that
+	// QEMU itself reaches nothing of the host's network (not even the
+	// node's API on the host's loopback). Its tap is handed in open.
+	NetNS string
 	// Cgroup, when set, names a cgroup of its own the QEMU process is put
 	// in at start, bounded by Limits (see PlaceInCgroup).
 	Cgroup string
@@ -254,7 +260,7 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 	cmd.Stderr = logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	cmd.ExtraFiles = extra
-	if err := cmd.Start(); err != nil {
+	if err := startIn(cfg.NetNS, cmd); err != nil {
 		return nil, fmt.Errorf("start qemu: %w", err)
 	}
 	m := &Machine{pid: cmd.Process.Pid, runDir: cfg.RunDir, exited: make(chan struct{}), uid: uid, gid: gid}
@@ -517,8 +523,16 @@ func onOff(b bool) string {
 	return "off"
 }
 
-// lookupUser returns a user's uid and gid.
+// lookupUser returns the uid and gid of a user name or of "uid:gid".
 func lookupUser(name string) (int, int, error) {
+	if us, gs, ok := strings.Cut(name, ":"); ok {
+		uid, err1 := strconv.Atoi(us)
+		gid, err2 := strconv.Atoi(gs)
+		if err1 != nil || err2 != nil || uid <= 0 || gid <= 0 {
+			return 0, 0, fmt.Errorf("QEMU user %q: want a name or uid:gid above 0", name)
+		}
+		return uid, gid, nil
+	}
 	u, err := user.Lookup(name)
 	if err != nil {
 		return 0, 0, fmt.Errorf("QEMU user %q: %w", name, err)
