@@ -38,6 +38,8 @@ func TestQEMUConfinement(t *testing.T) {
 	}
 	if m := n.machines.get(s.ID); m == nil || m.CgroupErr != nil {
 		t.Skipf("skipped: this host's cgroups are not writable (%v)", m.CgroupErr)
+	} else if !m.CgroupAtExec {
+		t.Fatal("QEMU was moved into its cgroup after it started, not born there")
 	}
 	name := n.cgroupName(s.ID)
 	cg, err := os.ReadFile("/proc/" + strconv.Itoa(s.PID) + "/cgroup")

@@ -58,6 +58,19 @@ func CgroupDirs(name string) []string {
 // PlaceInCgroup creates cgroup name with the limits and moves pid (all its
 // threads) into it.
 func PlaceInCgroup(name string, pid int, l Limits) (*Cgroup, error) {
+	cg, err := PrepareCgroup(name, l)
+	if err != nil {
+		return nil, err
+	}
+	if err := cg.Join(pid); err != nil {
+		cg.Remove()
+		return nil, err
+	}
+	return cg, nil
+}
+
+// PrepareCgroup creates cgroup name with the limits, for a process to join.
+func PrepareCgroup(name string, l Limits) (*Cgroup, error) {
 	if strings.ContainsAny(name, "/.") || name == "" {
 		return nil, fmt.Errorf("cgroup name %q", name)
 	}
@@ -105,13 +118,40 @@ func PlaceInCgroup(name string, pid int, l Limits) (*Cgroup, error) {
 			return nil, fmt.Errorf("cgroup limit %s: %w", f[0], err)
 		}
 	}
-	for _, d := range cg.Dirs {
-		if err := os.WriteFile(filepath.Join(d, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0o644); err != nil {
-			cg.Remove()
-			return nil, fmt.Errorf("move QEMU into its cgroup: %w", err)
+	return cg, nil
+}
+
+// procsFiles are the files a process writes its pid to to join c.
+func (c *Cgroup) procsFiles() []string {
+	out := make([]string, len(c.Dirs))
+	for i, d := range c.Dirs {
+		out[i] = filepath.Join(d, "cgroup.procs")
+	}
+	return out
+}
+
+// Join moves pid (all its threads) into c.
+func (c *Cgroup) Join(pid int) error {
+	for _, f := range c.procsFiles() {
+		if err := os.WriteFile(f, []byte(strconv.Itoa(pid)), 0o644); err != nil {
+			return fmt.Errorf("move QEMU into its cgroup: %w", err)
 		}
 	}
-	return cg, nil
+	return nil
+}
+
+// Holds reports whether pid is in c (in every hierarchy of it).
+func (c *Cgroup) Holds(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cgroup")
+	if err != nil {
+		return false
+	}
+	for _, d := range c.Dirs {
+		if !strings.Contains(string(b), "/"+cgroupParent+"/"+filepath.Base(d)+"\n") {
+			return false
+		}
+	}
+	return true
 }
 
 // file resolves a limit file: "cpu.max" in the v2 dir, "cpu/cpu.cfs..." in

@@ -203,8 +203,10 @@ type Machine struct {
 	// uid and gid QEMU runs as (-1: root): the migration sockets are
 	// handed to them.
 	uid, gid int
-	// CgroupErr says why the machine runs without its cgroup limits.
-	CgroupErr error
+	// CgroupErr says why the machine runs without its cgroup limits;
+	// CgroupAtExec that it was in its cgroup from its first instruction.
+	CgroupErr    error
+	CgroupAtExec bool
 
 	exited  chan struct{}
 	exitMu  sync.Mutex
@@ -255,12 +257,29 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 		cfg.rootDiskFD = 3 + len(extra)
 		extra = append(extra, disk)
 	}
-	cmd := exec.Command(bin, cfg.Args()...)
+	// The cgroup exists, with its limits, before QEMU does: the jail step
+	// joins it and only then becomes QEMU.
+	var cg *Cgroup
+	var cgErr error
+	if cfg.Cgroup != "" {
+		// Limits are best effort: a host whose cgroups are read-only
+		// (an unprivileged container) still runs sandboxes.
+		cg, cgErr = PrepareCgroup(cfg.Cgroup, cfg.Limits)
+	}
+	js, err := jailCommand(bin, cfg.Args(), cg)
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(js.path, js.args...)
+	cmd.Env = js.env
 	cmd.Stdout = logf
 	cmd.Stderr = logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	cmd.ExtraFiles = extra
 	if err := startIn(cfg.NetNS, cmd); err != nil {
+		if cg != nil {
+			cg.Remove()
+		}
 		return nil, fmt.Errorf("start qemu: %w", err)
 	}
 	m := &Machine{pid: cmd.Process.Pid, runDir: cfg.RunDir, exited: make(chan struct{}), uid: uid, gid: gid}
@@ -268,17 +287,24 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 		err := cmd.Wait()
 		m.setExited(err)
 	}()
-	if cfg.Cgroup != "" {
-		// Limits are best effort: a host whose cgroups are read-only
-		// (an unprivileged container) still runs sandboxes.
-		if _, err := PlaceInCgroup(cfg.Cgroup, m.pid, cfg.Limits); err != nil {
-			m.CgroupErr = err
-		}
-	}
 	if err := m.connect(ctx); err != nil {
 		_ = m.Kill()
 		<-m.exited
+		if cg != nil {
+			cg.Remove()
+		}
 		return nil, fmt.Errorf("%w%s", err, m.logTail())
+	}
+	// QMP answers, so QEMU runs and the jail step is behind it: it either
+	// joined the cgroup before QEMU began, or could not (read-only
+	// cgroups; its reason is in QEMU's log).
+	switch {
+	case cgErr != nil:
+		m.CgroupErr = cgErr
+	case cg != nil && !cg.Holds(m.pid):
+		m.CgroupErr = fmt.Errorf("QEMU did not join its cgroup before starting%s", m.logTail())
+	case cg != nil:
+		m.CgroupAtExec = true
 	}
 	return m, nil
 }
