@@ -302,7 +302,7 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 // says besides its kind; a refusal (4xx) says why, in words that never name
 // the node's data dir.
 func (s *Server) writeNodeError(w http.ResponseWriter, err error) {
-	switch status := statusOf(err); {
+	switch status := httperr.StatusOf(err); {
 	case status == http.StatusGatewayTimeout:
 		httperr.Internal(w, s.log, status, "the operation did not finish in time", err)
 	case status >= 500:
@@ -312,30 +312,25 @@ func (s *Server) writeNodeError(w http.ResponseWriter, err error) {
 	}
 }
 
+// errorBody is the error body for err inside a 2xx answer (a fork child
+// that failed), by writeNodeError's rules: a failure of the node's own is
+// logged under the request id, which is all the body says besides its kind.
+func (s *Server) errorBody(w http.ResponseWriter, err error) *Error {
+	status := httperr.StatusOf(err)
+	if status < 500 {
+		return &Error{Code: status, Message: s.scrub(err.Error())}
+	}
+	id := httperr.ID(w)
+	s.log.Error("internal error", "request", id, "status", status, "err", err)
+	return &Error{Code: status, Message: fmt.Sprintf("internal error (request id %s; the server's log has the details)", id)}
+}
+
 // scrub replaces the node's data dir in a message shown to a client.
 func (s *Server) scrub(msg string) string {
 	if dir := s.node.DataDir(); dir != "" && dir != "/" {
 		msg = strings.ReplaceAll(msg, strings.TrimSuffix(dir, "/"), "<data dir>")
 	}
 	return msg
-}
-
-// statusOf is the HTTP status of an orchestrator error.
-func statusOf(err error) int {
-	status := http.StatusInternalServerError
-	switch {
-	case errors.Is(err, orchestrator.ErrNotFound):
-		status = http.StatusNotFound
-	case errors.Is(err, orchestrator.ErrInvalid):
-		status = http.StatusBadRequest
-	case errors.Is(err, orchestrator.ErrConflict):
-		status = http.StatusConflict
-	case errors.Is(err, orchestrator.ErrCapacity):
-		status = http.StatusTooManyRequests
-	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
-		status = http.StatusGatewayTimeout
-	}
-	return status
 }
 
 const maxBodyBytes = 1 << 20

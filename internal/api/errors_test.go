@@ -104,3 +104,20 @@ func TestRequestIDs(t *testing.T) {
 		}
 	}
 }
+
+// A fork child that failed on the node's side is reported inside the 201
+// answer by the same rules: kind and request id, no internals.
+func TestForkChildErrorsKeepInternalsOut(t *testing.T) {
+	a := newTestAPI(t)
+	a.node.add(&sandboxes.Sandbox{ID: "parent1", TemplateID: "brokenchild"})
+	rec := a.do("POST", "/sandboxes/parent1/fork", `{"count":2}`)
+	if rec.Code != http.StatusCreated {
+		t.Fatalf("fork: %d %s", rec.Code, rec.Body)
+	}
+	body := rec.Body.String()
+	id := rec.Header().Get(httperr.Header)
+	if strings.Contains(body, fakeDataDir) || strings.Contains(body, "permission denied") || !strings.Contains(body, id) ||
+		!strings.Contains(body, `"code":500`) {
+		t.Fatalf("fork answer shows internals or lacks the request id %s: %s", id, body)
+	}
+}

@@ -187,6 +187,10 @@ func (f *fakeNode) Fork(ctx context.Context, id string, count int, timeout time.
 			out = append(out, orchestrator.ForkResult{Err: fmt.Errorf("%w: no slot", orchestrator.ErrCapacity)})
 			continue
 		}
+		if parent.TemplateID == "brokenchild" && i == 1 {
+			out = append(out, orchestrator.ForkResult{Err: fmt.Errorf("restore: qemu: open %s/snapshots/s1/memory: permission denied", fakeDataDir)})
+			continue
+		}
 		f.seq++
 		f.mutations++
 		child := *parent

@@ -158,8 +158,7 @@ func (s *Server) forkSandbox(w http.ResponseWriter, r *http.Request) {
 			if e == nil {
 				e = errors.New("the child sandbox was not created")
 			}
-			st := statusOf(e)
-			out = append(out, forkResultJSON{Error: &Error{Code: st, Message: e.Error()}})
+			out = append(out, forkResultJSON{Error: s.errorBody(w, e)})
 			continue
 		}
 		b := s.sandboxBody(res.Sandbox)

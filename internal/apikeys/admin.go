@@ -32,15 +32,10 @@ func (k *Keys) Handler(log *slog.Logger) http.Handler {
 	}
 	mux := http.NewServeMux()
 	fail := func(w http.ResponseWriter, err error) {
-		switch {
-		case errors.Is(err, errkind.ErrInvalid):
-			httperr.Write(w, http.StatusBadRequest, err.Error())
-		case errors.Is(err, errkind.ErrConflict):
-			httperr.Write(w, http.StatusConflict, err.Error())
-		case errors.Is(err, errkind.ErrNotFound):
-			httperr.Write(w, http.StatusNotFound, err.Error())
-		default:
-			httperr.Internal(w, log, http.StatusInternalServerError, "internal error", err)
+		if status := httperr.StatusOf(err); status < 500 {
+			httperr.Write(w, status, err.Error())
+		} else {
+			httperr.Internal(w, log, status, "internal error", err)
 		}
 	}
 	mux.HandleFunc("GET /keys", func(w http.ResponseWriter, r *http.Request) {

@@ -6,13 +6,17 @@
 package httperr
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
 	"regexp"
+
+	"github.com/agentenv/agentenv/internal/errkind"
 )
 
 // Header carries the request id, in both directions: a caller (a gateway)
@@ -62,6 +66,24 @@ func Write(w http.ResponseWriter, status int, msg string) {
 	enc := json.NewEncoder(w)
 	enc.SetEscapeHTML(false) // messages are read by people and SDKs, not put in HTML
 	_ = enc.Encode(Body{Code: status, Message: msg})
+}
+
+// StatusOf is the HTTP status of an error of the kinds of package errkind
+// (500 for any other; 504 for a context that ended).
+func StatusOf(err error) int {
+	switch {
+	case errors.Is(err, errkind.ErrNotFound):
+		return http.StatusNotFound
+	case errors.Is(err, errkind.ErrInvalid):
+		return http.StatusBadRequest
+	case errors.Is(err, errkind.ErrConflict):
+		return http.StatusConflict
+	case errors.Is(err, errkind.ErrCapacity):
+		return http.StatusTooManyRequests
+	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		return http.StatusGatewayTimeout
+	}
+	return http.StatusInternalServerError
 }
 
 // Internal answers a failure of the server's own (a 5xx status): the body
