@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"strconv"
 	"syscall"
 )
@@ -51,7 +52,7 @@ func init() {
 
 // jailCommand is the command that starts QEMU bin with args through the
 // jail step, joining cg first (nil: no cgroup).
-func jailCommand(bin string, args []string, cg *Cgroup) (*execSpec, error) {
+func jailCommand(bin string, args []string, cg *Cgroup) (*exec.Cmd, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, fmt.Errorf("find this program for the jail step: %w", err)
@@ -64,11 +65,7 @@ func jailCommand(bin string, args []string, cg *Cgroup) (*execSpec, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &execSpec{path: self, args: args, env: append(os.Environ(), jailEnv+"="+string(b))}, nil
-}
-
-type execSpec struct {
-	path string
-	args []string
-	env  []string
+	cmd := exec.Command(self, args...)
+	cmd.Env = append(os.Environ(), jailEnv+"="+string(b))
+	return cmd, nil
 }

@@ -266,12 +266,13 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 		// (an unprivileged container) still runs sandboxes.
 		cg, cgErr = PrepareCgroup(cfg.Cgroup, cfg.Limits)
 	}
-	js, err := jailCommand(bin, cfg.Args(), cg)
+	cmd, err := jailCommand(bin, cfg.Args(), cg)
 	if err != nil {
+		if cg != nil {
+			cg.Remove()
+		}
 		return nil, err
 	}
-	cmd := exec.Command(js.path, js.args...)
-	cmd.Env = js.env
 	cmd.Stdout = logf
 	cmd.Stderr = logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
