@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/apikeys"
+	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
 	"github.com/agentenv/agentenv/internal/httperr"
 	"github.com/agentenv/agentenv/internal/network"
@@ -63,6 +64,7 @@ type Node interface {
 	Templates() ([]*orchestrator.Template, error)
 	DeleteTemplate(ctx context.Context, name string) error
 	DataDir() string
+	BuildFiles() *buildfiles.Store
 	Memory(ctx context.Context) (*orchestrator.NodeMemory, error)
 	LayerCacheStats() lazy.CacheStats
 }

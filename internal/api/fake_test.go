@@ -3,10 +3,12 @@ package api
 import (
 	"context"
 	"fmt"
+	"os"
 	"sort"
 	"sync"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/orchestrator"
@@ -24,6 +26,8 @@ type fakeNode struct {
 	logs      map[string][]byte
 	// pauseErr, when set, is what Pause answers.
 	pauseErr error
+	// files is made on first use (BuildFiles), in a temporary directory.
+	files *buildfiles.Store
 }
 
 func newFakeNode() *fakeNode {
@@ -235,6 +239,20 @@ func (f *fakeNode) DeleteTemplate(ctx context.Context, name string) error {
 	return fmt.Errorf("%w: template %q", orchestrator.ErrNotFound, name)
 }
 func (f *fakeNode) DataDir() string { return fakeDataDir }
+func (f *fakeNode) BuildFiles() *buildfiles.Store {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.files == nil {
+		dir, err := os.MkdirTemp("", "aenv-api-test-")
+		if err == nil {
+			f.files, err = buildfiles.Open(dir)
+		}
+		if err != nil {
+			panic(err)
+		}
+	}
+	return f.files
+}
 
 const fakeDataDir = "/var/lib/aenv-fake"
 

@@ -4,16 +4,12 @@ import (
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"net/url"
-	"os"
-	"path/filepath"
-	"regexp"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
 )
 
@@ -156,8 +152,6 @@ func (s *Server) buildStatus(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, body)
 }
 
-var filesHashRE = regexp.MustCompile(`^[0-9a-f]{16,128}$`)
-
 // uploadSignature authorises a build-file upload link.
 func (s *Server) uploadSignature(templateID, hash string) string {
 	m := hmac.New(sha256.New, s.uploadKey)
@@ -165,15 +159,16 @@ func (s *Server) uploadSignature(templateID, hash string) string {
 	return hex.EncodeToString(m.Sum(nil))
 }
 
-// fileUploadLink implements GET /templates/{templateID}/files/{hash}.
+// fileUploadLink implements GET /templates/{templateID}/files/{hash}:
+// whether the template's builds already have the files (checked, see
+// package buildfiles), and a signed link to upload them.
 func (s *Server) fileUploadLink(w http.ResponseWriter, r *http.Request) {
 	id, hash := r.PathValue("templateID"), r.PathValue("hash")
-	if !filesHashRE.MatchString(hash) {
-		writeError(w, http.StatusBadRequest, "files hash must be lowercase hex")
+	if !buildfiles.HashRE.MatchString(hash) {
+		writeError(w, http.StatusBadRequest, "files hash must be 16 to 128 lowercase hex digits")
 		return
 	}
-	_, err := os.Stat(builds.FilesPath(s.node.DataDir(), hash))
-	present := err == nil
+	present := s.node.BuildFiles().Present(id, hash)
 	scheme := "http"
 	if r.TLS != nil || r.Header.Get("X-Forwarded-Proto") == "https" {
 		scheme = "https"
@@ -183,47 +178,20 @@ func (s *Server) fileUploadLink(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusCreated, map[string]any{"present": present, "url": link.String()})
 }
 
-// maxBuildFiles bounds one COPY upload.
-const maxBuildFiles = 8 << 30
-
 // uploadBuildFiles implements the upload link: the body (a tar archive,
-// gzip-compressed or not) is stored under its hash.
+// gzip-compressed or not) waits until a build names it with its COPY
+// source and destination, when it is checked against its hash.
 func (s *Server) uploadBuildFiles(w http.ResponseWriter, r *http.Request) {
 	id, hash := r.PathValue("templateID"), r.PathValue("hash")
-	if !filesHashRE.MatchString(hash) {
-		writeError(w, http.StatusBadRequest, "files hash must be lowercase hex")
+	if !buildfiles.HashRE.MatchString(hash) {
+		writeError(w, http.StatusBadRequest, "files hash must be 16 to 128 lowercase hex digits")
 		return
 	}
 	if !hmac.Equal([]byte(r.URL.Query().Get("signature")), []byte(s.uploadSignature(id, hash))) {
 		writeError(w, http.StatusUnauthorized, "invalid upload signature")
 		return
 	}
-	dst := builds.FilesPath(s.node.DataDir(), hash)
-	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
-		s.writeNodeError(w, err)
-		return
-	}
-	tmp, err := os.CreateTemp(filepath.Dir(dst), ".upload-")
-	if err != nil {
-		s.writeNodeError(w, err)
-		return
-	}
-	defer os.Remove(tmp.Name())
-	n, err := io.Copy(tmp, io.LimitReader(r.Body, maxBuildFiles+1))
-	if err == nil && n > maxBuildFiles {
-		err = errors.New("upload larger than 8 GiB")
-	}
-	if err == nil {
-		err = tmp.Sync()
-	}
-	if cerr := tmp.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		writeError(w, http.StatusBadRequest, "upload: "+err.Error())
-		return
-	}
-	if err := os.Rename(tmp.Name(), dst); err != nil {
+	if err := s.node.BuildFiles().Receive(id, hash, r.Body); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}

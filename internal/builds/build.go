@@ -21,10 +21,10 @@ import (
 	"os/exec"
 	"path"
 	"path/filepath"
-	"regexp"
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/guestexec"
 	"github.com/agentenv/agentenv/internal/operation"
@@ -65,8 +65,10 @@ type Builder interface {
 type Step struct {
 	Type string   `json:"type"` // RUN, ENV, WORKDIR, USER, COPY
 	Args []string `json:"args"`
-	// FilesHash names the uploaded files of a COPY (see FilesPath).
+	// FilesHash names the uploaded files of a COPY (see package buildfiles).
 	FilesHash string `json:"filesHash,omitempty"`
+	// Files is the archive a COPY uses, once admitted (see Builds.admit).
+	Files buildfiles.Archive `json:"-"`
 	// Force runs the step (and all after it) even if cached.
 	Force bool `json:"force,omitempty"`
 }
@@ -88,18 +90,8 @@ type Spec struct {
 // Logger receives a build's log lines.
 type Logger func(level, step, msg string)
 
-// FilesPath is where the files a COPY step uploaded are kept: a tar
-// archive (gzip-compressed or not) named by the hash the client computed.
-func FilesPath(dataDir, hash string) string {
-	return filepath.Join(dataDir, "build-files", hash+".tar")
-}
-
 // CacheHolder holds the layers builds made, for later builds.
 const CacheHolder = "cache/build-layers"
-
-// FilesHashRE is the form of COPY files hashes (lowercase hex, such as a
-// SHA-256).
-var FilesHashRE = regexp.MustCompile(`^[0-9a-f]{4,128}$`)
 
 // buildState is what steps change besides files.
 type buildState struct {
@@ -141,10 +133,8 @@ func (bs *Builds) Run(ctx context.Context, spec Spec, logf Logger) (err error) {
 	if err != nil {
 		return fmt.Errorf("base template: %w", err)
 	}
-	for i, st := range spec.Steps {
-		if err := CheckStep(bs.dataDir, st); err != nil {
-			return fmt.Errorf("%w: step %d: %v", errkind.ErrInvalid, i+1, err)
-		}
+	if err := bs.admit(&spec); err != nil {
+		return err
 	}
 	start := time.Now()
 	layers := bs.st.Abs(store.LayersDir)
@@ -208,7 +198,7 @@ func (bs *Builds) Run(ctx context.Context, spec Spec, logf Logger) (err error) {
 				if err != nil {
 					return err
 				}
-				b = &builder{Builder: sb, dataDir: bs.dataDir}
+				b = &builder{Builder: sb}
 				return nil
 			}); err != nil {
 				return fmt.Errorf("start the builder: %w", err)
@@ -285,9 +275,29 @@ func (bs *Builds) Run(ctx context.Context, spec Spec, logf Logger) (err error) {
 	return nil
 }
 
-// CheckStep refuses a step that cannot run (bad arguments, COPY files
-// not uploaded).
-func CheckStep(dataDir string, st Step) error {
+// admit checks a build's steps and admits the files of its COPY steps
+// (checked against their files hash, see buildfiles.Store.Admit) for
+// spec.Template. Errors are ErrInvalid, naming the step.
+func (bs *Builds) admit(spec *Spec) error {
+	for i := range spec.Steps {
+		st := &spec.Steps[i]
+		if err := CheckStep(*st); err != nil {
+			return fmt.Errorf("%w: step %d: %v", errkind.ErrInvalid, i+1, err)
+		}
+		if st.Type != "COPY" || st.Files.Path != "" {
+			continue
+		}
+		a, err := bs.files.Admit(spec.Template, st.FilesHash, st.Args[0], st.Args[1])
+		if err != nil {
+			return fmt.Errorf("step %d (COPY %s): %w", i+1, st.Args[0], err)
+		}
+		st.Files = a
+	}
+	return nil
+}
+
+// CheckStep refuses a step that cannot run (bad arguments).
+func CheckStep(st Step) error {
 	switch st.Type {
 	case "RUN", "WORKDIR", "USER":
 		if len(st.Args) < 1 || st.Args[0] == "" {
@@ -301,11 +311,8 @@ func CheckStep(dataDir string, st Step) error {
 		if len(st.Args) < 2 || st.Args[1] == "" {
 			return errors.New("COPY needs a source and a destination")
 		}
-		if !FilesHashRE.MatchString(st.FilesHash) {
+		if !buildfiles.HashRE.MatchString(st.FilesHash) {
 			return fmt.Errorf("COPY files hash %q is not valid", st.FilesHash)
-		}
-		if _, err := os.Stat(FilesPath(dataDir, st.FilesHash)); err != nil {
-			return fmt.Errorf("COPY files %s were not uploaded", st.FilesHash)
 		}
 	default:
 		return fmt.Errorf("unknown step type %q", st.Type)
@@ -313,12 +320,18 @@ func CheckStep(dataDir string, st Step) error {
 	return nil
 }
 
-// hashKey is the cache key of a step over the key below it.
+// hashKey is the cache key of a step over the key below it. A COPY's files
+// enter it by their admitted key (the verified hash, or the digest of the
+// bytes of files no hash vouches for), never by the hash a client claims.
 func hashKey(below string, st Step) string {
+	files := st.FilesHash
+	if st.Files.Key != "" {
+		files = st.Files.Key
+	}
 	b, _ := json.Marshal(struct {
 		Type, FilesHash string
 		Args            []string
-	}{st.Type, st.FilesHash, st.Args})
+	}{st.Type, files, st.Args})
 	sum := sha256.Sum256([]byte(below + "\n" + string(b)))
 	return hex.EncodeToString(sum[:])
 }
@@ -326,7 +339,6 @@ func hashKey(below string, st Step) string {
 // builder runs a build's steps in its builder sandbox.
 type builder struct {
 	Builder
-	dataDir string
 }
 
 func (b *builder) sh(ctx context.Context, user, cwd string, env map[string]string, script string, out func(string)) error {
@@ -372,7 +384,7 @@ func (b *builder) run(ctx context.Context, st Step, state *buildState, out func(
 // becomes the destination (or goes into it, if it ends in / or is a
 // directory). Args: source, destination, then optional owner and mode.
 func (b *builder) copyFiles(ctx context.Context, st Step, state *buildState, out func(string)) error {
-	archive := FilesPath(b.dataDir, st.FilesHash)
+	archive := st.Files.Path
 	guestTmp := "/tmp/.aenv-copy-" + st.FilesHash + ".tar"
 	if err := guestexec.Upload(ctx, b.Target(), archive, guestTmp); err != nil {
 		return err

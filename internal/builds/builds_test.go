@@ -1,13 +1,15 @@
 package builds
 
 import (
+	"archive/tar"
+	"bytes"
 	"context"
 	"errors"
-	"os"
-	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/templates"
 )
@@ -27,9 +29,6 @@ func (h noHost) Go(fn func(context.Context))                           { fn(cont
 var _ Host = noHost{}
 
 func TestCheckStep(t *testing.T) {
-	dir := t.TempDir()
-	os.MkdirAll(filepath.Dir(FilesPath(dir, "beef")), 0o755)
-	os.WriteFile(FilesPath(dir, "beef"), nil, 0o600)
 	for _, tc := range []struct {
 		st Step
 		ok bool
@@ -40,14 +39,76 @@ func TestCheckStep(t *testing.T) {
 		{Step{Type: "ENV", Args: []string{"K"}}, false},
 		{Step{Type: "WORKDIR", Args: []string{"/app"}}, true},
 		{Step{Type: "USER", Args: []string{""}}, false},
-		{Step{Type: "COPY", Args: []string{".", "/x"}, FilesHash: "beef"}, true},
-		{Step{Type: "COPY", Args: []string{".", "/x"}, FilesHash: "cafe"}, false}, // never uploaded
+		{Step{Type: "COPY", Args: []string{".", "/x"}, FilesHash: strings.Repeat("be", 32)}, true},
+		{Step{Type: "COPY", Args: []string{"."}, FilesHash: strings.Repeat("be", 32)}, false},
 		{Step{Type: "COPY", Args: []string{".", "/x"}, FilesHash: "NOT-HEX"}, false},
 		{Step{Type: "FROB"}, false},
 	} {
-		if err := CheckStep(dir, tc.st); (err == nil) != tc.ok {
+		if err := CheckStep(tc.st); (err == nil) != tc.ok {
 			t.Errorf("%+v: %v", tc.st, err)
 		}
+	}
+}
+
+// TestStartChecksCopyFiles: a build whose COPY names files that do not
+// match their hash, or were never uploaded, is refused (ErrInvalid) before
+// it starts, and the upload is not kept; matching files are admitted.
+func TestStartChecksCopyFiles(t *testing.T) {
+	dir := t.TempDir()
+	files, err := buildfiles.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bs := New(dir, files, nil, nil, noHost{}, nil, 4, 4096)
+	body := []byte("hello\n")
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	tw.WriteHeader(&tar.Header{Name: "a.txt", Typeflag: tar.TypeReg, Mode: 0o644, Size: int64(len(body))})
+	tw.Write(body)
+	tw.Close()
+	good, _, err := buildfiles.Hash(bytes.NewReader(buf.Bytes()), "a.txt", "/a.txt")
+	if err != nil {
+		t.Fatal(err)
+	}
+	bad := strings.Repeat("0", 64)
+	for _, tc := range []struct {
+		name, hash string
+		upload     bool
+		want       string
+	}{
+		{"tampered", bad, true, "do not match"},
+		{"never uploaded", strings.Repeat("1", 64), false, "not uploaded"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rec, err := bs.Request("app", 0, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tc.upload {
+				if err := files.Receive("app", tc.hash, bytes.NewReader(buf.Bytes())); err != nil {
+					t.Fatal(err)
+				}
+			}
+			spec := Spec{FromImage: "example/image:1", Steps: []Step{{Type: "COPY", Args: []string{"a.txt", "/a.txt"}, FilesHash: tc.hash}}}
+			err = bs.Start("app", rec.BuildID, spec)
+			if !errors.Is(err, errkind.ErrInvalid) || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("err %v, want ErrInvalid saying %q", err, tc.want)
+			}
+			if got, _ := bs.Get("app", rec.BuildID); got.Status != Waiting {
+				t.Fatalf("refused build is %s", got.Status)
+			}
+			if files.Present("app", tc.hash) {
+				t.Fatal("refused files are kept")
+			}
+		})
+	}
+	spec := Spec{Template: "app", Steps: []Step{{Type: "COPY", Args: []string{"a.txt", "/a.txt"}, FilesHash: good}}}
+	files.Receive("app", good, bytes.NewReader(buf.Bytes()))
+	if err := bs.admit(&spec); err != nil {
+		t.Fatal(err)
+	}
+	if st := spec.Steps[0]; !st.Files.Verified || st.Files.Path == "" || st.Files.Key != good {
+		t.Fatalf("admitted step %+v", st)
 	}
 }
 
@@ -69,7 +130,7 @@ func TestStepKeysChain(t *testing.T) {
 
 func TestRecords(t *testing.T) {
 	dir := t.TempDir()
-	bs := New(dir, nil, nil, noHost{snapshots: map[string]bool{"snap": true}}, nil, 4, 4096)
+	bs := New(dir, nil, nil, nil, noHost{snapshots: map[string]bool{"snap": true}}, nil, 4, 4096)
 	for _, tc := range []struct {
 		name       string
 		vcpus, mem int
@@ -106,7 +167,7 @@ func TestRecords(t *testing.T) {
 	if err := bs.save(r1); err != nil {
 		t.Fatal(err)
 	}
-	New(dir, nil, nil, noHost{}, nil, 4, 4096).Recover()
+	New(dir, nil, nil, nil, noHost{}, nil, 4, 4096).Recover()
 	got, _ = bs.Get("app", r1.BuildID)
 	if got.Status != Failed || got.Reason == "" {
 		t.Fatalf("interrupted build after a restart: %+v", got)

@@ -14,6 +14,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/store"
@@ -64,6 +65,7 @@ const maxBuildLogs = 20000
 // Builds is the template builds of one node.
 type Builds struct {
 	dataDir string
+	files   *buildfiles.Store
 	st      *store.Store
 	cat     *templates.Catalog
 	host    Host
@@ -75,11 +77,11 @@ type Builds struct {
 	live map[string]*Record // templateID/buildID of running builds; guarded by mu
 }
 
-// New returns the builds of a node: its data dir, store and templates, the
-// host that boots builder sandboxes and snapshots templates, and the
-// limits of a build's sandbox.
-func New(dataDir string, st *store.Store, cat *templates.Catalog, host Host, log *slog.Logger, maxVCPUs, maxMemMiB int) *Builds {
-	return &Builds{dataDir: dataDir, st: st, cat: cat, host: host, log: log, maxVCPUs: maxVCPUs, maxMemMiB: maxMemMiB,
+// New returns the builds of a node: its data dir, COPY files, store and
+// templates, the host that boots builder sandboxes and snapshots templates,
+// and the limits of a build's sandbox.
+func New(dataDir string, files *buildfiles.Store, st *store.Store, cat *templates.Catalog, host Host, log *slog.Logger, maxVCPUs, maxMemMiB int) *Builds {
+	return &Builds{dataDir: dataDir, files: files, st: st, cat: cat, host: host, log: log, maxVCPUs: maxVCPUs, maxMemMiB: maxMemMiB,
 		live: map[string]*Record{}}
 }
 
@@ -166,10 +168,8 @@ func (bs *Builds) Start(templateID, buildID string, spec Spec) error {
 			return fmt.Errorf("%w: base template %q: %v", errkind.ErrInvalid, spec.FromTemplate, err)
 		}
 	}
-	for i, st := range spec.Steps {
-		if err := CheckStep(bs.dataDir, st); err != nil {
-			return fmt.Errorf("%w: step %d: %v", errkind.ErrInvalid, i+1, err)
-		}
+	if err := bs.admit(&spec); err != nil {
+		return err
 	}
 	key := templateID + "/" + buildID
 	bs.mu.Lock()

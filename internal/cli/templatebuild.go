@@ -5,8 +5,6 @@ import (
 	"bytes"
 	"compress/gzip"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -21,6 +19,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/schollz/progressbar/v3"
 	"github.com/spf13/cobra"
 )
@@ -215,8 +214,9 @@ func remoteBuild(ctx context.Context, c *apiClient, out io.Writer, name string, 
 
 // copyArchive packs a COPY source (a file or a directory, relative to the
 // context) as a gzip-compressed tar holding it under its context path, and
-// hashes what the step copies (paths, modes, contents and the destination)
-// so an unchanged COPY is uploaded and built once.
+// returns the files hash the E2B SDKs would send for it (paths, modes,
+// contents and the destination; see buildfiles.Hash), which the server
+// checks the upload against, so an unchanged COPY is uploaded and built once.
 func copyArchive(contextDir, src, dest string) ([]byte, string, error) {
 	rel := path.Clean("/" + filepath.ToSlash(src))[1:]
 	if rel == "" {
@@ -240,8 +240,6 @@ func copyArchive(contextDir, src, dest string) ([]byte, string, error) {
 	var buf bytes.Buffer
 	gz := gzip.NewWriter(&buf)
 	tw := tar.NewWriter(gz)
-	h := sha256.New()
-	fmt.Fprintf(h, "COPY\x00%s\x00%s\x00", rel, dest)
 	for _, p := range files {
 		fi, err := os.Lstat(p)
 		if err != nil {
@@ -268,13 +266,12 @@ func copyArchive(contextDir, src, dest string) ([]byte, string, error) {
 		if err := tw.WriteHeader(hdr); err != nil {
 			return nil, "", err
 		}
-		fmt.Fprintf(h, "%s\x00%o\x00%s\x00", hdr.Name, hdr.Mode, link)
 		if fi.Mode().IsRegular() {
 			f, err := os.Open(p)
 			if err != nil {
 				return nil, "", err
 			}
-			_, err = io.Copy(io.MultiWriter(tw, h), f)
+			_, err = io.Copy(tw, f)
 			f.Close()
 			if err != nil {
 				return nil, "", err
@@ -290,5 +287,10 @@ func copyArchive(contextDir, src, dest string) ([]byte, string, error) {
 	if len(files) == 0 {
 		return nil, "", errors.New("nothing to copy")
 	}
-	return buf.Bytes(), hex.EncodeToString(h.Sum(nil)), nil
+	// The hash the E2B SDKs send, which the server checks the archive against.
+	hash, _, err := buildfiles.Hash(bytes.NewReader(buf.Bytes()), src, dest)
+	if err != nil {
+		return nil, "", err
+	}
+	return buf.Bytes(), hash, nil
 }

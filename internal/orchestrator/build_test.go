@@ -5,13 +5,12 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
 )
 
@@ -41,8 +40,9 @@ func (l *buildLog) has(s string) bool {
 	return false
 }
 
-// uploadFiles stores a COPY step's archive the way the API does.
-func uploadFiles(t *testing.T, dataDir, hash string, files map[string]string) {
+// uploadFiles uploads a COPY step's archive for template the way the API
+// does, and returns the files hash an SDK would send with it.
+func uploadFiles(t *testing.T, n *Node, template, src, dest string, files map[string]string) string {
 	t.Helper()
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
@@ -51,11 +51,14 @@ func uploadFiles(t *testing.T, dataDir, hash string, files map[string]string) {
 		tw.Write([]byte(body))
 	}
 	tw.Close()
-	p := builds.FilesPath(dataDir, hash)
-	os.MkdirAll(filepath.Dir(p), 0o755)
-	if err := os.WriteFile(p, buf.Bytes(), 0o644); err != nil {
+	hash, _, err := buildfiles.Hash(bytes.NewReader(buf.Bytes()), src, dest)
+	if err != nil {
 		t.Fatal(err)
 	}
+	if err := n.BuildFiles().Receive(template, hash, bytes.NewReader(buf.Bytes())); err != nil {
+		t.Fatal(err)
+	}
+	return hash
 }
 
 // TestBuildTemplate builds a template from `minimal` with ENV, WORKDIR,
@@ -67,14 +70,14 @@ func TestBuildTemplate(t *testing.T) {
 	n := testNode(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	uploadFiles(t, n.cfg.DataDir, "f00d", map[string]string{"conf/app.txt": "copied\n"})
-	uploadFiles(t, n.cfg.DataDir, "cafe", map[string]string{"hello.txt": "hello file\n"})
+	confFiles := uploadFiles(t, n, "built", ".", "/app/files", map[string]string{"conf/app.txt": "copied\n"})
+	helloFiles := uploadFiles(t, n, "built", "hello.txt", "h.txt", map[string]string{"hello.txt": "hello file\n"})
 	steps := []builds.Step{
 		{Type: "ENV", Args: []string{"GREETING", "built-in"}},
 		{Type: "WORKDIR", Args: []string{"/app"}},
 		{Type: "RUN", Args: []string{"echo $GREETING > out.txt && pwd >> out.txt"}},
-		{Type: "COPY", Args: []string{".", "/app/files"}, FilesHash: "f00d"},
-		{Type: "COPY", Args: []string{"hello.txt", "h.txt", "user", "0600"}, FilesHash: "cafe"},
+		{Type: "COPY", Args: []string{".", "/app/files"}, FilesHash: confFiles},
+		{Type: "COPY", Args: []string{"hello.txt", "h.txt", "user", "0600"}, FilesHash: helloFiles},
 		{Type: "RUN", Args: []string{"echo v1 > /app/version"}},
 	}
 	spec := builds.Spec{Template: "built", FromTemplate: "minimal", Steps: steps,

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
 	"github.com/agentenv/agentenv/internal/guestexec"
 	"github.com/agentenv/agentenv/internal/sandboxes"
@@ -94,3 +95,6 @@ func (n *Node) Build(templateID, buildID string) (*builds.Record, error) {
 
 // DataDir is the node's data directory.
 func (n *Node) DataDir() string { return n.cfg.DataDir }
+
+// BuildFiles is the node's store of COPY archives (uploads and checked files).
+func (n *Node) BuildFiles() *buildfiles.Store { return n.files }

@@ -22,6 +22,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
 	"github.com/agentenv/agentenv/internal/datadir"
 	"github.com/agentenv/agentenv/internal/envd"
@@ -178,6 +179,7 @@ type Node struct {
 	ops      opLocks
 	pool     *warmpool.Pool[*pooledSandbox]
 	builds   *builds.Builds
+	files    *buildfiles.Store // COPY archives of template builds
 	remote   *templates.Remote // templates of the repository, loaded lazily
 	// cgroupWarn says once that sandboxes run without cgroup limits.
 	cgroupWarn sync.Once
@@ -286,7 +288,10 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 			n.log.Error("cluster resume is off", "err", n.shareErr)
 		}
 	}
-	n.builds = builds.New(cfg.DataDir, st, n.templates, buildHost{n}, n.log, cfg.MaxVCPUs, cfg.MaxMemoryMiB)
+	if n.files, err = buildfiles.Open(cfg.DataDir); err != nil {
+		return fail(fmt.Errorf("build files: %w", err))
+	}
+	n.builds = builds.New(cfg.DataDir, n.files, st, n.templates, buildHost{n}, n.log, cfg.MaxVCPUs, cfg.MaxMemoryMiB)
 	n.builds.Recover()
 	n.remote = templates.NewRemote(n.templates, cfg.Repository, cfg.DataDir, cfg.LayerCacheMiB, cfg.Peers, cfg.PeerToken, n.log)
 	n.remote.Reexport(ctx)

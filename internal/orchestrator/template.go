@@ -71,6 +71,9 @@ func (n *Node) DeleteTemplate(ctx context.Context, name string) error {
 	}); err != nil {
 		return err
 	}
+	if err := n.files.RemoveTemplate(name); err != nil {
+		n.log.Warn("remove the template's build files", "template", name, "err", err)
+	}
 	n.drainStalePool(ctx) // its template snapshot is no template's now
 	n.gc(ctx)
 	n.log.Info("template deleted", "template", name)

@@ -1,0 +1,85 @@
+"""Template builds with the official Python SDK: COPY uploads checked against
+the files hash the SDK sends."""
+import os
+import time
+
+from e2b import Sandbox, Template
+from e2b.template.utils import calculate_files_hash, tar_file_stream
+
+
+def make_context(tmp_path):
+    (tmp_path / "app.txt").write_text("copied from the client\n")
+    site = tmp_path / "site"
+    (site / "css").mkdir(parents=True)
+    (site / "index.html").write_text("<h1>hi</h1>\n")
+    (site / "css" / "a.css").write_text("h1{}\n")
+    run = tmp_path / "run.sh"
+    run.write_text("#!/bin/sh\necho ran\n")
+    run.chmod(0o755)
+    return tmp_path
+
+
+def test_build_with_copies_then_rebuild_skips_uploads(tmp_path):
+    ctx = make_context(tmp_path)
+    name = "py-built-" + format(int(time.time() * 1000), "x")
+    logs = []
+    tpl = (
+        Template(file_context_path=str(ctx))
+        .from_template("base")
+        .copy("app.txt", "/app/app.txt")
+        .copy("site", "/srv/site")
+        .copy("run.sh", "/usr/local/bin/run.sh")
+    )
+    Template.build(tpl, name, on_build_logs=lambda l: logs.append(str(l.message)))
+    joined = " | ".join(logs)
+    assert "Uploaded" in joined, joined
+
+    sbx = Sandbox.create(name, timeout=120)
+    try:
+        r = sbx.commands.run("cat /app/app.txt /srv/site/index.html /srv/site/css/a.css; run.sh; stat -c %a /usr/local/bin/run.sh")
+        assert r.stdout == "copied from the client\n<h1>hi</h1>\nh1{}\nran\n755\n"
+    finally:
+        sbx.kill()
+
+    # The same files again: checked, so no upload and every layer cached.
+    logs.clear()
+    Template.build(tpl, name, on_build_logs=lambda l: logs.append(str(l.message)))
+    joined = " | ".join(logs)
+    assert "Skipping upload" in joined, joined
+    assert "CACHED" in joined, joined
+
+
+def test_upload_that_does_not_match_its_hash_is_refused(tmp_path, api):
+    """Files uploaded under the hash of other files: the build is refused
+    with a 400 naming the COPY, and the server keeps nothing."""
+    ctx = make_context(tmp_path)
+    name = "py-tampered-" + format(int(time.time() * 1000), "x")
+    (ctx / "app.txt").write_text(f"the real files of {name}\n")  # never uploaded before
+    claimed = calculate_files_hash("app.txt", "/app/app.txt", str(ctx), [], False, None)
+    (ctx / "app.txt").write_text("something else entirely\n")
+    with tar_file_stream("app.txt", str(ctx), [], False, True) as f:
+        tampered = f.read()
+
+    r = api.post("/v3/templates", json={"name": name, "cpuCount": 1, "memoryMB": 512})
+    assert r.status_code == 202, r.text
+    template_id, build_id = r.json()["templateID"], r.json()["buildID"]
+    try:
+        link = api.get(f"/templates/{template_id}/files/{claimed}")
+        assert link.status_code == 201, link.text
+        assert link.json()["present"] is False
+        up = api.put(link.json()["url"], content=tampered)
+        assert up.status_code == 200, up.text
+
+        steps = [{"type": "COPY", "args": ["app.txt", "/app/app.txt", "", ""], "filesHash": claimed, "force": False}]
+        r = api.post(f"/v2/templates/{template_id}/builds/{build_id}", json={"fromTemplate": "base", "steps": steps})
+        assert r.status_code == 400, r.text
+        body = r.json()
+        assert set(body) >= {"code", "message"} and body["code"] == 400
+        assert "do not match" in body["message"] and "app.txt" in body["message"], body
+
+        again = api.get(f"/templates/{template_id}/files/{claimed}")
+        assert again.json()["present"] is False, "refused files are kept"
+        status = api.get(f"/templates/{template_id}/builds/{build_id}/status")
+        assert status.json()["status"] == "waiting", status.text
+    finally:
+        api.delete(f"/templates/{template_id}")

@@ -1,0 +1,46 @@
+package e2e
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+// TestOfficialPythonSDK runs the pytest suite in pysdk/ against the
+// server with the official Python SDKs pinned in pysdk/requirements.txt
+// (scripts/test installs them and sets E2B_PYTHON to the venv's python),
+// pointed at it through E2B_API_URL and E2B_SANDBOX_URL.
+func TestOfficialPythonSDK(t *testing.T) {
+	python := os.Getenv("E2B_PYTHON")
+	if python == "" {
+		if os.Getenv("CI") == "true" {
+			t.Fatal("E2B_PYTHON is not set: scripts/test installs the pinned Python SDKs and sets it")
+		}
+		t.Skip("E2B_PYTHON is not set: scripts/test installs the pinned Python SDKs (pysdk/requirements.txt) and sets it")
+	}
+	s := needServer(t)
+	abs, err := filepath.Abs("pysdk")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	start := time.Now()
+	cmd := exec.CommandContext(ctx, python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--basetemp", t.TempDir(), abs)
+	cmd.Dir = abs
+	cmd.Env = append(os.Environ(),
+		"E2B_API_URL="+s.url,
+		"E2B_SANDBOX_URL="+s.url,
+		"E2B_API_KEY="+apiKey,
+		"NO_COLOR=1",
+		"PYTHONDONTWRITEBYTECODE=1",
+	)
+	out, err := cmd.CombinedOutput()
+	t.Logf("pytest pysdk (%s):\n%s", time.Since(start).Round(time.Millisecond), out)
+	if err != nil {
+		t.Fatalf("Python SDK tests failed: %v\nserver log tail:\n%s", err, s.log())
+	}
+}
