@@ -214,7 +214,12 @@ func TestBadInputChangesNothing(t *testing.T) {
 		{"secure wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","secure":"yes"}`, 400},
 		{"network wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","network":"open"}`, 400},
 		{"autoResume wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","autoResume":true}`, 400},
-		{"allowOut domain", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowOut":["*.example.com"]}}`, 400},
+		{"denyOut domain", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"denyOut":["*.example.com"]}}`, 400},
+		{"allowOut malformed domain", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowOut":["*.exa_mple.com"]}}`, 400},
+		{"allowOut bare wildcard", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowOut":["*"]}}`, 400},
+		{"dnsServers not an address", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowOut":["a.example.com"],"dnsServers":["dns.example.com"]}}`, 400},
+		{"dnsServers too many", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"dnsServers":[` + strings.Repeat(`"1.1.1.1",`, 10) + `"1.1.1.1"]}}`, 400},
+		{"network update domain in denyOut", "PUT", "/sandboxes/sbx1/network", `{"denyOut":["example.com"]}`, 400},
 		{"denyOut malformed CIDR", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"denyOut":["10.0.0.0/33"]}}`, 400},
 		{"denyOut all but internet on", "POST", "/v2/sandboxes", `{"templateID":"base","allow_internet_access":true,"network":{"denyOut":["0.0.0.0/0"]}}`, 400},
 		{"network rules", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"rules":{"api.example.com":[{}]}}}`, 400},
@@ -748,6 +753,15 @@ func TestNetworkRules(t *testing.T) {
 	n, internet = network()
 	if !internet || fmt.Sprint(n["allowOut"]) != "[]" || fmt.Sprint(n["denyOut"]) != "[192.0.2.0/24]" {
 		t.Fatalf("after update: internet %v, network %v", internet, n)
+	}
+	// Domains (allowOut only) and dnsServers, as E2B's SDKs send them.
+	rec = a.do("PUT", "/sandboxes/"+id+"/network", `{"allowOut":["*.Example.com","1.2.3.4"],"denyOut":["0.0.0.0/0"],"dnsServers":["192.0.2.53"]}`)
+	if rec.Code != http.StatusNoContent {
+		t.Fatalf("update with domains: %d %s", rec.Code, rec.Body)
+	}
+	n, internet = network()
+	if internet || fmt.Sprint(n["allowOut"]) != "[1.2.3.4 *.example.com]" || fmt.Sprint(n["dnsServers"]) != "[192.0.2.53]" {
+		t.Fatalf("after update with domains: internet %v, network %v", internet, n)
 	}
 	// A sandbox mid-operation refuses; a paused one takes the rules.
 	a.node.add(&sandboxes.Sandbox{ID: "busy1", State: sandboxes.Forking})

@@ -67,6 +67,7 @@ type autoResumeJSON struct {
 type networkJSON struct {
 	AllowOut           []string        `json:"allowOut"`
 	DenyOut            []string        `json:"denyOut"`
+	DNSServers         []string        `json:"dnsServers"`
 	AllowPublicTraffic *bool           `json:"allowPublicTraffic"`
 	MaskRequestHost    *string         `json:"maskRequestHost"`
 	HTTPSPorts         []int           `json:"httpsPorts"`
@@ -284,14 +285,18 @@ func (req *createSandboxRequest) toCreateRequest(secureDefault bool) (orchestrat
 // (ALL_TRAFFIC, 0.0.0.0/0) is internet access off, and contradicts
 // allow_internet_access=true; nil results mean the request gave none.
 func (n *networkJSON) egress(allowInternet *bool) (*bool, *network.Egress, error) {
-	if n.AllowOut == nil && n.DenyOut == nil {
+	if n.AllowOut == nil && n.DenyOut == nil && n.DNSServers == nil {
 		return allowInternet, nil, nil
 	}
-	allow, err := network.ParseRules("network.allowOut", n.AllowOut)
+	allow, domains, err := network.ParseRules("network.allowOut", n.AllowOut, true)
 	if err != nil {
 		return nil, nil, err
 	}
-	deny, err := network.ParseRules("network.denyOut", n.DenyOut)
+	deny, _, err := network.ParseRules("network.denyOut", n.DenyOut, false)
+	if err != nil {
+		return nil, nil, err
+	}
+	dns, err := network.ParseDNSServers("network.dnsServers", n.DNSServers)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -304,17 +309,19 @@ func (n *networkJSON) egress(allowInternet *bool) (*bool, *network.Egress, error
 		off := false
 		internet, deny = &off, slices.Delete(deny, i, i+1)
 	}
-	return internet, &network.Egress{Allow: allow, Deny: deny}, nil
+	return internet, &network.Egress{Allow: allow, Deny: deny, Domains: domains, DNSServers: dns}, nil
 }
 
 // networkOutJSON is the network part of a sandbox's details.
 type networkOutJSON struct {
-	AllowOut []string `json:"allowOut"`
-	DenyOut  []string `json:"denyOut"`
+	AllowOut   []string `json:"allowOut"`
+	DenyOut    []string `json:"denyOut"`
+	DNSServers []string `json:"dnsServers,omitempty"`
 }
 
 func networkBody(sb *sandboxes.Sandbox) *networkOutJSON {
-	out := &networkOutJSON{AllowOut: network.Strings(sb.Egress.Allow), DenyOut: network.Strings(sb.Egress.Deny)}
+	out := &networkOutJSON{AllowOut: append(network.Strings(sb.Egress.Allow), sb.Egress.Domains...),
+		DenyOut: network.Strings(sb.Egress.Deny), DNSServers: network.Strings(sb.Egress.DNSServers)}
 	if !sb.AllowInternet {
 		out.DenyOut = append(out.DenyOut, network.AllTraffic)
 	}
@@ -325,6 +332,7 @@ func networkBody(sb *sandboxes.Sandbox) *networkOutJSON {
 type networkUpdateJSON struct {
 	AllowOut            []string        `json:"allowOut"`
 	DenyOut             []string        `json:"denyOut"`
+	DNSServers          []string        `json:"dnsServers"`
 	AllowInternetAccess *bool           `json:"allow_internet_access"`
 	Rules               map[string]any  `json:"rules"`
 	EgressProxy         *map[string]any `json:"egressProxy"`
@@ -343,7 +351,7 @@ func (s *Server) updateNetwork(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, "network rules and egressProxy are not supported on this node")
 		return
 	}
-	nj := networkJSON{AllowOut: body.AllowOut, DenyOut: body.DenyOut}
+	nj := networkJSON{AllowOut: body.AllowOut, DenyOut: body.DenyOut, DNSServers: body.DNSServers}
 	if nj.AllowOut == nil {
 		nj.AllowOut = []string{}
 	}

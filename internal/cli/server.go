@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/signal"
 	"os/user"
@@ -21,6 +22,7 @@ import (
 	"github.com/agentenv/agentenv/internal/api"
 	"github.com/agentenv/agentenv/internal/apikeys"
 	"github.com/agentenv/agentenv/internal/guest"
+	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/proxy"
 	"github.com/agentenv/agentenv/internal/statedb"
@@ -58,6 +60,8 @@ type serverOptions struct {
 	insecureNoJail bool
 	noCgroups      bool
 	logLevel       string
+	dns            string
+	egressOpen     []string
 }
 
 func serverCmd() *cobra.Command {
@@ -96,6 +100,27 @@ func serverFlags(cmd *cobra.Command, o *serverOptions) {
 	cmd.Flags().StringVar(&o.qemuUser, "qemu-user", "", "with --qemu-uid-base 0: the one unprivileged user every QEMU switches to (aenv setup makes aenv-qemu)")
 	cmd.Flags().BoolVar(&o.insecureNoJail, "insecure-no-jail", false, "run QEMU as root when its unprivileged user is missing or --qemu-user is \"\" (a guest that escapes QEMU then owns the host)")
 	cmd.Flags().StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
+	cmd.Flags().StringVar(&o.dns, "dns", "", "nameservers (ip or ip:port, comma-separated) the guests' resolver forwards to; \"none\": guests resolve nothing (default: the host's /etc/resolv.conf)")
+	cmd.Flags().StringSliceVar(&o.egressOpen, "egress-open", nil, "private ranges (CIDRs) every guest with internet access may reach, e.g. an internal package mirror (default: none)")
+}
+
+// guestDNS reads --dns: the nameservers the guests' resolver forwards to.
+func guestDNS(flag string) ([]netip.AddrPort, error) {
+	switch flag {
+	case "none":
+		return nil, nil
+	case "":
+		return network.ReadResolvConf("/etc/resolv.conf")
+	}
+	var out []netip.AddrPort
+	for _, s := range strings.Split(flag, ",") {
+		a, err := network.ParseNameserver(strings.TrimSpace(s))
+		if err != nil {
+			return nil, fmt.Errorf("--dns: %w", err)
+		}
+		out = append(out, a)
+	}
+	return out, nil
 }
 
 func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error {
@@ -161,6 +186,19 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 	} else {
 		log.Info("accelerator", "accel", probe.Accel, "reason", probe.Reason)
 	}
+	resolvers, err := guestDNS(o.dns)
+	if err != nil {
+		return err
+	}
+	var open []netip.Prefix
+	for _, c := range o.egressOpen {
+		p, err := netip.ParsePrefix(c)
+		if err != nil || !p.Addr().Is4() {
+			return fmt.Errorf("--egress-open %q: not an IPv4 CIDR", c)
+		}
+		open = append(open, p.Masked())
+	}
+	log.Info("guest DNS", "resolvers", resolvers, "egress_open", open)
 	var repoSecret []byte // a single server seals with a secret of its own
 	if cluster != nil {
 		repoSecret = []byte(cluster.nodeToken) // the nodes share the repository and this
@@ -173,6 +211,8 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		Accel:             probe.Accel,
 		NetworkCIDR:       o.networkCIDR,
 		Instance:          o.instance,
+		DNSResolvers:      resolvers,
+		EgressOpen:        open,
 		TemplateSnapshots: true,
 		PoolSize:          o.poolSize,
 		LayerCacheMiB:     o.layerCache,

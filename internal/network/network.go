@@ -10,18 +10,22 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/netip"
 	"os"
 	"os/exec"
 	"regexp"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"text/template"
 	"time"
 	"unsafe"
 
+	"github.com/agentenv/agentenv/internal/egressproxy"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -53,6 +57,13 @@ const (
 type Manager struct {
 	cidr     netip.Prefix
 	instance string
+	// Set once before use (SetGuestServices).
+	resolvers []netip.AddrPort
+	open      []netip.Prefix
+	log       *slog.Logger
+
+	mu       sync.Mutex
+	services map[string]*egressproxy.Sandbox // by namespace; guarded by mu
 }
 
 var instanceRE = regexp.MustCompile(`^[a-z][a-z0-9]{0,5}$`)
@@ -68,7 +79,27 @@ func NewManager(cidr, instance string) (*Manager, error) {
 	if !instanceRE.MatchString(instance) {
 		return nil, fmt.Errorf("network instance name %q must match %s", instance, instanceRE)
 	}
-	return &Manager{cidr: p.Masked(), instance: instance}, nil
+	return &Manager{cidr: p.Masked(), instance: instance, services: map[string]*egressproxy.Sandbox{}}, nil
+}
+
+// GuestServices configures what a node's sandbox networks give guests
+// besides the firewall.
+type GuestServices struct {
+	// Resolvers are the nameservers the guests' DNS queries are forwarded
+	// to (none: every query is refused).
+	Resolvers []netip.AddrPort
+	// Open are default-denied ranges this node opens to its guests as if
+	// they were public (an internal package mirror, say).
+	Open []netip.Prefix
+	Log  *slog.Logger
+}
+
+// SetGuestServices configures the guest services; call it before any
+// sandbox network is set up.
+func (m *Manager) SetGuestServices(g GuestServices) {
+	m.resolvers = slices.Clone(g.Resolvers)
+	m.open = normalize(g.Open)
+	m.log = g.Log
 }
 
 // Instance is the prefix of the manager's host objects.
@@ -180,6 +211,12 @@ table inet {{.Table}} {
 }
 `))
 
+// nsRules is a sandbox namespace's firewall. The guest's DNS goes to the
+// node's resolver for it (package egressproxy) on the tap's address; with
+// domain rules, the guest's HTTP and TLS connections that its rules would
+// otherwise drop are redirected to the egress proxy, which connects them
+// only for the names the rules allow. Nothing but the node itself (uid 0)
+// sends from the namespace: not QEMU, which lives there too.
 var nsRules = template.Must(template.New("ns").Parse(`
 table ip aenv
 delete table ip aenv
@@ -187,6 +224,19 @@ table ip aenv {
 	chain prerouting {
 		type nat hook prerouting priority dstnat; policy accept;
 		iifname "{{.Veth}}" ip daddr {{.NSIP}} dnat to {{.Guest}}
+{{- if .Domains}}
+		iifname "{{.Tap}}" ip daddr {{.TapIP}} accept
+{{- if .Allow}}
+		iifname "{{.Tap}}" ip daddr { {{.Allow}} } accept
+{{- end}}
+{{- if .Internet}}
+{{- if .Deny}}
+		iifname "{{.Tap}}" tcp dport { 80, 443 } ip daddr { {{.Deny}} } redirect to :{{.ProxyPort}}
+{{- end}}
+{{- else}}
+		iifname "{{.Tap}}" tcp dport { 80, 443 } redirect to :{{.ProxyPort}}
+{{- end}}
+{{- end}}
 	}
 	chain postrouting {
 		type nat hook postrouting priority srcnat; policy accept;
@@ -196,6 +246,20 @@ table ip aenv {
 		type filter hook input priority filter; policy drop;
 		iif "lo" accept
 		ct state established,related accept
+		iifname "{{.Tap}}" ip daddr {{.TapIP}} meta l4proto { tcp, udp } th dport 53 accept
+{{- if .Domains}}
+		iifname "{{.Tap}}" tcp dport {{.ProxyPort}} ct status dnat accept
+{{- end}}
+	}
+	chain output {
+		type filter hook output priority filter; policy accept;
+		oif "lo" accept
+		meta skuid != 0 drop
+		oifname "{{.Veth}}" ip daddr { {{.Never}} } drop
+{{- if .Open}}
+		oifname "{{.Veth}}" ip daddr { {{.Open}} } accept
+{{- end}}
+		oifname "{{.Veth}}" ip daddr { {{.Defaults}} } drop
 	}
 	chain forward {
 		type filter hook forward priority filter; policy drop;
@@ -206,7 +270,13 @@ table ip aenv {
 		iifname "{{.Tap}}" oifname "{{.Veth}}" ip daddr { {{.Allow}} } accept
 {{- end}}
 {{- if .Internet}}
+{{- if .Deny}}
 		iifname "{{.Tap}}" oifname "{{.Veth}}" ip daddr { {{.Deny}} } drop
+{{- end}}
+{{- if .Open}}
+		iifname "{{.Tap}}" oifname "{{.Veth}}" ip daddr { {{.Open}} } accept
+{{- end}}
+		iifname "{{.Tap}}" oifname "{{.Veth}}" ip daddr { {{.Defaults}} } drop
 		iifname "{{.Tap}}" oifname "{{.Veth}}" accept
 {{- end}}
 	}
@@ -277,7 +347,104 @@ func (m *Manager) Setup(ctx context.Context, ep *Endpoint) (err error) {
 	}); err != nil {
 		return fmt.Errorf("enable forwarding in %s: %w", ep.Namespace, err)
 	}
-	return m.applyRules(ctx, ep)
+	if err := m.applyRules(ctx, ep); err != nil {
+		return err
+	}
+	return m.serve(ns, ep)
+}
+
+// Attach starts the node's services for a sandbox network that exists
+// already (a node restarting with its sandboxes): they live in the node.
+func (m *Manager) Attach(ep *Endpoint) error {
+	m.mu.Lock()
+	running := m.services[ep.Namespace] != nil
+	m.mu.Unlock()
+	if running {
+		return nil
+	}
+	ns, err := netns.GetFromName(ep.Namespace)
+	if err != nil {
+		return fmt.Errorf("open netns %s: %w", ep.Namespace, err)
+	}
+	defer ns.Close()
+	return m.serve(ns, ep)
+}
+
+// Close stops every sandbox's resolver and egress proxy (the node is
+// stopping; its sandboxes' namespaces and firewalls stay).
+func (m *Manager) Close() {
+	m.mu.Lock()
+	all := m.services
+	m.services = map[string]*egressproxy.Sandbox{}
+	m.mu.Unlock()
+	for _, svc := range all {
+		svc.Close()
+	}
+}
+
+// serve starts the sandbox's resolver and egress proxy on sockets opened in
+// its namespace (they keep it alive until closed: Teardown closes them).
+func (m *Manager) serve(ns netns.NsHandle, ep *Endpoint) error {
+	var cfg egressproxy.Config
+	err := inNS(ns, func() error {
+		var err error
+		if cfg.DNSPacket, err = net.ListenPacket("udp4", ":53"); err != nil {
+			return err
+		}
+		if cfg.DNSStream, err = net.Listen("tcp4", ":53"); err != nil {
+			cfg.DNSPacket.Close()
+			return err
+		}
+		if cfg.Proxy, err = net.Listen("tcp4", fmt.Sprintf(":%d", ProxyPort)); err != nil {
+			cfg.DNSPacket.Close()
+			cfg.DNSStream.Close()
+			return err
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("guest resolver and egress proxy in %s: %w", ep.Namespace, err)
+	}
+	name := ep.Namespace
+	cfg.Resolvers = m.resolvers
+	if m.log != nil {
+		cfg.Log = m.log.With("sandbox", m.NamespaceOwner(name))
+	}
+	cfg.Dial = func(ctx context.Context, dst netip.AddrPort) (net.Conn, error) { return m.dialFrom(ctx, name, dst) }
+	svc := egressproxy.Serve(cfg, m.policy(ep))
+	m.mu.Lock()
+	old := m.services[name]
+	m.services[name] = svc
+	m.mu.Unlock()
+	if old != nil {
+		old.Close()
+	}
+	return nil
+}
+
+// policy is what the resolver and proxy of ep allow.
+func (m *Manager) policy(ep *Endpoint) egressproxy.Policy {
+	e := ep.Egress
+	return egressproxy.Policy{Domains: e.Domains, AnyName: ep.Internet,
+		MayDial: func(dst netip.Addr) bool { return m.mayDial(e, dst) }}
+}
+
+// dialFrom connects from inside a sandbox's namespace, so the connection
+// meets the namespace's firewall and the host's rules for sandboxes.
+func (m *Manager) dialFrom(ctx context.Context, namespace string, dst netip.AddrPort) (net.Conn, error) {
+	ns, err := netns.GetFromName(namespace)
+	if err != nil {
+		return nil, err
+	}
+	defer ns.Close()
+	var c net.Conn
+	err = inNS(ns, func() error {
+		var d net.Dialer
+		var err error
+		c, err = d.DialContext(ctx, "tcp4", dst.String())
+		return err
+	})
+	return c, err
 }
 
 // NamespacePath is the file of sandbox id's network namespace.
@@ -300,15 +467,25 @@ func (m *Manager) Exists(ep *Endpoint) bool {
 // sandbox's guest may reach.
 func (m *Manager) SetEgress(ctx context.Context, ep *Endpoint, internet bool, egress Egress) error {
 	ep.Internet, ep.Egress = internet, egress
-	return m.applyRules(ctx, ep)
+	if err := m.applyRules(ctx, ep); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	svc := m.services[ep.Namespace]
+	m.mu.Unlock()
+	if svc != nil {
+		svc.SetPolicy(m.policy(ep))
+	}
+	return nil
 }
 
 func (m *Manager) applyRules(ctx context.Context, ep *Endpoint) error {
-	never, allow, deny := m.forwardRules(ep.Egress)
+	never, allow, deny, open, defaults := m.forwardRules(ep.Egress)
 	var buf bytes.Buffer
 	if err := nsRules.Execute(&buf, map[string]any{
-		"Veth": nsVethName, "Tap": TapName, "NSIP": ep.NSIP, "Guest": GuestIP,
-		"Internet": ep.Internet, "Never": never, "Allow": allow, "Deny": deny,
+		"Veth": nsVethName, "Tap": TapName, "NSIP": ep.NSIP, "Guest": GuestIP, "TapIP": TapIP,
+		"Internet": ep.Internet, "Never": never, "Allow": allow, "Deny": deny, "Open": open, "Defaults": defaults,
+		"Domains": len(ep.Egress.Domains) > 0, "ProxyPort": ProxyPort,
 	}); err != nil {
 		return err
 	}
@@ -357,6 +534,13 @@ func (m *Manager) OpenTap(ep *Endpoint) (*os.File, error) {
 // not an error, so it can run after a partial setup or a crash.
 func (m *Manager) Teardown(ep *Endpoint) error {
 	var errs []error
+	m.mu.Lock()
+	svc := m.services[ep.Namespace]
+	delete(m.services, ep.Namespace)
+	m.mu.Unlock()
+	if svc != nil {
+		svc.Close()
+	}
 	if l, err := netlink.LinkByName(ep.HostVeth); err == nil {
 		if err := netlink.LinkDel(l); err != nil {
 			errs = append(errs, fmt.Errorf("delete veth %s: %w", ep.HostVeth, err))

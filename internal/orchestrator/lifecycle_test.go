@@ -364,3 +364,134 @@ func TestRestartMidFork(t *testing.T) {
 		t.Fatalf("recovered parent: %+v %v", out, err)
 	}
 }
+
+// TestGuestDomainRules: a guest resolves names through the node's resolver
+// for it (forwarded to a test resolver this test runs at a private address)
+// and, with internet access off and a domain rule, reaches by HTTP the
+// names the rule allows and no other; names it may not reach do not
+// resolve. The rules hold across pause and resume, in a fork child, and
+// after the node restarts (its resolvers and proxies live in the node).
+func TestGuestDomainRules(t *testing.T) {
+	const ns, hostIf, world = "aetstdom", "aetstdom0", "10.216.1.2"
+	dir := newTestDataDir(t)
+	cfg := func(c *Config) {
+		c.DNSResolvers = []netip.AddrPort{netip.MustParseAddrPort(world + ":53")}
+		c.EgressOpen = []netip.Prefix{netip.MustParsePrefix(world + "/32")}
+	}
+	slot := takeTestSlot()
+	t.Cleanup(func() { releaseTestSlot(slot) })
+	n := openTestNodeIn(t, dir, slot, cfg)
+	closed := false
+	t.Cleanup(func() {
+		if !closed {
+			all, _ := n.List(context.Background())
+			for _, s := range all {
+				n.Kill(context.Background(), s.ID)
+			}
+			n.Close()
+		}
+	})
+	sh := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("%v: %v %s", args, err, out)
+		}
+	}
+	exec.Command("ip", "netns", "del", ns).Run()
+	exec.Command("ip", "link", "del", hostIf).Run()
+	sh("ip", "netns", "add", ns)
+	t.Cleanup(func() {
+		exec.Command("ip", "netns", "del", ns).Run()
+		exec.Command("ip", "link", "del", hostIf).Run()
+	})
+	sh("ip", "link", "add", hostIf, "type", "veth", "peer", "name", "eth0", "netns", ns)
+	sh("ip", "addr", "add", "10.216.1.1/30", "dev", hostIf)
+	sh("ip", "link", "set", hostIf, "up")
+	sh("ip", "-n", ns, "addr", "add", world+"/30", "dev", "eth0")
+	sh("ip", "-n", ns, "link", "set", "eth0", "up")
+	sh("ip", "-n", ns, "link", "set", "lo", "up")
+	sh("ip", "-n", ns, "route", "add", "default", "via", "10.216.1.1")
+	// The test host: a web server answering with the Host asked for, and a
+	// resolver answering every A query with its own address.
+	srv := exec.Command("ip", "netns", "exec", ns, "python3", "-c", `
+import socket, socketserver, struct, threading, http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = ("web says hi to " + self.headers.get("Host", "") + "\n").encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a): pass
+class S(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    allow_reuse_address = True; daemon_threads = True
+web = S(("10.216.1.2", 80), H)
+threading.Thread(target=web.serve_forever, daemon=True).start()
+d = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); d.bind(("10.216.1.2", 53))
+while True:
+    q, a = d.recvfrom(4096)
+    end = 12
+    while q[end] != 0: end += 1 + q[end]
+    qtype = struct.unpack(">H", q[end + 1:end + 3])[0]
+    question = q[12:end + 5]
+    if qtype == 1:
+        r = q[:2] + struct.pack(">HHHHH", 0x8180, 1, 1, 0, 0) + question + b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 60, 4) + bytes([10, 216, 1, 2])
+    else:
+        r = q[:2] + struct.pack(">HHHHH", 0x8180, 1, 0, 0, 0) + question
+    d.sendto(r, a)
+`)
+	if err := srv.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Process.Kill(); srv.Wait() })
+	time.Sleep(500 * time.Millisecond)
+
+	// get prints what http://<name>/ answers, the name resolved by the
+	// guest's resolver, or connected to the test host directly with
+	// "name@ip".
+	probe := `
+import socket, sys, http.client
+for target in sys.argv[1:]:
+    name, _, ip = target.partition("@")
+    try:
+        addr = ip or socket.gethostbyname(name)
+        c = http.client.HTTPConnection(addr, 80, timeout=5)
+        c.request("GET", "/", headers={"Host": name})
+        r = c.getresponse()
+        print(name, r.status, r.read().decode().strip())
+    except Exception as e:
+        print(name, "failed", type(e).__name__)
+`
+	check := func(s *sandboxes.Sandbox, when string) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		r, err := newEnvdClient(s).run(ctx, "", "python3", "-c", probe, "www.allowed.test", "other.test", "other.test@"+world)
+		if err != nil {
+			t.Fatalf("%s: probe: %v", when, err)
+		}
+		want := "www.allowed.test 200 web says hi to www.allowed.test\nother.test failed gaierror\nother.test 403 the sandbox's network rules do not allow this host\n"
+		if r.stdout != want {
+			t.Fatalf("%s: got\n%s\nwant\n%s(stderr %s)", when, r.stdout, want, r.stderr)
+		}
+	}
+	off := false
+	rules := network.Egress{Domains: []string{"*.allowed.test"}}
+	s := create(t, n, CreateRequest{TemplateID: "base", AllowInternet: &off, Egress: &rules})
+	check(s, "created")
+	ctx := context.Background()
+	if _, err := n.Pause(ctx, s.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.Resume(ctx, s.ID, 0); err != nil {
+		t.Fatal(err)
+	}
+	check(s, "after pause and resume")
+	kids, err := n.Fork(ctx, s.ID, 1, 0)
+	if err != nil || kids[0].Err != nil {
+		t.Fatalf("fork: %v %v", err, kids)
+	}
+	check(kids[0].Sandbox, "fork child")
+	closed = true
+	n.Close()
+	n = openTestNodeIn(t, dir, slot, cfg)
+	closed = false
+	check(s, "after the node restarted")
+}

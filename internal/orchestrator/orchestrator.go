@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -68,6 +69,12 @@ type Config struct {
 	// Instance prefixes host object names (network.DefaultInstance); nodes
 	// sharing a host need different instances and CIDRs.
 	Instance string
+	// DNSResolvers are where the guests' resolver (package egressproxy)
+	// forwards the names they may reach; none: every query is refused.
+	DNSResolvers []netip.AddrPort
+	// EgressOpen are default-denied ranges the node opens to every guest
+	// as if they were public (network.GuestServices).
+	EgressOpen []netip.Prefix
 	// BootTimeout bounds a cold boot until envd answers.
 	BootTimeout time.Duration
 	// OperationTimeout bounds one operation on a sandbox (pause, resume,
@@ -234,6 +241,7 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
+	netm.SetGuestServices(network.GuestServices{Resolvers: cfg.DNSResolvers, Open: cfg.EgressOpen, Log: cfg.Logger})
 	if err := netm.EnsureHost(ctx); err != nil {
 		return nil, fmt.Errorf("prepare host network: %w", err)
 	}
@@ -323,6 +331,7 @@ func (n *Node) Close() error {
 	n.wg.Wait()
 	n.pool.Close(context.Background())
 	n.remote.Close()
+	n.net.Close() // the guests' resolvers and proxies: a next node attaches again
 	for _, m := range n.machines.all() {
 		if q := m.QMP(); q != nil {
 			q.Close()

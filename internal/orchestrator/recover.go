@@ -69,6 +69,18 @@ func (n *Node) recover(ctx context.Context) error {
 		n.destroy(ctx, s)
 	}
 
+	// The guests' resolvers and egress proxies live in the node: start them
+	// again for the sandboxes kept.
+	for _, s := range all {
+		if !known[s.ID] {
+			continue
+		}
+		if ep, err := n.endpoint(s); err == nil && n.net.Exists(ep) {
+			if err := n.net.Attach(ep); err != nil {
+				n.log.Warn("guest resolver and egress proxy", "sandbox", s.ID, "err", err)
+			}
+		}
+	}
 	for pid, id := range vmm.Running(n.sandboxDir("")) {
 		if !known[id] {
 			n.log.Warn("killing orphaned QEMU", "pid", pid, "sandbox", id)

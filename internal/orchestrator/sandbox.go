@@ -302,6 +302,7 @@ func kernelCmdline(extra []string) string {
 		"console=ttyS0", "quiet", "panic=-1", "reboot=t",
 		"aenv.ip=" + network.GuestIP.String() + "/30",
 		"aenv.gw=" + network.TapIP.String(),
+		"aenv.dns=" + network.TapIP.String(), // the node's resolver for the guest
 		"aenv.hostname=sandbox",
 		fmt.Sprintf("aenv.envd_port=%d", EnvdPort),
 	}, extra...), " ")

@@ -195,7 +195,7 @@ func (r *Records) SaveTx(ctx context.Context, tx *sql.Tx, s *Sandbox) error {
 // egressJSON is the recorded form of a sandbox's egress rules ("" for
 // none, as in records made before they existed).
 func egressJSON(e network.Egress) string {
-	if len(e.Allow) == 0 && len(e.Deny) == 0 {
+	if e.IsZero() {
 		return ""
 	}
 	b, _ := json.Marshal(e)

@@ -177,6 +177,14 @@ func TestRecordsHoldReferences(t *testing.T) {
 		!slices.Equal(got.Egress.Allow, s.Egress.Allow) || !slices.Equal(got.Egress.Deny, s.Egress.Deny) {
 		t.Fatalf("after Save: %+v", got)
 	}
+	// Domain rules alone are rules too.
+	s.Egress = network.Egress{Domains: []string{"*.example.com"}, DNSServers: []netip.Prefix{netip.MustParsePrefix("192.0.2.53/32")}}
+	if err := r.Save(ctx, s); err != nil {
+		t.Fatal(err)
+	}
+	if got, err = r.Get(ctx, "s1"); err != nil || !slices.Equal(got.Egress.Domains, s.Egress.Domains) || !slices.Equal(got.Egress.DNSServers, s.Egress.DNSServers) {
+		t.Fatalf("domain rules after Save: %+v %v", got, err)
+	}
 	if err := r.Delete(ctx, "s1"); err != nil {
 		t.Fatal(err)
 	}

@@ -151,7 +151,7 @@ func startCluster(t *testing.T, bin string) *cluster {
 		addr := freeAddr(t)
 		c.nodes = append(c.nodes, &proc{name: fmt.Sprintf("n%d", i), url: "http://" + addr, log: filepath.Join(root, fmt.Sprintf("node%d.log", i)),
 			args: []string{"node", "--data-dir", dataDir, "--listen", addr, "--node-id", fmt.Sprintf("n%d", i),
-				"--scheduler", c.sched.url, "--instance", fmt.Sprintf("cln%d", i), "--network-cidr", fmt.Sprintf("10.218.%d.0/20", 16*i),
+				"--scheduler", c.sched.url, "--dns", "none", "--instance", fmt.Sprintf("cln%d", i), "--network-cidr", fmt.Sprintf("10.218.%d.0/20", 16*i),
 				"--pool-size", "0", "--repository", repo, "--log-level", "debug"}})
 	}
 	for _, n := range c.nodes {

@@ -32,7 +32,7 @@ func TestCrashRecovery(t *testing.T) {
 	addr := freeAddr(t)
 	const instance = "crsh"
 	p := &proc{name: "server", url: "http://" + addr, log: filepath.Join(root, "server.log"),
-		args: []string{"server", "--data-dir", dataDir, "--listen", addr, "--instance", instance,
+		args: []string{"server", "--data-dir", dataDir, "--listen", addr, "--instance", instance, "--dns", "none",
 			"--network-cidr", "10.220.0.0/16", "--pool-size", "0", "--log-level", "debug"}}
 	api := &server{url: p.url, logPath: p.log, bin: s.bin}
 	start := func(fault string) {

@@ -21,7 +21,7 @@ func TestDataDirHasOneOwner(t *testing.T) {
 	archive := filepath.Join(t.TempDir(), "x.tar")
 	os.WriteFile(archive, []byte("not read: the data dir is refused first"), 0o600)
 	for _, args := range [][]string{
-		{"server", "--data-dir", s.dataDir, "--listen", freeAddr(t), "--instance", "dupl", "--network-cidr", "10.221.0.0/16"},
+		{"server", "--data-dir", s.dataDir, "--listen", freeAddr(t), "--instance", "dupl", "--network-cidr", "10.221.0.0/16", "--dns", "none"},
 		{"setup", "--data-dir", s.dataDir, "--templates", "minimal"},
 		{"template", "import", "x", "--docker-archive", archive, "--data-dir", s.dataDir},
 	} {

@@ -127,7 +127,7 @@ func startServer() (*server, string, error) {
 		return nil, "", err
 	}
 	s.cmd = exec.Command(bin, "server", "--data-dir", dataDir, "--listen", addr,
-		"--instance", instance, "--network-cidr", networkCIDR, "--log-level", "debug")
+		"--instance", instance, "--network-cidr", networkCIDR, "--log-level", "debug", "--dns", "none")
 	s.cmd.Env = append(os.Environ(), "AENV_API_KEY="+apiKey)
 	s.cmd.Stdout, s.cmd.Stderr = logf, logf
 	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
