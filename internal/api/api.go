@@ -227,22 +227,42 @@ func (s *Server) requireKey(h func(http.ResponseWriter, *http.Request)) http.Han
 			writeError(w, http.StatusUnauthorized, "invalid node token")
 			return
 		}
+		ClientKeys{Shared: s.cfg.APIKeySHA256, Named: s.cfg.Keys, Log: s.log}.Require(h).ServeHTTP(w, r)
+	})
+}
+
+// ClientKeys are the keys an endpoint accepts from clients: one shared key
+// (by its SHA-256; zero: none) and named keys (nil: none).
+type ClientKeys struct {
+	Shared [32]byte
+	Named  KeyChecker
+	Log    *slog.Logger
+}
+
+// Require wraps h with the client key check (X-API-Key or a bearer token;
+// 401 {code, message} without a known one), in constant time per key.
+func (c ClientKeys) Require(h func(http.ResponseWriter, *http.Request)) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		got := presentedKey(r)
 		if got == "" {
 			writeError(w, http.StatusUnauthorized, "missing API key: send it in the X-API-Key header")
 			return
 		}
-		if s.cfg.APIKeySHA256 != ([32]byte{}) {
+		if c.Shared != ([32]byte{}) {
 			sum := sha256.Sum256([]byte(got))
-			if subtle.ConstantTimeCompare(sum[:], s.cfg.APIKeySHA256[:]) == 1 {
+			if subtle.ConstantTimeCompare(sum[:], c.Shared[:]) == 1 {
 				h(w, r)
 				return
 			}
 		}
-		if s.cfg.Keys != nil {
-			_, ok, err := s.cfg.Keys.Check(r.Context(), got)
+		if c.Named != nil {
+			_, ok, err := c.Named.Check(r.Context(), got)
 			if err != nil {
-				httperr.Internal(w, s.log, http.StatusInternalServerError, "checking the API key failed", err)
+				log := c.Log
+				if log == nil {
+					log = slog.Default()
+				}
+				httperr.Internal(w, log, http.StatusInternalServerError, "checking the API key failed", err)
 				return
 			}
 			if ok {
@@ -263,29 +283,6 @@ func presentedKey(r *http.Request) string {
 		return a[7:]
 	}
 	return ""
-}
-
-// RequireKey wraps h with the API key check (X-API-Key or a bearer token;
-// 401 {code, message} without it): the presented key's SHA-256 is compared
-// in constant time with the key's.
-func RequireKey(key string, h func(http.ResponseWriter, *http.Request)) http.Handler {
-	return requireKeyHash(sha256.Sum256([]byte(key)), h)
-}
-
-func requireKeyHash(want [32]byte, h func(http.ResponseWriter, *http.Request)) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		got := presentedKey(r)
-		if got == "" {
-			writeError(w, http.StatusUnauthorized, "missing API key: send it in the X-API-Key header")
-			return
-		}
-		sum := sha256.Sum256([]byte(got))
-		if subtle.ConstantTimeCompare(sum[:], want[:]) != 1 {
-			writeError(w, http.StatusUnauthorized, "invalid API key")
-			return
-		}
-		h(w, r)
-	})
 }
 
 // Error is the JSON body of every error response.

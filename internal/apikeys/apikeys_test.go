@@ -1,10 +1,14 @@
 package apikeys
 
 import (
+	"context"
 	"errors"
+	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/statedb"
@@ -99,4 +103,66 @@ func TestConcurrentChecks(t *testing.T) {
 		}()
 	}
 	wg.Wait()
+}
+
+// TestFile: keys kept in a file (a gateway's) are made, listed, checked and
+// revoked; another process's edit is seen by a running checker within a
+// second; a malformed file is an error, never an open door.
+func TestFile(t *testing.T) {
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "gateway-keys")
+	f := OpenFile(path)
+	if _, ok, err := f.Check(ctx, "e2b_00"); ok || err != nil {
+		t.Fatalf("empty: %v %v", ok, err)
+	}
+	k1, err := f.Create(ctx, "trainer-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.Create(ctx, "trainer-1"); !errors.Is(err, errkind.ErrConflict) {
+		t.Fatalf("name in use: %v", err)
+	}
+	if _, err := f.Create(ctx, "Bad Name"); !errors.Is(err, errkind.ErrInvalid) {
+		t.Fatalf("bad name: %v", err)
+	}
+	if name, ok, err := f.Check(ctx, k1); !ok || name != "trainer-1" || err != nil {
+		t.Fatalf("check: %q %v %v", name, ok, err)
+	}
+	b, _ := os.ReadFile(path)
+	if strings.Contains(string(b), k1) {
+		t.Fatal("the key itself is in the file")
+	}
+	if fi, _ := os.Stat(path); fi.Mode().Perm() != 0o600 {
+		t.Fatalf("file mode %v", fi.Mode())
+	}
+	// Another process (another File on the same path) revokes it and
+	// makes another: the first checker sees both within a second.
+	other := OpenFile(path)
+	if err := other.Revoke(ctx, "trainer-1"); err != nil {
+		t.Fatal(err)
+	}
+	k2, _ := other.Create(ctx, "trainer-2")
+	deadline := time.Now().Add(3 * time.Second)
+	for {
+		_, ok1, _ := f.Check(ctx, k1)
+		_, ok2, _ := f.Check(ctx, k2)
+		if !ok1 && ok2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after another process's edit: old key accepted %v, new key accepted %v", ok1, ok2)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if l, _ := f.List(ctx); len(l) != 1 || l[0].Name != "trainer-2" {
+		t.Fatalf("list %+v", l)
+	}
+	if err := f.Revoke(ctx, "nobody"); !errors.Is(err, errkind.ErrNotFound) {
+		t.Fatalf("revoke unknown: %v", err)
+	}
+	os.WriteFile(path, []byte("trainer-2 nothex 1\n"), 0o600)
+	time.Sleep(reloadEvery + 100*time.Millisecond)
+	if _, ok, err := f.Check(ctx, k2); ok || err == nil {
+		t.Fatalf("malformed file: ok %v err %v", ok, err)
+	}
 }

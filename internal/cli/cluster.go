@@ -18,6 +18,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/agentenv/agentenv/internal/api"
 	"github.com/agentenv/agentenv/internal/apikeys"
 	"github.com/agentenv/agentenv/internal/gateway"
 	"github.com/agentenv/agentenv/internal/orchestrator"
@@ -210,27 +211,40 @@ func serve(ctx context.Context, listen string, h http.Handler, logf func(string,
 }
 
 func gatewayCmd() *cobra.Command {
-	var listen, sched, domain, logLevel string
+	var listen, sched, domain, logLevel, keysFile string
 	cmd := &cobra.Command{
 		Use:   "gateway",
 		Short: "Run the cluster gateway: one E2B-compatible endpoint (REST + sandbox proxy) in front of all nodes",
 		Long: `The gateway serves the same API as a node. It places new sandboxes through the scheduler, sends
 every request about a sandbox to the node that holds it, and gathers lists from all nodes. While the
-scheduler is down it keeps routing from what it remembers. Clients use the cluster's API key; the gateway
-presents the node credential (AENV_NODE_TOKEN) to the nodes and the scheduler instead of it.`,
+scheduler is down it keeps routing from what it remembers. Clients use the cluster's API key
+(AENV_API_KEY) or a named key of --keys-file (made and revoked with aenv key --file, seen by a
+running gateway within a second); the gateway presents the node credential (AENV_NODE_TOKEN) to the
+nodes and the scheduler instead.`,
 		Example: `  AENV_API_KEY=e2b_... AENV_NODE_TOKEN=... aenv gateway --scheduler http://10.0.0.1:9090 --listen :8080
   E2B_API_URL=http://10.0.0.1:8080 E2B_SANDBOX_URL=http://10.0.0.1:8080 E2B_API_KEY=e2b_... node app.js`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
-			key, err := clusterKey()
-			if err != nil {
-				return err
+			var key string
+			if keysFile == "" || os.Getenv("AENV_API_KEY") != "" {
+				var err error
+				if key, err = clusterKey(); err != nil {
+					return err
+				}
 			}
 			token, err := clusterNodeToken(key)
 			if err != nil {
 				return err
+			}
+			var keys api.KeyChecker
+			if keysFile != "" {
+				f := apikeys.OpenFile(keysFile)
+				if _, err := f.List(cmd.Context()); err != nil {
+					return err
+				}
+				keys = f
 			}
 			if sched == "" {
 				return errors.New("--scheduler is required (the scheduler's URL, e.g. http://10.0.0.1:9090)")
@@ -238,7 +252,7 @@ presents the node credential (AENV_NODE_TOKEN) to the nodes and the scheduler in
 			log := newLogger(logLevel)
 			g := gateway.New(gateway.Config{
 				Scheduler: scheduler.NewClient(&http.Client{Timeout: 10 * time.Second}, sched, token),
-				APIKey:    key, NodeToken: token, Domain: domain, Logger: log,
+				APIKey:    key, NodeToken: token, Keys: keys, Domain: domain, Logger: log,
 			})
 			return serve(ctx, listen, g, log.Info, "aenv gateway listening")
 		},
@@ -247,5 +261,6 @@ presents the node credential (AENV_NODE_TOKEN) to the nodes and the scheduler in
 	cmd.Flags().StringVar(&sched, "scheduler", os.Getenv("AENV_SCHEDULER_URL"), "the scheduler's URL (env AENV_SCHEDULER_URL)")
 	cmd.Flags().StringVar(&domain, "domain", "", "sandbox domain for {port}-{sandboxID}.{domain} hosts (empty: any)")
 	cmd.Flags().StringVar(&logLevel, "log-level", "info", "debug, info, warn or error")
+	cmd.Flags().StringVar(&keysFile, "keys-file", "", "named client keys (aenv key create NAME --file PATH), accepted besides AENV_API_KEY, which becomes optional")
 	return cmd
 }

@@ -105,19 +105,29 @@ func openKeys(ctx context.Context, dataDir string) (keyManager, func(), error) {
 
 func keyCmd() *cobra.Command {
 	var (
-		dataDir        string
+		dataDir, file  string
 		rotate, exists bool
 	)
+	// open is the keys the command works on: a gateway's keys file
+	// (--file), or the node of the data dir.
+	open := func(ctx context.Context) (keyManager, func(), error) {
+		if file != "" {
+			return apikeys.OpenFile(file), func() {}, nil
+		}
+		return openKeys(ctx, dataDir)
+	}
 	cmd := &cobra.Command{
 		Use:   "key",
 		Short: "Manage the node's client API keys: create, ls, revoke",
 		Long: `A node accepts the API keys made with ` + "`aenv key create NAME`" + `, each with a name. It stores only their
 SHA-256: a key is printed once, when it is made. ` + "`aenv key revoke NAME`" + ` refuses the key from the next request on,
 also on a running node (the commands reach it through its admin socket in the data dir, which only root can
-open). ` + "`--rotate`" + ` replaces the key named "default".`,
+open). ` + "`--rotate`" + ` replaces the key named "default". With ` + "`--file PATH`" + ` the commands work on a
+keys file instead, the gateway's named keys (` + "`aenv gateway --keys-file PATH`" + `).`,
 		Example: `  export E2B_API_KEY=$(aenv key create trainer-1)
   aenv key ls
   aenv key revoke trainer-1
+  aenv key create trainer-2 --file /etc/aenv/gateway-keys   # a key the cluster's gateway accepts
   aenv key --exists && echo "this node has a key"`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -128,7 +138,7 @@ open). ` + "`--rotate`" + ` replaces the key named "default".`,
 			if !rotate && !exists {
 				return cmd.Help()
 			}
-			m, done, err := openKeys(ctx, dataDir)
+			m, done, err := open(ctx)
 			if err != nil {
 				return err
 			}
@@ -159,6 +169,7 @@ open). ` + "`--rotate`" + ` replaces the key named "default".`,
 		def = DefaultDataDir
 	}
 	cmd.PersistentFlags().StringVar(&dataDir, "data-dir", def, "node data directory (env AENV_DATA_DIR)")
+	cmd.PersistentFlags().StringVar(&file, "file", "", "work on this keys file (a gateway's --keys-file) instead of a node's keys")
 	cmd.Flags().BoolVar(&rotate, "rotate", false, `replace the key named "default" and print the new one`)
 	cmd.Flags().BoolVar(&exists, "exists", false, "exit 0 when the node has a key, 1 when not")
 	withKeys := func(run func(ctx context.Context, m keyManager, args []string) error) func(*cobra.Command, []string) error {
@@ -167,7 +178,7 @@ open). ` + "`--rotate`" + ` replaces the key named "default".`,
 			if ctx == nil {
 				ctx = context.Background()
 			}
-			m, done, err := openKeys(ctx, dataDir)
+			m, done, err := open(ctx)
 			if err != nil {
 				return err
 			}

@@ -10,6 +10,7 @@ package gateway
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -39,6 +40,9 @@ type Config struct {
 	// presents it to the nodes (never the client's key).
 	APIKey    string
 	NodeToken string
+	// Keys are named client keys accepted besides APIKey (nil: none), such
+	// as an apikeys.File.
+	Keys api.KeyChecker
 	// Domain is the sandbox domain of `{port}-{id}.{domain}` hosts (empty:
 	// any).
 	Domain string
@@ -100,7 +104,11 @@ func New(cfg Config) *Gateway {
 }
 
 func (g *Gateway) registerRoutes() {
-	key := func(h func(http.ResponseWriter, *http.Request)) http.Handler { return api.RequireKey(g.cfg.APIKey, h) }
+	clients := api.ClientKeys{Named: g.cfg.Keys, Log: g.log}
+	if g.cfg.APIKey != "" {
+		clients.Shared = sha256.Sum256([]byte(g.cfg.APIKey))
+	}
+	key := clients.Require
 	g.mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
 	g.mux.Handle("GET /nodes", key(g.listNodes))
 	g.mux.Handle("POST /sandboxes", key(g.create))

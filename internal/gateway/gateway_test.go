@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
@@ -18,6 +19,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/agentenv/agentenv/internal/api"
+	"github.com/agentenv/agentenv/internal/apikeys"
 	"github.com/agentenv/agentenv/internal/httperr"
 	"github.com/agentenv/agentenv/internal/scheduler"
 	pb "github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb"
@@ -260,5 +262,57 @@ func TestRoutingWithoutScheduler(t *testing.T) {
 	req.Header.Set("E2b-Sandbox-Port", "49983")
 	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != 502 {
 		t.Fatalf("proxy to an unknown sandbox: %v %v", resp, err)
+	}
+}
+
+// TestNamedKeys: the gateway accepts the named keys of its keys file
+// besides the cluster's key, and refuses a revoked one within seconds; a
+// gateway with named keys only refuses the shared key.
+func TestNamedKeys(t *testing.T) {
+	h := newHarness(t, 1, nil)
+	ctx := context.Background()
+	keys := apikeys.OpenFile(filepath.Join(t.TempDir(), "gateway-keys"))
+	named, err := keys.Create(ctx, "trainer-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	client := scheduler.NewClient(h.sched.Client(), h.sched.URL, key)
+	status := func(gw *httptest.Server, k string) int {
+		t.Helper()
+		req, _ := http.NewRequest("GET", gw.URL+"/v2/sandboxes", nil)
+		req.Header.Set("X-API-Key", k)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	both := httptest.NewServer(New(Config{Scheduler: client, APIKey: key, Keys: keys, NodeToken: testNodeToken, Logger: slog.New(slog.DiscardHandler)}))
+	defer both.Close()
+	namedOnly := httptest.NewServer(New(Config{Scheduler: client, Keys: keys, NodeToken: testNodeToken, Logger: slog.New(slog.DiscardHandler)}))
+	defer namedOnly.Close()
+	for _, tc := range []struct {
+		gw   *httptest.Server
+		k    string
+		want int
+	}{
+		{both, key, 200}, {both, named, 200}, {both, "e2b_0123", 401}, {both, testNodeToken, 401},
+		{namedOnly, named, 200}, {namedOnly, key, 401}, {namedOnly, "", 401},
+	} {
+		if got := status(tc.gw, tc.k); got != tc.want {
+			t.Errorf("key %q: %d, want %d", tc.k, got, tc.want)
+		}
+	}
+	// Revoked by another process (`aenv key revoke --file`): refused soon.
+	if err := apikeys.OpenFile(keys.Path()).Revoke(ctx, "trainer-1"); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(3 * time.Second)
+	for status(both, named) != 401 {
+		if time.Now().After(deadline) {
+			t.Fatal("a revoked key is still accepted")
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
 }

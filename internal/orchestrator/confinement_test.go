@@ -243,6 +243,33 @@ func TestQEMUsCannotReachEachOther(t *testing.T) {
 	if err != nil || strings.TrimSpace(string(out)) != "done" {
 		t.Fatalf("from sandbox %s's QEMU ids, sandbox %s's QEMU or files were reachable: %q %v", a.ID, b.ID, out, err)
 	}
+	// a's QEMU's mount namespace, looked at as root: the data dir holds
+	// only a's own directory and the shared stores; the database, the
+	// secrets and b's directory are not there. As a's ids, /proc shows
+	// no process of another user (b's QEMU, the node, init).
+	look := func(uid int, script string, args ...string) string {
+		t.Helper()
+		argv := []string{"--target", strconv.Itoa(a.PID), "--mount"}
+		if uid > 0 {
+			argv = append(argv, "--setuid", strconv.Itoa(uid), "--setgid", strconv.Itoa(uid))
+		}
+		argv = append(append(argv, "--", "/bin/sh", "-c", script, "probe"), args...)
+		out, err := exec.Command("nsenter", argv...).CombinedOutput()
+		if err != nil {
+			t.Fatalf("probe in a's mount namespace: %v %s", err, out)
+		}
+		return strings.Join(strings.Fields(string(out)), " ")
+	}
+	seen := look(0, `ls -A "$1"; echo /; ls -A "$1/sandboxes"; for p in "$1/aenv.db" "$1/repository.secret" "$1/admin.sock" "$2"; do test -e "$p" && echo "sees $p"; done; echo done`,
+		n.cfg.DataDir, n.sandboxDir(b.ID))
+	if !strings.HasSuffix(seen, "/ "+a.ID+" done") || strings.Contains(seen, "sees") || strings.Contains(seen, "aenv.db") {
+		t.Fatalf("a's QEMU sees more of the data dir than its own files: %q", seen)
+	}
+	t.Logf("a's QEMU sees in the data dir: %s", seen)
+	procs := look(ua, `for p in "$1" 1 "$2"; do test -e /proc/"$p" && echo "sees $p"; done; echo done`, strconv.Itoa(b.PID), strconv.Itoa(a.PID))
+	if procs != "sees "+strconv.Itoa(a.PID)+" done" {
+		t.Fatalf("a's /proc shows other users' processes (want only %d itself): %q", a.PID, procs)
+	}
 	// Control: b's own ids own b's disk.
 	var st syscall.Stat_t
 	if err := syscall.Stat(filepath.Join(n.sandboxDir(b.ID), overlayName), &st); err != nil || int(st.Uid) != gb {

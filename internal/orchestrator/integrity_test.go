@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"math/rand"
+	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -14,6 +16,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/builds"
+	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/warmpool"
 
@@ -222,6 +225,15 @@ var injectedOps = []injectedOp{
 	{"kill", "", runningSubject, func(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, error) {
 		return nil, n.Kill(ctx, sub.s.ID)
 	}, nil, nil},
+	{"network", "", runningSubject, func(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, error) {
+		_, err := n.SetNetwork(ctx, sub.s.ID, false, network.Egress{Domains: []string{"*.example.com"},
+			Allow: []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24")}})
+		return nil, err
+	}, func(t *testing.T, n *Node, before string) {
+		if got := netState(n); got != before {
+			t.Errorf("a failed network update changed the rules:\n%s\nwere\n%s", got, before)
+		}
+	}, netState},
 	{"build", "", nil, func(ctx context.Context, n *Node, _ *subject) ([]*sandboxes.Sandbox, error) {
 		return nil, n.builds.Run(ctx, builds.Spec{Template: "inj-build", FromTemplate: "minimal", Force: true,
 			Steps: []builds.Step{{Type: "RUN", Args: []string{"date +%s%N > /etc/built"}}}}, func(string, string, string) {})
@@ -230,6 +242,18 @@ var injectedOps = []injectedOp{
 			t.Errorf("a failed build changed the template: %s, was %s", got, before)
 		}
 	}, injBuildState},
+}
+
+// netState is every sandbox's recorded egress rules and the firewall
+// loaded in its namespace.
+func netState(n *Node) string {
+	all, _ := n.List(context.Background())
+	var b strings.Builder
+	for _, s := range all {
+		rules, _ := exec.Command("nsenter", "--net="+n.net.NamespacePath(s.ID), "nft", "list", "table", "ip", "aenv").CombinedOutput()
+		fmt.Fprintf(&b, "%s internet=%v egress=%+v\n%s\n", s.ID, s.AllowInternet, s.Egress, rules)
+	}
+	return b.String()
 }
 
 // injBuildState is the layer and template snapshot of the template "inj-build".

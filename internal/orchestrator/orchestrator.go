@@ -166,6 +166,9 @@ func (c *Config) setDefaults() {
 	if c.TCGTranslationCacheMiB == 0 {
 		c.TCGTranslationCacheMiB = 64
 	}
+	if abs, err := filepath.Abs(c.DataDir); err == nil {
+		c.DataDir = abs // the jail names paths inside it (vmm.Jail)
+	}
 }
 
 // Node manages the sandboxes on this host.

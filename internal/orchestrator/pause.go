@@ -425,8 +425,21 @@ func (n *Node) vmConfig(s *sandboxes.Sandbox, tap *os.File, incoming bool) vmm.C
 		NetNS:               n.net.NamespacePath(s.ID),
 		Cgroup:              n.qemuCgroup(s.ID),
 		Limits:              n.limits(s),
+		Jail:                n.jail(dir),
 	}
 	return cfg
+}
+
+// jail is what a QEMU sees of the data dir: its sandbox's directory and
+// the shared stores it opens its disk chain, RAM image, kernel and lazily
+// loaded layers from (files there are root's: QEMU opens them before it
+// drops its ids). The database, the secrets, the admin socket, the
+// repository, build files and every other sandbox are out of its sight.
+func (n *Node) jail(sandboxDir string) vmm.Jail {
+	root := n.cfg.DataDir
+	return vmm.Jail{Hide: root, Keep: []string{sandboxDir,
+		filepath.Join(root, store.LayersDir), filepath.Join(root, snapshotsDir),
+		filepath.Join(root, "cache"), filepath.Join(root, "run"), filepath.Join(root, "templates")}}
 }
 
 // qemuUser is who a sandbox's QEMU runs as ("": root).

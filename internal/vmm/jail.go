@@ -2,19 +2,27 @@ package vmm
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // QEMU is not started directly: the process that becomes QEMU is first this
 // program again (any binary linking this package), which sets up the jail
 // and then replaces itself with QEMU (same pid), as Firecracker's jailer
-// does for Firecracker. Today the jail step joins the sandbox's cgroup, so
-// QEMU runs its first instruction already bounded; its network namespace
-// was chosen at fork (startIn), its ids drop with -runas.
+// does for Firecracker. The jail step joins the sandbox's cgroup, so QEMU
+// runs its first instruction already bounded, and, in the mount namespace
+// of its own it was started in, hides the node's data dir behind an empty
+// tmpfs with only this sandbox's files bound back, and mounts a /proc that
+// shows a process only its own user's. Its network namespace was chosen at
+// fork (startIn), its ids drop with -runas.
 
 // jailEnv carries the jail step's instructions to the re-executed program.
 const jailEnv = "AENV_VMM_JAIL"
@@ -25,6 +33,10 @@ type jailSpec struct {
 	// (best effort: a host with read-only cgroups still runs sandboxes, and
 	// the starter sees the process outside its cgroup).
 	CgroupProcs []string `json:"cgroupProcs,omitempty"`
+	// Hide, when set, is a directory covered with an empty tmpfs in QEMU's
+	// mount namespace, with only Keep (paths inside it) bound back.
+	Hide string   `json:"hide,omitempty"`
+	Keep []string `json:"keep,omitempty"`
 }
 
 func init() {
@@ -45,19 +57,93 @@ func init() {
 			break
 		}
 	}
+	if js.Hide != "" {
+		if err := js.mountNamespace(); err != nil {
+			fmt.Fprintf(os.Stderr, "aenv jail: mount namespace: %v\n", err)
+			os.Exit(125)
+		}
+	}
 	err := syscall.Exec(js.QEMU, append([]string{js.QEMU}, os.Args[1:]...), os.Environ())
 	fmt.Fprintf(os.Stderr, "aenv jail: exec %s: %v\n", js.QEMU, err)
 	os.Exit(126)
 }
 
+// mountNamespace fills the mount namespace the jail step was started in
+// (a copy of the host's, with every mount private to it): js.Hide becomes
+// an empty tmpfs with js.Keep bound back where they were, and /proc shows
+// only the processes of QEMU's own user.
+func (js *jailSpec) mountNamespace() error {
+	hide := filepath.Clean(js.Hide)
+	type kept struct {
+		fd  int
+		rel string
+	}
+	var keep []kept
+	for _, k := range js.Keep {
+		rel, err := filepath.Rel(hide, filepath.Clean(k))
+		if err != nil || rel == "." || strings.HasPrefix(rel, "..") {
+			return fmt.Errorf("%s is not inside %s", k, hide)
+		}
+		// Opened before the tmpfs hides it; bound back from the descriptor.
+		fd, err := unix.Open(k, unix.O_PATH|unix.O_CLOEXEC, 0)
+		if errors.Is(err, unix.ENOENT) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("open %s: %w", k, err)
+		}
+		keep = append(keep, kept{fd, rel})
+	}
+	if err := unix.Mount("tmpfs", hide, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=0700,size=64k"); err != nil {
+		return fmt.Errorf("cover %s: %w", hide, err)
+	}
+	for _, k := range keep {
+		target := filepath.Join(hide, k.rel)
+		var st unix.Stat_t
+		if err := unix.Fstat(k.fd, &st); err != nil {
+			return err
+		}
+		if err := os.MkdirAll(filepath.Dir(target), 0o700); err != nil {
+			return err
+		}
+		var err error
+		if st.Mode&unix.S_IFMT == unix.S_IFDIR {
+			err = os.Mkdir(target, 0o700)
+		} else {
+			err = os.WriteFile(target, nil, 0o600)
+		}
+		if err != nil {
+			return err
+		}
+		if err := unix.Mount(fmt.Sprintf("/proc/self/fd/%d", k.fd), target, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+			return fmt.Errorf("bind %s back: %w", target, err)
+		}
+		unix.Close(k.fd)
+	}
+	if err := unix.Mount("proc", "/proc", "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "hidepid=2"); err != nil {
+		return fmt.Errorf("mount /proc: %w", err)
+	}
+	return nil
+}
+
+// Jail is what the jail step hides from QEMU's view of the file system:
+// Hide (the node's data dir) is covered, and only Keep (paths inside it:
+// the sandbox's own directory and the shared, read-only stores QEMU opens
+// its disk chain and RAM image from) are seen through.
+type Jail struct {
+	Hide string
+	Keep []string
+}
+
 // jailCommand is the command that starts QEMU bin with args through the
-// jail step, joining cg first (nil: no cgroup).
-func jailCommand(bin string, args []string, cg *Cgroup) (*exec.Cmd, error) {
+// jail step, joining cg first (nil: no cgroup) and, with fs.Hide set,
+// in a mount namespace of its own.
+func jailCommand(bin string, args []string, cg *Cgroup, fs Jail) (*exec.Cmd, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, fmt.Errorf("find this program for the jail step: %w", err)
 	}
-	js := jailSpec{QEMU: bin}
+	js := jailSpec{QEMU: bin, Hide: fs.Hide, Keep: fs.Keep}
 	if cg != nil {
 		js.CgroupProcs = cg.procsFiles()
 	}

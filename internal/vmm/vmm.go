@@ -70,6 +70,9 @@ type Config struct {
 	// in at start, bounded by Limits (see PlaceInCgroup).
 	Cgroup string
 	Limits Limits
+	// Jail, when Jail.Hide is set, starts QEMU in a mount namespace of its
+	// own that shows only Jail.Keep of Jail.Hide.
+	Jail Jail
 
 	rootDiskFD int // set by Start: the disk is inherited (see User)
 }
@@ -266,7 +269,7 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 		// (an unprivileged container) still runs sandboxes.
 		cg, cgErr = PrepareCgroup(cfg.Cgroup, cfg.Limits)
 	}
-	cmd, err := jailCommand(bin, cfg.Args(), cg)
+	cmd, err := jailCommand(bin, cfg.Args(), cg, cfg.Jail)
 	if err != nil {
 		if cg != nil {
 			cg.Remove()
@@ -276,6 +279,11 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 	cmd.Stdout = logf
 	cmd.Stderr = logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if cfg.Jail.Hide != "" {
+		// A mount namespace of its own, every mount in it private (Go's
+		// fork makes / recursively private), for the jail step to fill.
+		cmd.SysProcAttr.Unshareflags = syscall.CLONE_NEWNS
+	}
 	cmd.ExtraFiles = extra
 	if err := startIn(cfg.NetNS, cmd); err != nil {
 		if cg != nil {

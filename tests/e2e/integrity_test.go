@@ -40,11 +40,11 @@ func TestDataDirHasOneOwner(t *testing.T) {
 	}
 }
 
-// TestClientGivesUpMidOperation sends create, pause, resume, snapshot and
-// fork with a client that gives up after a random time (seeded, logged):
-// each operation completes or rolls back on the server, the sandbox is
-// never lost (a fork's parent included), and it still holds its file and
-// its process.
+// TestClientGivesUpMidOperation sends create, pause, resume, snapshot,
+// fork and network updates with a client that gives up after a random time
+// (seeded, logged): each operation completes or rolls back on the server,
+// the sandbox is never lost (a fork's parent included), it still holds its
+// file and its process, and its network rules are the old or the new set.
 func TestClientGivesUpMidOperation(t *testing.T) {
 	s := needServer(t)
 	seed := time.Now().UnixNano()
@@ -108,8 +108,22 @@ func TestClientGivesUpMidOperation(t *testing.T) {
 			}
 		}
 	}
+	// The network rules are one set or the other, never a mix or none.
+	allowOut := func() string {
+		var info struct {
+			Network struct {
+				AllowOut []string `json:"allowOut"`
+			} `json:"network"`
+		}
+		if err := s.rest(context.Background(), "GET", "/sandboxes/"+sb.SandboxID, nil, &info); err != nil {
+			t.Fatal(err)
+		}
+		return strings.Join(info.Network.AllowOut, ",")
+	}
+	rules := allowOut()
 	for round := 0; round < 4; round++ {
 		for _, op := range []struct{ method, path string }{
+			{"PUT", "/sandboxes/" + sb.SandboxID + "/network"},
 			{"POST", "/sandboxes/" + sb.SandboxID + "/pause"},
 			{"POST", "/sandboxes/" + sb.SandboxID + "/connect"},
 			{"POST", "/sandboxes/" + sb.SandboxID + "/fork"},
@@ -125,10 +139,19 @@ func TestClientGivesUpMidOperation(t *testing.T) {
 				body = map[string]any{"name": fmt.Sprintf("giveup-%d-%d", seed%1000, round)}
 			case op.path == "/v2/sandboxes":
 				body = map[string]any{"templateID": "minimal"}
+			case strings.HasSuffix(op.path, "/network"):
+				body = map[string]any{"allowOut": []string{fmt.Sprintf("192.0.2.%d", round), fmt.Sprintf("*.r%d.example.com", round)}}
 			}
 			err := giveUp(op.method, op.path, body, d)
 			t.Logf("round %d: %s %s, client gone after %s: %v", round, op.method, op.path, d, err)
 			settle(fmt.Sprintf("%s %s cut at %s", op.method, op.path, d))
+			if strings.HasSuffix(op.path, "/network") {
+				now, want := allowOut(), fmt.Sprintf("192.0.2.%d,*.r%d.example.com", round, round)
+				if now != rules && now != want {
+					t.Fatalf("after a network update cut at %s: rules %q, want %q or %q", d, now, rules, want)
+				}
+				rules = now
+			}
 			killAllBut(sb.SandboxID)
 		}
 	}
