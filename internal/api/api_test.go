@@ -774,3 +774,58 @@ func TestNetworkRules(t *testing.T) {
 		t.Fatal("the paused sandbox kept its internet access")
 	}
 }
+
+// TestSnapshotListAndDelete: GET /snapshots filters by sandboxID and name
+// and pages with X-Next-Token (the SDKs' list_snapshots); DELETE
+// /templates/{id} of a snapshot's id deletes the snapshot (the SDKs'
+// delete_snapshot), 404 once it is gone.
+func TestSnapshotListAndDelete(t *testing.T) {
+	a := newTestAPI(t)
+	base := time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC)
+	for i, src := range []string{"sbxa", "sbxb", "sbxa", "sbxa"} {
+		a.node.snaps = append(a.node.snaps, &orchestrator.NamedSnapshot{Name: fmt.Sprintf("snap-%d", i), SandboxID: src, CreatedAt: base.Add(time.Duration(i) * time.Second)})
+	}
+	page := func(q string) ([]string, string) {
+		t.Helper()
+		rec := a.do("GET", "/snapshots?"+q, "")
+		if rec.Code != 200 {
+			t.Fatalf("%s: %d %s", q, rec.Code, rec.Body)
+		}
+		var got []struct {
+			SnapshotID string `json:"snapshotID"`
+		}
+		json.Unmarshal(rec.Body.Bytes(), &got)
+		var ids []string
+		for _, g := range got {
+			ids = append(ids, g.SnapshotID)
+		}
+		return ids, rec.Header().Get("X-Next-Token")
+	}
+	var all []string
+	q := "sandboxID=sbxa&limit=2"
+	for pages := 0; ; pages++ {
+		ids, next := page(q)
+		all = append(all, ids...)
+		if next == "" {
+			break
+		}
+		if pages > 3 {
+			t.Fatal("pages do not end")
+		}
+		q = "sandboxID=sbxa&limit=2&nextToken=" + url.QueryEscape(next)
+	}
+	if strings.Join(all, ",") != "snap-0,snap-2,snap-3" {
+		t.Fatalf("sbxa's snapshots in pages of 2: %v", all)
+	}
+	if ids, _ := page("name=snap-1"); strings.Join(ids, ",") != "snap-1" {
+		t.Fatalf("by name: %v", ids)
+	}
+	assertError(t, a.do("GET", "/snapshots?nextToken=%%%", ""), http.StatusBadRequest)
+	if rec := a.do("DELETE", "/templates/snap-2", ""); rec.Code != http.StatusNoContent {
+		t.Fatalf("delete a snapshot through /templates: %d %s", rec.Code, rec.Body)
+	}
+	if ids, _ := page("sandboxID=sbxa"); strings.Join(ids, ",") != "snap-0,snap-3" {
+		t.Fatalf("after delete: %v", ids)
+	}
+	assertError(t, a.do("DELETE", "/templates/snap-2", ""), http.StatusNotFound)
+}

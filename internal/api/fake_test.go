@@ -28,6 +28,7 @@ type fakeNode struct {
 	pauseErr error
 	// files is made on first use (BuildFiles), in a temporary directory.
 	files *buildfiles.Store
+	snaps []*orchestrator.NamedSnapshot // oldest first
 }
 
 func newFakeNode() *fakeNode {
@@ -218,8 +219,21 @@ var _ Node = (*orchestrator.Node)(nil)
 func (f *fakeNode) Snapshot(ctx context.Context, id, name string) (*orchestrator.NamedSnapshot, error) {
 	return nil, fmt.Errorf("%w: the fake node keeps no snapshots", orchestrator.ErrConflict)
 }
-func (f *fakeNode) Snapshots() ([]*orchestrator.NamedSnapshot, error) { return nil, nil }
+func (f *fakeNode) Snapshots() ([]*orchestrator.NamedSnapshot, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]*orchestrator.NamedSnapshot(nil), f.snaps...), nil
+}
 func (f *fakeNode) DeleteSnapshot(ctx context.Context, name string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for i, ns := range f.snaps {
+		if ns.Name == name {
+			f.snaps = append(f.snaps[:i], f.snaps[i+1:]...)
+			f.mutations++
+			return nil
+		}
+	}
 	return fmt.Errorf("%w: snapshot %q", orchestrator.ErrNotFound, name)
 }
 func (f *fakeNode) RequestBuild(name string, vcpus, memMiB int) (*builds.Record, error) {

@@ -4,12 +4,14 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/httperr"
@@ -32,6 +34,12 @@ func (s *Server) connectSandbox(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	sb, err := s.node.Get(r.Context(), id)
+	if errors.Is(err, orchestrator.ErrNotFound) {
+		// Not on this node: in a cluster it may be paused in shared
+		// storage by a node that died, which resume adopts (404 if not).
+		s.resume(w, r, id, time.Duration(secs)*time.Second)
+		return
+	}
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -212,28 +220,81 @@ func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusCreated, snapshotBody(ns))
 }
 
-// listSnapshots implements GET /snapshots.
+// listSnapshots implements GET /snapshots: oldest first, filtered by
+// sandboxID (the source sandbox) and name, in pages of limit (default 100)
+// with the next page's token in X-Next-Token.
 func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request) {
 	limit, err := queryInt(r, "limit", 1, 1000)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	out := []snapshotJSON{}
-	{
-		all, err := s.node.Snapshots()
-		if err != nil {
-			s.writeNodeError(w, err)
+	if limit == 0 {
+		limit = 100
+	}
+	q := r.URL.Query()
+	var after *snapshotCursor
+	if tok := q.Get("nextToken"); tok != "" {
+		c, ok := parseSnapshotCursor(tok)
+		if !ok {
+			writeError(w, http.StatusBadRequest, "invalid nextToken")
 			return
 		}
-		for _, ns := range all {
-			if limit > 0 && int64(len(out)) == limit {
-				break
-			}
-			out = append(out, snapshotBody(ns))
+		after = &c
+	}
+	sandboxID, name := q.Get("sandboxID"), q.Get("name")
+	all, err := s.node.Snapshots()
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	out := []snapshotJSON{}
+	var last *orchestrator.NamedSnapshot
+	for _, ns := range all {
+		if sandboxID != "" && ns.SandboxID != sandboxID || name != "" && ns.Name != name && ns.Name+":latest" != name {
+			continue
 		}
+		if after != nil && !after.before(ns) {
+			continue
+		}
+		if int64(len(out)) == limit {
+			w.Header().Set("X-Next-Token", snapshotCursor{last.CreatedAt.UnixNano(), last.Name}.String())
+			break
+		}
+		out = append(out, snapshotBody(ns))
+		last = ns
 	}
 	writeJSON(w, http.StatusOK, out)
+}
+
+// snapshotCursor is where a page of snapshots ended: the last one's
+// creation time and name (the list's order).
+type snapshotCursor struct {
+	createdNS int64
+	name      string
+}
+
+func (c snapshotCursor) String() string {
+	return base64.RawURLEncoding.EncodeToString(fmt.Appendf(nil, "%d|%s", c.createdNS, c.name))
+}
+
+func parseSnapshotCursor(tok string) (snapshotCursor, bool) {
+	b, err := base64.RawURLEncoding.DecodeString(tok)
+	if err != nil {
+		return snapshotCursor{}, false
+	}
+	ns, name, ok := strings.Cut(string(b), "|")
+	n, err := strconv.ParseInt(ns, 10, 64)
+	if !ok || err != nil || name == "" {
+		return snapshotCursor{}, false
+	}
+	return snapshotCursor{n, name}, true
+}
+
+// before reports whether the cursor sorts before ns (ns is on a later page).
+func (c snapshotCursor) before(ns *orchestrator.NamedSnapshot) bool {
+	n := ns.CreatedAt.UnixNano()
+	return n > c.createdNS || n == c.createdNS && ns.Name > c.name
 }
 
 // deleteSnapshot implements DELETE /snapshots/{name}.

@@ -4,6 +4,7 @@ import (
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
+	"github.com/agentenv/agentenv/internal/orchestrator"
 )
 
 func (s *Server) templateRoutes() {
@@ -211,9 +213,18 @@ func (s *Server) templateAlias(w http.ResponseWriter, r *http.Request) {
 // listTemplates implements GET /templates and GET /v2/templates.
 
 // deleteTemplate implements DELETE /templates/{templateID}: 204, 404, or
-// 409 while sandboxes or snapshots use the template.
+// 409 while sandboxes or snapshots use the template. A snapshot's id is a
+// template id too (the SDKs' delete_snapshot calls this): it deletes the
+// snapshot.
 func (s *Server) deleteTemplate(w http.ResponseWriter, r *http.Request) {
-	if err := s.node.DeleteTemplate(r.Context(), r.PathValue("templateID")); err != nil {
+	id := r.PathValue("templateID")
+	err := s.node.DeleteTemplate(r.Context(), id)
+	if errors.Is(err, orchestrator.ErrNotFound) {
+		if serr := s.node.DeleteSnapshot(r.Context(), id); !errors.Is(serr, orchestrator.ErrNotFound) {
+			err = serr
+		}
+	}
+	if err != nil {
 		s.writeNodeError(w, err)
 		return
 	}

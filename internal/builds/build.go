@@ -98,6 +98,17 @@ type buildState struct {
 	env  map[string]string
 	user string
 	cwd  string
+	// userSet and cwdSet: a USER or WORKDIR step ran, so the template's
+	// sandboxes get that user and directory by default (as E2B's do).
+	userSet, cwdSet bool
+}
+
+// workdir is where WORKDIR dir leads from cwd.
+func workdir(cwd, dir string) string {
+	if !path.IsAbs(dir) {
+		return path.Join(cwd, dir)
+	}
+	return path.Clean(dir)
 }
 
 // buildTimeout bounds one template build.
@@ -165,7 +176,7 @@ func (bs *Builds) Run(ctx context.Context, spec Spec, logf Logger) (err error) {
 			logf("info", name, "environment set")
 			continue
 		case "USER":
-			state.user = st.Args[0]
+			state.user, state.userSet = st.Args[0], true
 			key = hashKey(key, st)
 			logf("info", name, "user set")
 			continue
@@ -178,7 +189,7 @@ func (bs *Builds) Run(ctx context.Context, spec Spec, logf Logger) (err error) {
 				logf("info", name, "CACHED")
 				parent, parentID = layer, layerID
 				if st.Type == "WORKDIR" {
-					state.cwd = st.Args[0]
+					state.cwd, state.cwdSet = workdir(state.cwd, st.Args[0]), true
 				}
 				continue
 			}
@@ -236,8 +247,17 @@ func (bs *Builds) Run(ctx context.Context, spec Spec, logf Logger) (err error) {
 	// The template: its label moves to the last layer (sandboxes and
 	// snapshots of an earlier build keep theirs).
 	t := templates.Template{Name: spec.Template, Layer: parentID, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB, DiskMiB: from.DiskMiB,
-		DefaultUser: from.DefaultUser, EnvVars: state.env, StartCmd: spec.StartCmd, ReadyCmd: spec.ReadyCmd,
-		StartUser: state.user, StartCwd: state.cwd}
+		DefaultUser: from.DefaultUser, DefaultWorkdir: from.DefaultWorkdir, EnvVars: state.env, StartCmd: spec.StartCmd,
+		ReadyCmd: spec.ReadyCmd, StartUser: state.user, StartCwd: state.cwd}
+	if state.userSet {
+		t.DefaultUser = state.user
+		if !state.cwdSet {
+			t.DefaultWorkdir = "" // the new user's home
+		}
+	}
+	if state.cwdSet {
+		t.DefaultWorkdir = state.cwd
+	}
 	if t.VCPUs == 0 {
 		t.VCPUs = from.VCPUs
 	}
@@ -363,14 +383,11 @@ func (b *builder) run(ctx context.Context, st Step, state *buildState, out func(
 		}
 		return b.sh(ctx, user, state.cwd, state.env, st.Args[0], out)
 	case "WORKDIR":
-		dir := st.Args[0]
-		if !path.IsAbs(dir) {
-			dir = path.Join(state.cwd, dir)
-		}
+		dir := workdir(state.cwd, st.Args[0])
 		if err := b.sh(ctx, state.user, "/", nil, "mkdir -p "+guestexec.Quote(dir), out); err != nil {
 			return err
 		}
-		state.cwd = dir
+		state.cwd, state.cwdSet = dir, true
 		return nil
 	case "COPY":
 		return b.copyFiles(ctx, st, state, out)

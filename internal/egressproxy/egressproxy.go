@@ -103,6 +103,9 @@ const (
 	dialTimeout     = 15 * time.Second
 	resolverTimeout = 4 * time.Second
 	maxQueries      = 64
+	// maxConns bounds a sandbox's open proxied and DNS stream connections
+	// (each holds sockets and goroutines on the node); more are closed.
+	maxConns = 512
 )
 
 // Serve starts the services of one sandbox under policy p.
@@ -172,7 +175,7 @@ func (s *Sandbox) track(c net.Conn, on bool) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if on {
-		if s.ctx.Err() != nil {
+		if s.ctx.Err() != nil || len(s.conns) >= maxConns {
 			return false
 		}
 		s.conns[c] = struct{}{}
@@ -194,7 +197,10 @@ func (s *Sandbox) accept(ln net.Listener, handle func(net.Conn)) {
 		}
 		if !s.track(c, true) {
 			c.Close()
-			return
+			if s.ctx.Err() != nil {
+				return
+			}
+			continue // over maxConns: this one is refused
 		}
 		s.wg.Add(1)
 		go func() {

@@ -1351,3 +1351,77 @@ func h2cClient() *http.Client {
 	p.SetUnencryptedHTTP2(true)
 	return &http.Client{Transport: &http.Transport{Protocols: &p}}
 }
+
+// TestTimeoutsEndStreamsWithDeadlineExceeded: a command whose request
+// timeout (Connect-Timeout-Ms, set by the client from its deadline, as the
+// SDKs' timeouts do) passes ends with deadline_exceeded and is killed; a
+// client that only goes away leaves its command running; a watch whose
+// timeout passes ends with deadline_exceeded too.
+func TestTimeoutsEndStreamsWithDeadlineExceeded(t *testing.T) {
+	e := startServer(t, Config{})
+	pc := e.proc(false)
+	running := func(tag string) bool {
+		t.Helper()
+		list, err := pc.List(context.Background(), connect.NewRequest(&processpb.ListRequest{}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range list.Msg.GetProcesses() {
+			if p.GetTag() == tag {
+				return true
+			}
+		}
+		return false
+	}
+	// The timeout is sent as the header alone (the client keeps no
+	// deadline of its own), so the error can only be the server's.
+	start := func(ctx context.Context, tag, timeoutMs string) *connect.ServerStreamForClient[processpb.StartResponse] {
+		t.Helper()
+		req := connect.NewRequest(&processpb.StartRequest{
+			Process: &processpb.ProcessConfig{Cmd: "bash", Args: []string{"-c", "sleep 30; echo never"}}, Tag: &tag})
+		if timeoutMs != "" {
+			req.Header().Set("Connect-Timeout-Ms", timeoutMs)
+		}
+		st, err := pc.Start(ctx, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st
+	}
+	st := start(context.Background(), "timed", "1000")
+	for st.Receive() {
+	}
+	if connect.CodeOf(st.Err()) != connect.CodeDeadlineExceeded {
+		t.Fatalf("stream ended with %v, want deadline_exceeded", st.Err())
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for running("timed") {
+		if time.Now().After(deadline) {
+			t.Fatal("the command outlived its timeout")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	// A client that goes away (no timeout): the command runs on.
+	gone, leave := context.WithCancel(context.Background())
+	st = start(gone, "left", "")
+	st.Receive()
+	leave()
+	for st.Receive() {
+	}
+	time.Sleep(300 * time.Millisecond)
+	if !running("left") {
+		t.Fatal("a command whose client went away was killed")
+	}
+	// A watch with a timeout.
+	wreq := connect.NewRequest(&filesystempb.WatchDirRequest{Path: t.TempDir()})
+	wreq.Header().Set("Connect-Timeout-Ms", "1000")
+	w, err := e.fs(false).WatchDir(context.Background(), wreq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for w.Receive() {
+	}
+	if connect.CodeOf(w.Err()) != connect.CodeDeadlineExceeded {
+		t.Fatalf("watch ended with %v, want deadline_exceeded", w.Err())
+	}
+}

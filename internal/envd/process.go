@@ -443,9 +443,20 @@ func streamEvents(ctx context.Context, p *proc, sub *subscriber, every time.Dura
 				return err
 			}
 		case <-ctx.Done():
-			return nil
+			return streamEnd(ctx)
 		}
 	}
+}
+
+// streamEnd is how a stream ends when its context does: a client that went
+// away gets nothing (there is no one to tell), a deadline the client set
+// (Connect-Timeout-Ms: the SDKs' command and watch timeouts) is the
+// deadline_exceeded error the SDKs turn into their TimeoutException.
+func streamEnd(ctx context.Context) error {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return connect.NewError(connect.CodeDeadlineExceeded, errors.New("the request's timeout passed"))
+	}
+	return nil
 }
 
 // processService implements process.Process.
@@ -472,9 +483,15 @@ func (ps *processService) Start(ctx context.Context, req *connect.Request[proces
 		return err
 	}
 	ps.s.log.Debug("process started", "pid", p.pid, "cmd", req.Msg.GetProcess().GetCmd(), "user", u.Name)
-	return streamEvents(ctx, p, sub, keepaliveInterval(req.Header()), func(ev *processpb.ProcessEvent) error {
+	err = streamEvents(ctx, p, sub, keepaliveInterval(req.Header()), func(ev *processpb.ProcessEvent) error {
 		return stream.Send(&processpb.StartResponse{Event: ev})
 	})
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		// The command's timeout (as upstream envd): the process goes with
+		// it. A client that only disconnects leaves it running.
+		_ = p.signal(syscall.SIGKILL)
+	}
+	return err
 }
 
 func (ps *processService) Connect(ctx context.Context, req *connect.Request[processpb.ConnectRequest], stream *connect.ServerStream[processpb.ConnectResponse]) error {

@@ -192,7 +192,7 @@ func (f *filesystemService) WatchDir(ctx context.Context, req *connect.Request[f
 	for {
 		select {
 		case <-ctx.Done():
-			return nil
+			return streamEnd(ctx)
 		case <-d.done:
 			return connect.NewError(connect.CodeUnavailable, errors.New("watcher stopped"))
 		case e := <-events:

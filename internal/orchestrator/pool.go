@@ -88,7 +88,7 @@ func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) 
 	now := time.Now().UTC().Truncate(time.Millisecond)
 	s := &sandboxes.Sandbox{
 		ID: NewSandboxID(), TemplateID: t.Name, State: sandboxes.Pooled, VCPUs: ts.VCPUs, MemoryMiB: ts.MemoryMiB,
-		DiskMiB: t.DiskMiB, AllowInternet: true, PublicTraffic: true, DefaultUser: t.DefaultUser, SnapshotID: ts.SnapshotID,
+		DiskMiB: t.DiskMiB, AllowInternet: true, PublicTraffic: true, DefaultUser: t.DefaultUser, DefaultWorkdir: t.DefaultWorkdir, SnapshotID: ts.SnapshotID,
 		CreatedAt: now, StartedAt: now, EndAt: now,
 	}
 	if err := n.records.InsertNew(ctx, s); err != nil {

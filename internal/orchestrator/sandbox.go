@@ -100,7 +100,8 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 		}
 		if nerr == nil {
 			named, err = ns, nil
-			t = &Template{Name: ns.Name, VCPUs: ns.VCPUs, MemoryMiB: ns.MemoryMiB, DiskMiB: ns.DiskMiB, DefaultUser: ns.DefaultUser}
+			t = &Template{Name: ns.Name, VCPUs: ns.VCPUs, MemoryMiB: ns.MemoryMiB, DiskMiB: ns.DiskMiB, DefaultUser: ns.DefaultUser,
+				DefaultWorkdir: ns.DefaultWorkdir}
 			if (req.VCPUs != 0 && req.VCPUs != ns.VCPUs) || (req.MemoryMiB != 0 && req.MemoryMiB != ns.MemoryMiB) {
 				return nil, fmt.Errorf("%w: snapshot %s has %d vCPUs and %d MiB; its size cannot change", ErrInvalid, ns.Name, ns.VCPUs, ns.MemoryMiB)
 			}
@@ -133,25 +134,26 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 	}
 	now := time.Now().UTC().Truncate(time.Millisecond) // the precision stored
 	s := &sandboxes.Sandbox{
-		ID:            NewSandboxID(),
-		TemplateID:    t.Name,
-		State:         sandboxes.Creating,
-		VCPUs:         req.VCPUs,
-		MemoryMiB:     req.MemoryMiB,
-		DiskMiB:       max(req.DiskMiB, t.DiskMiB),
-		AllowInternet: internet,
-		Egress:        egress,
-		Secure:        req.Secure,
-		AutoPause:     req.AutoPause,
-		AutoResume:    req.AutoResume,
-		PublicTraffic: !req.PrivateTraffic,
-		TrafficToken:  newToken(),
-		DefaultUser:   t.DefaultUser,
-		Metadata:      req.Metadata,
-		EnvVars:       mergeEnv(t.EnvVars, req.EnvVars),
-		CreatedAt:     now,
-		StartedAt:     now,
-		EndAt:         now.Add(req.Timeout),
+		ID:             NewSandboxID(),
+		TemplateID:     t.Name,
+		State:          sandboxes.Creating,
+		VCPUs:          req.VCPUs,
+		MemoryMiB:      req.MemoryMiB,
+		DiskMiB:        max(req.DiskMiB, t.DiskMiB),
+		AllowInternet:  internet,
+		Egress:         egress,
+		Secure:         req.Secure,
+		AutoPause:      req.AutoPause,
+		AutoResume:     req.AutoResume,
+		PublicTraffic:  !req.PrivateTraffic,
+		TrafficToken:   newToken(),
+		DefaultUser:    t.DefaultUser,
+		DefaultWorkdir: t.DefaultWorkdir,
+		Metadata:       req.Metadata,
+		EnvVars:        mergeEnv(t.EnvVars, req.EnvVars),
+		CreatedAt:      now,
+		StartedAt:      now,
+		EndAt:          now.Add(req.Timeout),
 	}
 	if req.Secure {
 		s.AccessToken = newToken()
@@ -370,6 +372,9 @@ func initEnvdAs(ctx context.Context, addr string, s *sandboxes.Sandbox, authToke
 		} else {
 			body["defaultWorkdir"] = "/home/" + s.DefaultUser
 		}
+	}
+	if s.DefaultWorkdir != "" { // the template's last WORKDIR
+		body["defaultWorkdir"] = s.DefaultWorkdir
 	}
 	b, _ := json.Marshal(body)
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr+"/init", bytes.NewReader(b))

@@ -27,15 +27,17 @@ const namedSnapshotLabel = store.LabelSnapshot
 
 // NamedSnapshot is a user's snapshot of a sandbox.
 type NamedSnapshot struct {
-	Name        string    `json:"name"`
-	SnapshotID  string    `json:"snapshotID"`
-	SandboxID   string    `json:"sandboxID"`
-	TemplateID  string    `json:"templateID"`
-	VCPUs       int       `json:"vcpus"`
-	MemoryMiB   int       `json:"memoryMiB"`
-	DiskMiB     int       `json:"diskMiB"`
-	DefaultUser string    `json:"defaultUser"`
-	CreatedAt   time.Time `json:"createdAt"`
+	Name        string `json:"name"`
+	SnapshotID  string `json:"snapshotID"`
+	SandboxID   string `json:"sandboxID"`
+	TemplateID  string `json:"templateID"`
+	VCPUs       int    `json:"vcpus"`
+	MemoryMiB   int    `json:"memoryMiB"`
+	DiskMiB     int    `json:"diskMiB"`
+	DefaultUser string `json:"defaultUser"`
+	// DefaultWorkdir is the snapshotted sandbox's default directory.
+	DefaultWorkdir string    `json:"defaultWorkdir,omitempty"`
+	CreatedAt      time.Time `json:"createdAt"`
 	// accessToken is the token the snapshot's envd holds (kept in the
 	// record, which is readable by root only, never returned by the API).
 	AccessToken string `json:"accessToken,omitempty"`
@@ -111,7 +113,7 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 	defer c.lease.Drop(context.WithoutCancel(ctx)) // once the label below holds it
 	ns := &NamedSnapshot{
 		Name: name, SnapshotID: c.snapID, SandboxID: id, TemplateID: s.TemplateID, VCPUs: s.VCPUs,
-		MemoryMiB: s.MemoryMiB, DiskMiB: s.DiskMiB, DefaultUser: defaultUser,
+		MemoryMiB: s.MemoryMiB, DiskMiB: s.DiskMiB, DefaultUser: defaultUser, DefaultWorkdir: s.DefaultWorkdir,
 		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), AccessToken: s.AccessToken,
 		NoInternet: !s.AllowInternet, Egress: s.Egress,
 	}

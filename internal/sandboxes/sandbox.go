@@ -37,11 +37,14 @@ type Sandbox struct {
 	AccessToken   string
 	TrafficToken  string
 	DefaultUser   string
-	Metadata      map[string]string
-	EnvVars       map[string]string
-	CreatedAt     time.Time
-	StartedAt     time.Time
-	EndAt         time.Time
+	// DefaultWorkdir is where commands run unless they say otherwise ("":
+	// the default user's home).
+	DefaultWorkdir string
+	Metadata       map[string]string
+	EnvVars        map[string]string
+	CreatedAt      time.Time
+	StartedAt      time.Time
+	EndAt          time.Time
 	// MemFile, when set, is a frozen memory image (of a fork snapshot) the
 	// sandbox's RAM is mapped from, copy-on-write when MemPrivate; empty
 	// means the sandbox's own RAM file.

@@ -40,6 +40,9 @@ type Template struct {
 	MemoryMiB   int    `json:"memoryMiB"`
 	DiskMiB     int    `json:"diskMiB"`
 	DefaultUser string `json:"defaultUser"`
+	// DefaultWorkdir is where commands in its sandboxes run by default
+	// (its last WORKDIR; "": the default user's home).
+	DefaultWorkdir string `json:"defaultWorkdir,omitempty"`
 	// EnvdVersion is the envd version inside sandboxes of this template.
 	EnvdVersion string `json:"envdVersion"`
 	// EnvVars are set in every sandbox of the template (a create's own

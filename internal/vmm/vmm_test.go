@@ -152,3 +152,32 @@ func waitEvent(t *testing.T, q *QMP, name string) {
 		}
 	}
 }
+
+// TestJailThatCannotBeSetUpFailsTheStart: a jail step that cannot build
+// QEMU's mount namespace stops the start (QEMU never runs) with its reason.
+func TestJailThatCannotBeSetUpFailsTheStart(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (a mount namespace)")
+	}
+	if _, err := FindQEMU(""); err != nil {
+		t.Skip(err)
+	}
+	dir := t.TempDir()
+	for _, f := range []string{"vmlinuz", "initrd", "root.qcow2", "mem"} {
+		os.WriteFile(filepath.Join(dir, f), nil, 0o600)
+	}
+	c := Config{VCPUs: 1, MemoryMiB: 64, Kernel: filepath.Join(dir, "vmlinuz"), Initrd: filepath.Join(dir, "initrd"),
+		RootDisk: filepath.Join(dir, "root.qcow2"), MemFile: filepath.Join(dir, "mem"), RunDir: filepath.Join(dir, "run"),
+		Jail: Jail{Hide: filepath.Join(dir, "data"), Keep: []string{"/etc"}}} // a path outside what it hides
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	m, err := Start(ctx, c)
+	if err == nil {
+		m.Kill()
+		t.Fatal("started with a jail that cannot be set up")
+	}
+	t.Logf("start: %v", err)
+	if !strings.Contains(err.Error(), "aenv jail: mount namespace") || !strings.Contains(err.Error(), "not inside") {
+		t.Fatalf("error does not say why: %v", err)
+	}
+}

@@ -8,6 +8,7 @@ import os
 
 import httpx
 import pytest
+import pytest_asyncio
 
 TEMPLATE = os.environ.get("AENV_TEST_TEMPLATE", "base")
 
@@ -27,3 +28,32 @@ def api():
         timeout=60,
     ) as c:
         yield c
+
+
+@pytest.fixture
+def sandbox():
+    """A sandbox of the test template, killed afterwards whatever happens."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(TEMPLATE, timeout=300)
+    try:
+        yield sbx
+    finally:
+        try:
+            sbx.kill()
+        except Exception:
+            pass
+
+
+@pytest_asyncio.fixture
+async def async_sandbox():
+    from e2b import AsyncSandbox
+
+    sbx = await AsyncSandbox.create(TEMPLATE, timeout=300)
+    try:
+        yield sbx
+    finally:
+        try:
+            await sbx.kill()
+        except Exception:
+            pass

@@ -83,3 +83,25 @@ def test_upload_that_does_not_match_its_hash_is_refused(tmp_path, api):
         assert status.json()["status"] == "waiting", status.text
     finally:
         api.delete(f"/templates/{template_id}")
+
+
+def test_last_user_and_workdir_are_the_sandbox_defaults():
+    """A template's last USER and WORKDIR become its sandboxes' default
+    user and working directory (E2B's envd takes both in /init)."""
+    name = "py-defaults-" + format(int(time.time() * 1000), "x")
+    tpl = Template().from_template("base").set_user("root").set_workdir("/opt/x").run_cmd("touch made-here")
+    Template.build(tpl, name)
+    sbx = Sandbox.create(name, timeout=120)
+    try:
+        r = sbx.commands.run("whoami; pwd; ls made-here")
+        assert r.stdout == "root\n/opt/x\nmade-here\n"
+    finally:
+        sbx.kill()
+    # Only a WORKDIR: the base's user, in that directory.
+    name2 = name + "-wd"
+    Template.build(Template().from_template("base").set_workdir("/tmp/wd"), name2)
+    sbx = Sandbox.create(name2, timeout=120)
+    try:
+        assert sbx.commands.run("whoami; pwd").stdout == "user\n/tmp/wd\n"
+    finally:
+        sbx.kill()
