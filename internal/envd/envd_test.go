@@ -1401,6 +1401,21 @@ func TestTimeoutsEndStreamsWithDeadlineExceeded(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+	// A client that goes away before its timeout passes: the command
+	// still ends when it does (the SDK may close its side first).
+	early, leaveEarly := context.WithCancel(context.Background())
+	st = start(early, "timed-gone", "1500")
+	st.Receive()
+	leaveEarly()
+	for st.Receive() {
+	}
+	deadline = time.Now().Add(6 * time.Second)
+	for running("timed-gone") {
+		if time.Now().After(deadline) {
+			t.Fatal("a command whose client left outlived its timeout")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 	// A client that goes away (no timeout): the command runs on.
 	gone, leave := context.WithCancel(context.Background())
 	st = start(gone, "left", "")

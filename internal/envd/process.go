@@ -66,6 +66,48 @@ type proc struct {
 
 	exited  atomic.Bool
 	readers []*os.File
+
+	// deadline kills the process when the timeout its start request gave
+	// passes (Connect-Timeout-Ms), whether or not its client is still
+	// there, as upstream envd does.
+	deadlineMu sync.Mutex
+	deadline   *time.Timer
+}
+
+// killAfter kills p (its process group) after d, unless it exits first.
+func (p *proc) killAfter(d time.Duration) {
+	p.deadlineMu.Lock()
+	defer p.deadlineMu.Unlock()
+	if p.exited.Load() {
+		return
+	}
+	p.deadline = time.AfterFunc(d, func() {
+		p.deadlineMu.Lock()
+		defer p.deadlineMu.Unlock()
+		if !p.exited.Load() {
+			_ = p.signal(syscall.SIGKILL)
+		}
+	})
+}
+
+// exit marks p exited and stops its deadline.
+func (p *proc) exit() {
+	p.deadlineMu.Lock()
+	defer p.deadlineMu.Unlock()
+	p.exited.Store(true)
+	if p.deadline != nil {
+		p.deadline.Stop()
+	}
+}
+
+// requestTimeout is the timeout a connect request carries
+// (Connect-Timeout-Ms), 0 if none.
+func requestTimeout(h http.Header) time.Duration {
+	ms, err := strconv.ParseInt(h.Get("Connect-Timeout-Ms"), 10, 64)
+	if err != nil || ms <= 0 {
+		return 0
+	}
+	return time.Duration(ms) * time.Millisecond
 }
 
 type subscriber struct {
@@ -338,7 +380,7 @@ func (m *processManager) start(req *processpb.StartRequest, u *sysUser) (*proc, 
 	}
 	go func() {
 		werr := cmd.Wait()
-		p.exited.Store(true)
+		p.exit()
 		for _, r := range p.readers {
 			if err := r.SetReadDeadline(time.Now().Add(outputDrainAfterExitFor)); err != nil {
 				// Not pollable: closing is the only way to stop the reader.
@@ -483,15 +525,15 @@ func (ps *processService) Start(ctx context.Context, req *connect.Request[proces
 		return err
 	}
 	ps.s.log.Debug("process started", "pid", p.pid, "cmd", req.Msg.GetProcess().GetCmd(), "user", u.Name)
-	err = streamEvents(ctx, p, sub, keepaliveInterval(req.Header()), func(ev *processpb.ProcessEvent) error {
+	if d := requestTimeout(req.Header()); d > 0 {
+		// The command's timeout (as upstream envd): the process goes when
+		// it passes, its client connected or not. A client that only
+		// disconnects before leaves it running.
+		p.killAfter(d)
+	}
+	return streamEvents(ctx, p, sub, keepaliveInterval(req.Header()), func(ev *processpb.ProcessEvent) error {
 		return stream.Send(&processpb.StartResponse{Event: ev})
 	})
-	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		// The command's timeout (as upstream envd): the process goes with
-		// it. A client that only disconnects leaves it running.
-		_ = p.signal(syscall.SIGKILL)
-	}
-	return err
 }
 
 func (ps *processService) Connect(ctx context.Context, req *connect.Request[processpb.ConnectRequest], stream *connect.ServerStream[processpb.ConnectResponse]) error {

@@ -101,7 +101,17 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 	if err != nil {
 		return nil, err
 	}
-	t, err := n.Template(s.TemplateID)
+	// A sandbox made from a named snapshot names that snapshot as its
+	// template; a snapshot of it is made on the snapshot's own template
+	// (what its disk chain and a repository copy stand on).
+	templateID := s.TemplateID
+	t, err := n.Template(templateID)
+	if errors.Is(err, ErrNotFound) {
+		if base, berr := n.namedSnapshot(templateID); berr == nil {
+			templateID = base.TemplateID
+			t, err = n.Template(templateID)
+		}
+	}
 	defaultUser := s.DefaultUser
 	if err == nil && defaultUser == "" {
 		defaultUser = t.DefaultUser
@@ -112,7 +122,7 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 	}
 	defer c.lease.Drop(context.WithoutCancel(ctx)) // once the label below holds it
 	ns := &NamedSnapshot{
-		Name: name, SnapshotID: c.snapID, SandboxID: id, TemplateID: s.TemplateID, VCPUs: s.VCPUs,
+		Name: name, SnapshotID: c.snapID, SandboxID: id, TemplateID: templateID, VCPUs: s.VCPUs,
 		MemoryMiB: s.MemoryMiB, DiskMiB: s.DiskMiB, DefaultUser: defaultUser, DefaultWorkdir: s.DefaultWorkdir,
 		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), AccessToken: s.AccessToken,
 		NoInternet: !s.AllowInternet, Egress: s.Egress,

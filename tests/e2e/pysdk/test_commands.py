@@ -18,7 +18,8 @@ def test_run_output_and_exit_code(sandbox):
 
 
 def still_running(sbx, marker):
-    r = sbx.commands.run(f"pgrep -f {marker} >/dev/null && echo yes || echo no")
+    # "[s]leep ..." matches the command but not this shell's own command line.
+    r = sbx.commands.run(f"pgrep -f '[{marker[0]}]{marker[1:]}' >/dev/null && echo yes || echo no")
     return r.stdout.strip() == "yes"
 
 
@@ -28,7 +29,7 @@ def test_command_timeout_raises_and_kills_the_command(sandbox):
         sandbox.commands.run("sleep 31.5; touch /tmp/never", timeout=2)
     assert time.monotonic() - start < 20
     deadline = time.monotonic() + 10
-    while still_running(sandbox, "'sleep 31.5'"):
+    while still_running(sandbox, "sleep 31.5"):
         assert time.monotonic() < deadline, "the command outlived its timeout"
         time.sleep(0.2)
 
@@ -37,7 +38,7 @@ def test_background_command_outlives_its_handle(sandbox):
     h = sandbox.commands.run("sleep 32.5", background=True)
     h.disconnect()
     time.sleep(0.5)
-    assert still_running(sandbox, "'sleep 32.5'")
+    assert still_running(sandbox, "sleep 32.5")
     h2 = sandbox.commands.connect(h.pid)
     h2.kill()
 
@@ -47,7 +48,7 @@ async def test_async_command_timeout(async_sandbox):
     with pytest.raises(TimeoutException):
         await async_sandbox.commands.run("sleep 33.5", timeout=2)
     for _ in range(50):
-        r = await async_sandbox.commands.run("pgrep -f 'sleep 33.5' >/dev/null && echo yes || echo no")
+        r = await async_sandbox.commands.run("pgrep -f '[s]leep 33.5' >/dev/null && echo yes || echo no")
         if r.stdout.strip() == "no":
             break
         await asyncio.sleep(0.2)

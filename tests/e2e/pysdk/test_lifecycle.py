@@ -11,7 +11,7 @@ def test_info_reports_on_timeout(on_timeout):
     sbx = Sandbox.create(TEMPLATE, timeout=120, lifecycle={"on_timeout": on_timeout})
     try:
         info = sbx.get_info()
-        assert info.lifecycle is not None and info.lifecycle.on_timeout == on_timeout, info.lifecycle
+        assert info.lifecycle is not None and info.lifecycle["on_timeout"] == on_timeout, info.lifecycle
         assert info.state.value == "running"
     finally:
         sbx.kill()
