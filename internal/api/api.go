@@ -15,6 +15,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
@@ -95,15 +96,29 @@ type Config struct {
 
 // Server is the HTTP handler of a node's API.
 type Server struct {
-	cfg     Config
-	node    Node
-	mux     *http.ServeMux
-	log     *slog.Logger
-	handler http.Handler // serve, with request ids
+	cfg      Config
+	node     Node
+	mux      *http.ServeMux
+	patterns []string // the patterns registered on mux (Routes)
+	log      *slog.Logger
+	handler  http.Handler // serve, with request ids
 	// uploadKey signs build-file upload links (valid while this process
 	// runs).
 	uploadKey []byte
 }
+
+// route registers h for pattern ("METHOD /path").
+func (s *Server) route(pattern string, h http.Handler) {
+	s.patterns = append(s.patterns, pattern)
+	s.mux.Handle(pattern, h)
+}
+
+func (s *Server) routeFunc(pattern string, h func(http.ResponseWriter, *http.Request)) {
+	s.route(pattern, http.HandlerFunc(h))
+}
+
+// Routes are the patterns the server serves, "METHOD /path/{param}".
+func (s *Server) Routes() []string { return slices.Clone(s.patterns) }
 
 // HeaderNodeToken carries the cluster's node credential (gateway → node).
 const HeaderNodeToken = "X-Aenv-Node-Token"
@@ -140,36 +155,36 @@ func New(node Node, cfg Config) (*Server, error) {
 
 func (s *Server) routes() {
 	auth := s.requireKey
-	s.mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
-	s.mux.HandleFunc("GET /openapi.yml", serveOpenAPI)
+	s.routeFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
+	s.routeFunc("GET /openapi.yml", serveOpenAPI)
 	// POST /sandboxes is E2B's older create (secure only when asked);
 	// POST /v2/sandboxes, used by current SDKs, creates secure sandboxes
 	// unless "secure": false is sent.
-	s.mux.Handle("POST /sandboxes", auth(s.createSandbox(false)))
-	s.mux.Handle("POST /v2/sandboxes", auth(s.createSandbox(true)))
-	s.mux.Handle("GET /sandboxes", auth(s.listSandboxes))
-	s.mux.Handle("GET /v2/sandboxes", auth(s.listSandboxesV2))
-	s.mux.Handle("GET /sandboxes/{id}", auth(s.getSandbox))
-	s.mux.Handle("DELETE /sandboxes/{id}", auth(s.killSandbox))
-	s.mux.Handle("POST /sandboxes/{id}/timeout", auth(s.setTimeout))
-	s.mux.Handle("POST /sandboxes/{id}/refreshes", auth(s.refresh))
-	s.mux.Handle("POST /sandboxes/{id}/connect", auth(s.connectSandbox))
-	s.mux.Handle("POST /v2/sandboxes/{id}/connect", auth(s.connectSandbox))
-	s.mux.Handle("GET /sandboxes/{id}/metrics", auth(s.sandboxMetrics))
-	s.mux.Handle("GET /sandboxes/{id}/logs", auth(s.sandboxLogs))
-	s.mux.Handle("GET /snapshots", auth(s.listSnapshots))
-	s.mux.Handle("GET /metrics", s.nodeMetrics())
+	s.route("POST /sandboxes", auth(s.createSandbox(false)))
+	s.route("POST /v2/sandboxes", auth(s.createSandbox(true)))
+	s.route("GET /sandboxes", auth(s.listSandboxes))
+	s.route("GET /v2/sandboxes", auth(s.listSandboxesV2))
+	s.route("GET /sandboxes/{id}", auth(s.getSandbox))
+	s.route("DELETE /sandboxes/{id}", auth(s.killSandbox))
+	s.route("POST /sandboxes/{id}/timeout", auth(s.setTimeout))
+	s.route("POST /sandboxes/{id}/refreshes", auth(s.refresh))
+	s.route("POST /sandboxes/{id}/connect", auth(s.connectSandbox))
+	s.route("POST /v2/sandboxes/{id}/connect", auth(s.connectSandbox))
+	s.route("GET /sandboxes/{id}/metrics", auth(s.sandboxMetrics))
+	s.route("GET /sandboxes/{id}/logs", auth(s.sandboxLogs))
+	s.route("GET /snapshots", auth(s.listSnapshots))
+	s.route("GET /metrics", s.nodeMetrics())
 	if s.cfg.PeerChunks != nil {
-		s.mux.Handle("GET /v1/chunks/{sum}", s.cfg.PeerChunks)
+		s.route("GET /v1/chunks/{sum}", s.cfg.PeerChunks)
 	}
 	s.templateRoutes()
-	s.mux.Handle("POST /sandboxes/{id}/pause", auth(s.pauseSandbox))
-	s.mux.Handle("POST /sandboxes/{id}/resume", auth(s.resumeSandbox))
-	s.mux.Handle("POST /sandboxes/{id}/fork", auth(s.forkSandbox))
-	s.mux.Handle("POST /sandboxes/{id}/snapshots", auth(s.createSnapshot))
-	s.mux.Handle("DELETE /snapshots/{name}", auth(s.deleteSnapshot))
-	s.mux.Handle("PUT /sandboxes/{id}/network", auth(s.updateNetwork))
-	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+	s.route("POST /sandboxes/{id}/pause", auth(s.pauseSandbox))
+	s.route("POST /sandboxes/{id}/resume", auth(s.resumeSandbox))
+	s.route("POST /sandboxes/{id}/fork", auth(s.forkSandbox))
+	s.route("POST /sandboxes/{id}/snapshots", auth(s.createSnapshot))
+	s.route("DELETE /snapshots/{name}", auth(s.deleteSnapshot))
+	s.route("PUT /sandboxes/{id}/network", auth(s.updateNetwork))
+	s.routeFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
 	})
 }

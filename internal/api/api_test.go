@@ -10,9 +10,12 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
+
+	"go.yaml.in/yaml/v3"
 
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/proxy"
@@ -828,4 +831,58 @@ func TestSnapshotListAndDelete(t *testing.T) {
 		t.Fatalf("after delete: %v", ids)
 	}
 	assertError(t, a.do("DELETE", "/templates/snap-2", ""), http.StatusNotFound)
+}
+
+// TestOpenAPIMatchesTheRoutes: every operation of openapi.yml is a route
+// the server serves, with that method, and every route the server serves
+// is in the document (path parameters compared by position).
+func TestOpenAPIMatchesTheRoutes(t *testing.T) {
+	a := newTestAPI(t)
+	var doc struct {
+		Paths map[string]map[string]yaml.Node `yaml:"paths"`
+	}
+	if err := yaml.Unmarshal(OpenAPISpec, &doc); err != nil {
+		t.Fatal(err)
+	}
+	norm := func(p string) string { return regexp.MustCompile(`\{[^}]+\}`).ReplaceAllString(p, "{}") }
+	documented := map[string]bool{}
+	elsewhere := map[string]bool{}
+	for path, ops := range doc.Paths {
+		for method, node := range ops {
+			if method == "parameters" {
+				continue
+			}
+			var op struct {
+				ServedBy string `yaml:"x-served-by"` // gateway, peers: not by every node
+			}
+			if err := node.Decode(&op); err != nil {
+				t.Fatalf("%s %s: %v", method, path, err)
+			}
+			key := strings.ToUpper(method) + " " + norm(path)
+			if op.ServedBy != "" {
+				elsewhere[key] = true
+			} else {
+				documented[key] = true
+			}
+		}
+	}
+	served := map[string]bool{}
+	for _, r := range a.srv.Routes() {
+		method, path, ok := strings.Cut(r, " ")
+		if !ok {
+			continue // the catch-all answering unknown routes
+		}
+		path = strings.Replace(path, "{rest...}", "{}", 1)
+		served[method+" "+norm(path)] = true
+	}
+	for op := range documented {
+		if !served[op] {
+			t.Errorf("openapi.yml documents %s, which the server does not serve", op)
+		}
+	}
+	for op := range served {
+		if !documented[op] && !elsewhere[op] {
+			t.Errorf("the server serves %s, which openapi.yml does not document", op)
+		}
+	}
 }

@@ -17,16 +17,16 @@ import (
 
 func (s *Server) templateRoutes() {
 	auth := s.requireKey
-	s.mux.Handle("POST /v3/templates", auth(s.requestBuild))
-	s.mux.Handle("POST /v2/templates/{templateID}/builds/{buildID}", auth(s.startBuild))
-	s.mux.Handle("GET /templates/{templateID}/builds/{buildID}/status", auth(s.buildStatus))
-	s.mux.Handle("GET /templates/{templateID}/files/{hash}", auth(s.fileUploadLink))
+	s.route("POST /v3/templates", auth(s.requestBuild))
+	s.route("POST /v2/templates/{templateID}/builds/{buildID}", auth(s.startBuild))
+	s.route("GET /templates/{templateID}/builds/{buildID}/status", auth(s.buildStatus))
+	s.route("GET /templates/{templateID}/files/{hash}", auth(s.fileUploadLink))
 	// The upload itself is authorised by the signature in the link.
-	s.mux.HandleFunc("PUT /templates/{templateID}/files/{hash}/upload", s.uploadBuildFiles)
-	s.mux.Handle("GET /templates/aliases/{alias}", auth(s.templateAlias))
-	s.mux.Handle("GET /templates", auth(s.listTemplates))
-	s.mux.Handle("GET /v2/templates", auth(s.listTemplates))
-	s.mux.Handle("DELETE /templates/{templateID}", auth(s.deleteTemplate))
+	s.routeFunc("PUT /templates/{templateID}/files/{hash}/upload", s.uploadBuildFiles)
+	s.route("GET /templates/aliases/{alias}", auth(s.templateAlias))
+	s.route("GET /templates", auth(s.listTemplates))
+	s.route("GET /v2/templates", auth(s.listTemplates))
+	s.route("DELETE /templates/{templateID}", auth(s.deleteTemplate))
 }
 
 // requestBuild implements POST /v3/templates.
