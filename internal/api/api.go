@@ -5,6 +5,7 @@
 package api
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -361,6 +362,10 @@ func decodeBody(r *http.Request, v any) error {
 	}
 	if len(body) == 0 {
 		return nil
+	}
+	if t := bytes.TrimSpace(body); len(t) > 0 && t[0] != '{' {
+		// null, a list or a scalar: every body of this API is an object.
+		return errors.New("the body must be a JSON object")
 	}
 	if err := json.Unmarshal(body, v); err != nil {
 		var te *json.UnmarshalTypeError

@@ -557,6 +557,10 @@ func (s *Server) listSandboxesV2(w http.ResponseWriter, r *http.Request) {
 	}
 	states := map[string]bool{}
 	for _, v := range q["state"] {
+		if strings.Trim(v, ", ") == "" {
+			writeError(w, http.StatusBadRequest, "state must name running, paused or both")
+			return
+		}
 		for _, st := range strings.Split(v, ",") {
 			switch st {
 			case "running", "paused":
@@ -573,14 +577,15 @@ func (s *Server) listSandboxesV2(w http.ResponseWriter, r *http.Request) {
 	}
 	template := q.Get("template")
 	var startedAfter time.Time
-	if v := q.Get("startedAfter"); v != "" {
+	if q.Has("startedAfter") {
+		v := q.Get("startedAfter")
 		if startedAfter, err = time.Parse(time.RFC3339Nano, v); err != nil {
 			writeError(w, http.StatusBadRequest, "startedAfter must be an RFC 3339 time")
 			return
 		}
 	}
-	switch q.Get("order") {
-	case "", "desc":
+	switch order := q.Get("order"); {
+	case order == "desc", order == "" && !q.Has("order"):
 	default:
 		writeError(w, http.StatusBadRequest, "order: only desc (newest first) is supported")
 		return

@@ -51,12 +51,24 @@ func (s *Server) requestBuild(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, "name is required")
 		return
 	}
-	cpu, mem := 0, 0
+	cpu, mem := 0, 0 // 0: the node's defaults
 	if req.CPUCount != nil {
-		cpu = *req.CPUCount
+		if cpu = *req.CPUCount; cpu < 1 {
+			writeError(w, http.StatusBadRequest, "cpuCount must be at least 1")
+			return
+		}
 	}
 	if req.MemoryMB != nil {
-		mem = *req.MemoryMB
+		if mem = *req.MemoryMB; mem < 128 {
+			writeError(w, http.StatusBadRequest, "memoryMB must be at least 128")
+			return
+		}
+	}
+	for _, tag := range req.Tags {
+		if tag == "" {
+			writeError(w, http.StatusBadRequest, "tags must be non-empty strings")
+			return
+		}
 	}
 	rec, err := s.node.RequestBuild(name, cpu, mem)
 	if err != nil {
