@@ -8,7 +8,7 @@ from e2b.template.utils import calculate_files_hash, tar_file_stream
 
 
 def make_context(tmp_path):
-    (tmp_path / "app.txt").write_text("copied from the client\n")
+    (tmp_path / "app.txt").write_text("copied by the Python SDK\n")
     site = tmp_path / "site"
     (site / "css").mkdir(parents=True)
     (site / "index.html").write_text("<h1>hi</h1>\n")
@@ -37,7 +37,7 @@ def test_build_with_copies_then_rebuild_skips_uploads(tmp_path):
     sbx = Sandbox.create(name, timeout=120)
     try:
         r = sbx.commands.run("cat /app/app.txt /srv/site/index.html /srv/site/css/a.css; run.sh; stat -c %a /usr/local/bin/run.sh")
-        assert r.stdout == "copied from the client\n<h1>hi</h1>\nh1{}\nran\n755\n"
+        assert r.stdout == "copied by the Python SDK\n<h1>hi</h1>\nh1{}\nran\n755\n"
     finally:
         sbx.kill()
 
