@@ -62,6 +62,19 @@ func ValidName(name string) error {
 // Create makes a new key named name and returns it: the only time the key
 // exists outside its holder's hands. A name in use is ErrConflict.
 func (k *Keys) Create(ctx context.Context, name string) (string, error) {
+	key, err := newKey(name)
+	if err != nil {
+		return "", err
+	}
+	if err := k.Add(ctx, name, sha256.Sum256([]byte(key))); err != nil {
+		return "", err
+	}
+	return key, nil
+}
+
+// newKey checks a new key's name and makes the key (20 random bytes, in
+// the form the E2B SDKs accept).
+func newKey(name string) (string, error) {
 	if err := ValidName(name); err != nil {
 		return "", err
 	}
@@ -69,11 +82,7 @@ func (k *Keys) Create(ctx context.Context, name string) (string, error) {
 	if _, err := rand.Read(raw); err != nil {
 		return "", err
 	}
-	key := "e2b_" + hex.EncodeToString(raw)
-	if err := k.Add(ctx, name, sha256.Sum256([]byte(key))); err != nil {
-		return "", err
-	}
-	return key, nil
+	return "e2b_" + hex.EncodeToString(raw), nil
 }
 
 // Add stores the hash of a key made elsewhere (an older node's only key).

@@ -2,7 +2,6 @@ package apikeys
 
 import (
 	"context"
-	"crypto/rand"
 	"crypto/sha256"
 	"crypto/subtle"
 	"encoding/hex"
@@ -142,15 +141,11 @@ func (f *File) List(ctx context.Context) ([]Key, error) {
 // Create makes a new key named name, keeps its hash and returns it. A name
 // in use is ErrConflict.
 func (f *File) Create(ctx context.Context, name string) (string, error) {
-	if err := ValidName(name); err != nil {
+	key, err := newKey(name)
+	if err != nil {
 		return "", err
 	}
-	raw := make([]byte, 20)
-	if _, err := rand.Read(raw); err != nil {
-		return "", err
-	}
-	key := "e2b_" + hex.EncodeToString(raw)
-	err := f.edit(func(keys []fileKey) ([]fileKey, error) {
+	err = f.edit(func(keys []fileKey) ([]fileKey, error) {
 		for _, k := range keys {
 			if k.name == name {
 				return nil, fmt.Errorf("%w: a key named %q exists", errkind.ErrConflict, name)

@@ -31,6 +31,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/errkind"
+	"github.com/agentenv/agentenv/internal/store"
 )
 
 // HashRE is the form of a files hash: lowercase hex, as a SHA-256 is.
@@ -248,16 +249,11 @@ func exists(p string) bool {
 
 // digest is "sha256:" and the hex SHA-256 of a file's bytes.
 func digest(p string) (string, error) {
-	f, err := os.Open(p)
+	sum, err := store.FileSHA256(p)
 	if err != nil {
 		return "", err
 	}
-	defer f.Close()
-	h := sha256.New()
-	if _, err := io.Copy(h, f); err != nil {
-		return "", err
-	}
-	return "sha256:" + hex.EncodeToString(h.Sum(nil)), nil
+	return "sha256:" + sum, nil
 }
 
 // Mode bits of the file types, as stat(2) reports them and the SDKs hash them.

@@ -1394,13 +1394,18 @@ func TestTimeoutsEndStreamsWithDeadlineExceeded(t *testing.T) {
 	if connect.CodeOf(st.Err()) != connect.CodeDeadlineExceeded {
 		t.Fatalf("stream ended with %v, want deadline_exceeded", st.Err())
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for running("timed") {
-		if time.Now().After(deadline) {
-			t.Fatal("the command outlived its timeout")
+	// gone waits (up to within) for the command tagged tag to be gone.
+	gone := func(tag string, within time.Duration, why string) {
+		t.Helper()
+		deadline := time.Now().Add(within)
+		for running(tag) {
+			if time.Now().After(deadline) {
+				t.Fatal(why)
+			}
+			time.Sleep(50 * time.Millisecond)
 		}
-		time.Sleep(50 * time.Millisecond)
 	}
+	gone("timed", 5*time.Second, "the command outlived its timeout")
 	// A client that goes away before its timeout passes: the command
 	// still ends when it does (the SDK may close its side first).
 	early, leaveEarly := context.WithCancel(context.Background())
@@ -1409,16 +1414,10 @@ func TestTimeoutsEndStreamsWithDeadlineExceeded(t *testing.T) {
 	leaveEarly()
 	for st.Receive() {
 	}
-	deadline = time.Now().Add(6 * time.Second)
-	for running("timed-gone") {
-		if time.Now().After(deadline) {
-			t.Fatal("a command whose client left outlived its timeout")
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	gone("timed-gone", 6*time.Second, "a command whose client left outlived its timeout")
 	// A client that goes away (no timeout): the command runs on.
-	gone, leave := context.WithCancel(context.Background())
-	st = start(gone, "left", "")
+	away, leave := context.WithCancel(context.Background())
+	st = start(away, "left", "")
 	st.Receive()
 	leave()
 	for st.Receive() {

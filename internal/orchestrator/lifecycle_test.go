@@ -130,13 +130,11 @@ func TestQEMUDeathIsNoticed(t *testing.T) {
 	assertGone(t, n, s)
 }
 
-// TestInternetAccessSwitch stands up an "internet" host in a network
-// namespace of its own, reachable from the host only by routing, and checks
-// that a default sandbox reaches it while one created with internet access
-// off does not.
-func TestInternetAccessSwitch(t *testing.T) {
-	n := testNode(t)
-	const ns, hostIf = "aetstinet", "aetstinet0"
+// testHost makes a test host: network namespace ns, linked to the host by
+// the veth pair hostIf/eth0, the host end at hostIP and the namespace end at
+// nsIP (both /30), its default route through the host. It goes with the test.
+func testHost(t *testing.T, ns, hostIf, hostIP, nsIP string) {
+	t.Helper()
 	sh := func(args ...string) {
 		t.Helper()
 		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
@@ -151,12 +149,22 @@ func TestInternetAccessSwitch(t *testing.T) {
 		exec.Command("ip", "link", "del", hostIf).Run()
 	})
 	sh("ip", "link", "add", hostIf, "type", "veth", "peer", "name", "eth0", "netns", ns)
-	sh("ip", "addr", "add", "10.216.0.1/30", "dev", hostIf)
+	sh("ip", "addr", "add", hostIP+"/30", "dev", hostIf)
 	sh("ip", "link", "set", hostIf, "up")
-	sh("ip", "-n", ns, "addr", "add", "10.216.0.2/30", "dev", "eth0")
+	sh("ip", "-n", ns, "addr", "add", nsIP+"/30", "dev", "eth0")
 	sh("ip", "-n", ns, "link", "set", "eth0", "up")
 	sh("ip", "-n", ns, "link", "set", "lo", "up")
-	sh("ip", "-n", ns, "route", "add", "default", "via", "10.216.0.1")
+	sh("ip", "-n", ns, "route", "add", "default", "via", hostIP)
+}
+
+// TestInternetAccessSwitch stands up an "internet" host in a network
+// namespace of its own, reachable from the host only by routing, and checks
+// that a default sandbox reaches it while one created with internet access
+// off does not.
+func TestInternetAccessSwitch(t *testing.T) {
+	n := testNode(t)
+	const ns = "aetstinet"
+	testHost(t, ns, "aetstinet0", "10.216.0.1", "10.216.0.2")
 	srv := exec.Command("ip", "netns", "exec", ns, "python3", "-c", `
 import socket
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -391,26 +399,7 @@ func TestGuestDomainRules(t *testing.T) {
 			n.Close()
 		}
 	})
-	sh := func(args ...string) {
-		t.Helper()
-		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
-			t.Fatalf("%v: %v %s", args, err, out)
-		}
-	}
-	exec.Command("ip", "netns", "del", ns).Run()
-	exec.Command("ip", "link", "del", hostIf).Run()
-	sh("ip", "netns", "add", ns)
-	t.Cleanup(func() {
-		exec.Command("ip", "netns", "del", ns).Run()
-		exec.Command("ip", "link", "del", hostIf).Run()
-	})
-	sh("ip", "link", "add", hostIf, "type", "veth", "peer", "name", "eth0", "netns", ns)
-	sh("ip", "addr", "add", "10.216.1.1/30", "dev", hostIf)
-	sh("ip", "link", "set", hostIf, "up")
-	sh("ip", "-n", ns, "addr", "add", world+"/30", "dev", "eth0")
-	sh("ip", "-n", ns, "link", "set", "eth0", "up")
-	sh("ip", "-n", ns, "link", "set", "lo", "up")
-	sh("ip", "-n", ns, "route", "add", "default", "via", "10.216.1.1")
+	testHost(t, ns, hostIf, "10.216.1.1", world)
 	// The test host: a web server answering with the Host asked for, and a
 	// resolver answering every A query with its own address.
 	srv := exec.Command("ip", "netns", "exec", ns, "python3", "-c", `
