@@ -31,7 +31,6 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/errkind"
-	"github.com/agentenv/agentenv/internal/store"
 )
 
 // HashRE is the form of a files hash: lowercase hex, as a SHA-256 is.
@@ -247,13 +246,20 @@ func exists(p string) bool {
 	return err == nil
 }
 
-// digest is "sha256:" and the hex SHA-256 of a file's bytes.
+// digest is "sha256:" and the hex SHA-256 of a file's bytes. (Not
+// store.FileSHA256: this package is part of the aenv client, which builds
+// for darwin, and package store is Linux-only.)
 func digest(p string) (string, error) {
-	sum, err := store.FileSHA256(p)
+	f, err := os.Open(p)
 	if err != nil {
 		return "", err
 	}
-	return "sha256:" + sum, nil
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		return "", err
+	}
+	return "sha256:" + hex.EncodeToString(h.Sum(nil)), nil
 }
 
 // Mode bits of the file types, as stat(2) reports them and the SDKs hash them.
