@@ -14,6 +14,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/codeinterpreter"
 	"github.com/agentenv/agentenv/internal/datadir"
 	"github.com/agentenv/agentenv/internal/store"
 	"github.com/agentenv/agentenv/internal/templates"
@@ -40,7 +41,9 @@ func setupCmd() *cobra.Command {
   1. check the host tools (QEMU, qemu-img, nftables, iproute2, debootstrap)
   2. fetch the Debian cloud kernel package and unpack it
   3. build the initramfs holding envd (our in-guest daemon and PID 1) and the kernel modules it needs
-  4. build the templates (base: Debian bookworm with bash, python3, git, curl; minimal: busybox)`,
+  4. build the templates (base: Debian bookworm with bash, python3, git, curl; minimal: busybox;
+     code-interpreter: base with ipykernel, numpy, pandas, matplotlib and the code-interpreter
+     server, as template code-interpreter-v1)`,
 		Example: `  aenv setup --data-dir /var/lib/aenv
   aenv setup --templates base,minimal --envd ./bin/envd`,
 		Args: cobra.NoArgs,
@@ -50,7 +53,7 @@ func setupCmd() *cobra.Command {
 	}
 	dataDirFlag(cmd, &o.dataDir)
 	cmd.Flags().StringVar(&o.envd, "envd", "", "static envd binary to put in the initramfs (default: envd next to the aenv binary)")
-	cmd.Flags().StringSliceVar(&o.templates, "templates", []string{"base"}, "templates to build: base, minimal")
+	cmd.Flags().StringSliceVar(&o.templates, "templates", []string{"base"}, "templates to build: base, minimal, code-interpreter")
 	cmd.Flags().BoolVar(&o.rebuild, "rebuild", false, "rebuild templates that already exist")
 	return cmd
 }
@@ -73,8 +76,8 @@ func runSetup(ctx context.Context, out io.Writer, o setupOptions) error {
 		return errors.New("aenv setup must run as root")
 	}
 	for _, t := range o.templates {
-		if t != "base" && t != "minimal" {
-			return fmt.Errorf("unknown template kind %q (want base or minimal)", t)
+		if _, ok := setupTemplates[t]; !ok {
+			return fmt.Errorf("unknown template kind %q (want base, minimal or code-interpreter)", t)
 		}
 	}
 	lock, err := datadir.Acquire(o.dataDir, "aenv setup")
@@ -125,14 +128,18 @@ func runSetup(ctx context.Context, out io.Writer, o setupOptions) error {
 		return err
 	}
 	defer closeCat()
-	for i, name := range o.templates {
-		done = step(out, 4+i, total, "building template "+name)
-		if _, err := cat.Get(ctx, name); err == nil && !o.rebuild {
-			logf("template %s already built (use --rebuild to build it again)", name)
-			_ = done(nil)
-			continue
+	for i, kind := range o.templates {
+		st := setupTemplates[kind]
+		done = step(out, 4+i, total, "building template "+st.template.Name)
+		if t, err := cat.Get(ctx, st.template.Name); err == nil && !o.rebuild {
+			if m, err := guest.ReadManifest(strings.TrimSuffix(t.RootDisk, ".qcow2")); err == nil && m.Recipe == st.rootfs.Recipe() {
+				logf("template %s already built (use --rebuild to build it again)", st.template.Name)
+				_ = done(nil)
+				continue
+			}
+			logf("template %s was built from another recipe (packages or files changed): building it again", st.template.Name)
 		}
-		if err := done(buildTemplate(ctx, cat, name, k.Version, logf)); err != nil {
+		if err := done(buildTemplate(ctx, cat, st, k.Version, logf)); err != nil {
 			return err
 		}
 	}
@@ -140,10 +147,41 @@ func runSetup(ctx context.Context, out io.Writer, o setupOptions) error {
 	return nil
 }
 
-// buildTemplate builds template name's root file system and installs it
-// as a layer named by its content (a rebuild moves the template's label;
-// what used the old build keeps it).
-func buildTemplate(ctx context.Context, cat *templates.Catalog, name, kernelVersion string, logf func(string, ...any)) error {
+// setupTemplate is a template aenv setup builds: its root file system and
+// its definition.
+type setupTemplate struct {
+	rootfs   guest.RootfsSpec
+	template templates.Template
+}
+
+// setupTemplates are the templates aenv setup builds, by kind.
+var setupTemplates = map[string]setupTemplate{
+	"base": {
+		rootfs:   guest.RootfsSpec{Kind: guest.RootfsBase},
+		template: templates.Template{Name: "base", DefaultUser: "user", VCPUs: 2, MemoryMiB: 512},
+	},
+	"minimal": {
+		rootfs:   guest.RootfsSpec{Kind: guest.RootfsMinimal},
+		template: templates.Template{Name: "minimal", DefaultUser: "user", VCPUs: 1, MemoryMiB: 256},
+	},
+	// The code-interpreter SDKs' default template: base with Jupyter's
+	// kernel and the data libraries, and AgentENV's server on port 49999
+	// running (and warmed up) in the template's snapshot.
+	"code-interpreter": {
+		rootfs: guest.RootfsSpec{Kind: guest.RootfsBase, ExtraPackages: codeinterpreter.Packages,
+			ExtraFiles: []guest.File{{Path: codeinterpreter.ServerPath, Mode: 0o644, Data: codeinterpreter.Server}}},
+		template: templates.Template{Name: codeinterpreter.TemplateName, DefaultUser: codeinterpreter.User,
+			VCPUs: codeinterpreter.VCPUs, MemoryMiB: codeinterpreter.MemoryMiB,
+			StartCmd: codeinterpreter.StartCmd, ReadyCmd: codeinterpreter.ReadyCmd,
+			StartUser: codeinterpreter.User, StartCwd: codeinterpreter.Cwd},
+	},
+}
+
+// buildTemplate builds a template's root file system and installs it as a
+// layer named by its content (a rebuild moves the template's label; what
+// used the old build keeps it).
+func buildTemplate(ctx context.Context, cat *templates.Catalog, st setupTemplate, kernelVersion string, logf func(string, ...any)) error {
+	name := st.template.Name
 	tmp, err := os.CreateTemp(cat.Store().Abs(store.LayersDir), ".setup-"+name+"-*.qcow2")
 	if err != nil {
 		return err
@@ -153,15 +191,12 @@ func buildTemplate(ctx context.Context, cat *templates.Catalog, name, kernelVers
 	os.Remove(layer)
 	defer os.Remove(layer)
 	defer os.Remove(guest.ManifestPath(layer))
-	if err := guest.BuildRootfs(ctx, guest.RootfsSpec{Kind: name, KernelVersion: kernelVersion}, layer, logf); err != nil {
+	spec := st.rootfs
+	spec.KernelVersion = kernelVersion
+	if err := guest.BuildRootfs(ctx, spec, layer, logf); err != nil {
 		return err
 	}
-	t := templates.Template{Name: name, DefaultUser: "user", VCPUs: 2, MemoryMiB: 512}
-	if name == "minimal" {
-		t.MemoryMiB = 256
-		t.VCPUs = 1
-	}
-	installed, err := cat.InstallFile(ctx, t, layer)
+	installed, err := cat.InstallFile(ctx, st.template, layer)
 	if err != nil {
 		return err
 	}
@@ -183,10 +218,10 @@ func checkTools(templates []string) error {
 		"mkfs.ext4":          "e2fsprogs",
 	}
 	for _, t := range templates {
-		switch t {
-		case "base":
+		switch setupTemplates[t].rootfs.Kind {
+		case guest.RootfsBase:
 			need["debootstrap"] = "debootstrap"
-		case "minimal":
+		case guest.RootfsMinimal:
 			need["busybox"] = "busybox-static"
 		}
 	}

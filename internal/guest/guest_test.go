@@ -340,3 +340,26 @@ func TestHostTSCkHz(t *testing.T) {
 		t.Error("TimingParams(0) not empty")
 	}
 }
+
+func TestRecipeTellsBuildsApart(t *testing.T) {
+	file := File{Path: "/usr/local/bin/x", Mode: 0o755, Data: []byte("v1")}
+	base := RootfsSpec{Kind: RootfsBase, ExtraPackages: []string{"jq"}, ExtraFiles: []File{file}}
+	same := base
+	same.Suite, same.Hostname, same.SizeMiB = "bookworm", "other", 4096 // not what the image holds
+	if base.Recipe() != same.Recipe() {
+		t.Fatal("settings that do not change the image changed the recipe")
+	}
+	changed := map[string]RootfsSpec{
+		"kind":         {Kind: RootfsMinimal},
+		"suite":        {Kind: RootfsBase, Suite: "trixie", ExtraPackages: []string{"jq"}, ExtraFiles: []File{file}},
+		"package":      {Kind: RootfsBase, ExtraPackages: []string{"jq", "git"}, ExtraFiles: []File{file}},
+		"file content": {Kind: RootfsBase, ExtraPackages: []string{"jq"}, ExtraFiles: []File{{Path: file.Path, Mode: file.Mode, Data: []byte("v2")}}},
+		"file mode":    {Kind: RootfsBase, ExtraPackages: []string{"jq"}, ExtraFiles: []File{{Path: file.Path, Mode: 0o644, Data: file.Data}}},
+		"file path":    {Kind: RootfsBase, ExtraPackages: []string{"jq"}, ExtraFiles: []File{{Path: "/y", Mode: file.Mode, Data: file.Data}}},
+	}
+	for what, spec := range changed {
+		if spec.Recipe() == base.Recipe() {
+			t.Errorf("another %s, same recipe", what)
+		}
+	}
+}

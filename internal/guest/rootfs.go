@@ -34,25 +34,57 @@ type RootfsSpec struct {
 	Suite         string   // Debian suite for base, default "bookworm"
 	Mirror        string   // Debian mirror URL for base; default: read from /etc/apt/sources.list(.d)
 	ExtraPackages []string // added to BasePackages (base only)
+	ExtraFiles    []File   // written into the tree last (base only)
 	Hostname      string   // written to /etc/hostname, default "aenv"
 	KernelVersion string   // recorded in the manifest
 	SizeMiB       int      // filesystem size; default: content*1.3 + 256 MiB
 	WorkDir       string   // where the tree and raw image are assembled; default: beside out
 }
 
+// Recipe names what an image built from spec holds: its kind, suite,
+// packages and extra files (contents and modes), so that a changed recipe
+// can be told from the manifest of an older build.
+func (spec RootfsSpec) Recipe() string {
+	h := sha256.New()
+	suite := spec.Suite
+	if suite == "" {
+		suite = "bookworm"
+	}
+	fmt.Fprintf(h, "kind %q\nsuite %q\n", spec.Kind, suite)
+	if spec.Kind == RootfsBase {
+		for _, p := range append(append([]string{}, BasePackages...), spec.ExtraPackages...) {
+			fmt.Fprintf(h, "package %q\n", p)
+		}
+		for _, f := range spec.ExtraFiles {
+			fmt.Fprintf(h, "file %q %o %x\n", f.Path, f.Mode.Perm(), sha256.Sum256(f.Data))
+		}
+	}
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+// File is a file added to a root filesystem, owned by root.
+type File struct {
+	Path string // absolute, in the guest
+	Mode fs.FileMode
+	Data []byte
+}
+
 // RootfsManifest is written next to a built image as <image>.json.
 type RootfsManifest struct {
-	Kind          string    `json:"kind"`
-	Format        string    `json:"format"`
-	KernelVersion string    `json:"kernelVersion,omitempty"`
-	Suite         string    `json:"suite,omitempty"`
-	Packages      []string  `json:"packages,omitempty"`
-	SizeBytes     int64     `json:"sizeBytes"`
-	VirtualBytes  int64     `json:"virtualBytes"`
-	ContentBytes  int64     `json:"contentBytes"`
-	SHA256        string    `json:"sha256"`
-	Created       time.Time `json:"created"`
-	BuildSeconds  float64   `json:"buildSeconds"`
+	Kind          string   `json:"kind"`
+	Format        string   `json:"format"`
+	KernelVersion string   `json:"kernelVersion,omitempty"`
+	Suite         string   `json:"suite,omitempty"`
+	Packages      []string `json:"packages,omitempty"`
+	// Recipe is the spec's Recipe(): a build of another recipe is out of
+	// date.
+	Recipe       string    `json:"recipe,omitempty"`
+	SizeBytes    int64     `json:"sizeBytes"`
+	VirtualBytes int64     `json:"virtualBytes"`
+	ContentBytes int64     `json:"contentBytes"`
+	SHA256       string    `json:"sha256"`
+	Created      time.Time `json:"created"`
+	BuildSeconds float64   `json:"buildSeconds"`
 }
 
 // ManifestPath is where BuildRootfs records the manifest of image out.
@@ -164,7 +196,7 @@ func BuildRootfs(ctx context.Context, spec RootfsSpec, out string, log func(stri
 		Kind: spec.Kind, Format: "qcow2", KernelVersion: spec.KernelVersion,
 		SizeBytes: size, VirtualBytes: int64(sizeMiB) << 20, ContentBytes: content,
 		SHA256: sum, Created: time.Now().UTC().Truncate(time.Second),
-		BuildSeconds: time.Since(start).Seconds(),
+		BuildSeconds: time.Since(start).Seconds(), Recipe: spec.Recipe(),
 	}
 	if spec.Kind == RootfsBase {
 		m.Suite, m.Packages = spec.Suite, pkgs
@@ -189,10 +221,22 @@ func buildBaseTree(ctx context.Context, spec RootfsSpec, pkgs []string, tree str
 			return err
 		}
 	}
-	log("debootstrap %s from %s (packages: %s)", spec.Suite, mirror, strings.Join(pkgs, ","))
-	cmd := exec.CommandContext(ctx, "debootstrap", "--variant=minbase", "--include="+strings.Join(pkgs, ","), spec.Suite, tree, mirror)
+	// debootstrap resolves --include's dependencies only roughly (packages
+	// such as python3-zmq fail to configure when pulled in there): it
+	// installs the base packages, apt-get in the tree the extra ones.
+	base, extra := pkgs, []string(nil)
+	if len(pkgs) > len(BasePackages) {
+		base, extra = pkgs[:len(BasePackages)], pkgs[len(BasePackages):]
+	}
+	log("debootstrap %s (packages: %s)", spec.Suite, strings.Join(base, ","))
+	cmd := exec.CommandContext(ctx, "debootstrap", "--variant=minbase", "--include="+strings.Join(base, ","), spec.Suite, tree, mirror)
 	if err := runLogged(cmd, log, 2*time.Second); err != nil {
 		return err
+	}
+	if len(extra) > 0 {
+		if err := aptInstall(ctx, tree, extra, log); err != nil {
+			return err
+		}
 	}
 	const uid = "1000"
 	steps := [][]string{
@@ -223,12 +267,59 @@ func buildBaseTree(ctx context.Context, spec RootfsSpec, pkgs []string, tree str
 	if err := os.Chmod(filepath.Join(tree, "etc/sudoers.d/user"), 0o440); err != nil {
 		return err
 	}
+	for _, f := range spec.ExtraFiles {
+		rel := filepath.Clean(strings.TrimPrefix(f.Path, "/"))
+		if !filepath.IsAbs(f.Path) || rel == "." || strings.HasPrefix(rel, "..") {
+			return fmt.Errorf("extra file %q: want an absolute path in the guest", f.Path)
+		}
+		p := filepath.Join(tree, rel)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			return err
+		}
+		if err := os.WriteFile(p, f.Data, f.Mode.Perm()); err != nil {
+			return fmt.Errorf("write %s: %w", f.Path, err)
+		}
+		if err := os.Chmod(p, f.Mode.Perm()); err != nil {
+			return err
+		}
+	}
 	// Per-machine identity and caches that must not be shared by every sandbox.
 	_ = os.WriteFile(filepath.Join(tree, "etc/machine-id"), nil, 0o444)
 	for _, g := range []string{"var/lib/apt/lists/*_*", "var/cache/apt/*.bin", "var/log/*.log", "var/log/apt/*"} {
 		ms, _ := filepath.Glob(filepath.Join(tree, g))
 		for _, m := range ms {
 			_ = os.RemoveAll(m)
+		}
+	}
+	return nil
+}
+
+// aptInstall installs pkgs into a debootstrapped tree with its own apt
+// (the sources debootstrap wrote, the host's resolver), starting no
+// services.
+func aptInstall(ctx context.Context, tree string, pkgs []string, log func(string, ...any)) error {
+	log("apt-get install in the tree: %s", strings.Join(pkgs, ","))
+	policy := filepath.Join(tree, "usr/sbin/policy-rc.d")
+	if err := os.WriteFile(policy, []byte("#!/bin/sh\nexit 101\n"), 0o755); err != nil {
+		return err
+	}
+	defer os.Remove(policy)
+	if b, err := os.ReadFile("/etc/resolv.conf"); err == nil {
+		resolv := filepath.Join(tree, "etc/resolv.conf")
+		_ = os.Remove(resolv)
+		if err := os.WriteFile(resolv, b, 0o644); err != nil {
+			return err
+		}
+	}
+	env := append(os.Environ(), "DEBIAN_FRONTEND=noninteractive", "LC_ALL=C")
+	for _, args := range [][]string{
+		{"apt-get", "update", "-q"},
+		append([]string{"apt-get", "install", "-y", "-q", "--no-install-recommends"}, pkgs...),
+	} {
+		cmd := exec.CommandContext(ctx, "chroot", append([]string{tree}, args...)...)
+		cmd.Env = env
+		if err := runLogged(cmd, log, 5*time.Second); err != nil {
+			return fmt.Errorf("%s: %w", strings.Join(args[:2], " "), err)
 		}
 	}
 	return nil

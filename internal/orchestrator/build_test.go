@@ -98,6 +98,17 @@ func TestBuildTemplate(t *testing.T) {
 		t.Fatalf("sandbox of the built template: %+v %v, want %q", out, err, want)
 	}
 	n.Kill(ctx, s.ID)
+	// A size its template snapshot does not have boots cold: the start
+	// command runs there too.
+	cold := create(t, n, CreateRequest{TemplateID: "built", MemoryMiB: s.MemoryMiB + 64})
+	if !strings.Contains(strings.Join(phaseNames(cold), ","), "guest boot") {
+		t.Fatalf("the other size did not boot cold: phases %v", phaseNames(cold))
+	}
+	out, err = newEnvdClient(cold).run(ctx, "", "/bin/sh", "-c", "cat /tmp/started; ps | grep -q '[s]leep 100000' && echo running")
+	if err != nil || out.stdout != "started\nrunning\n" {
+		t.Fatalf("cold-booted sandbox of the built template: %+v %v", out, err)
+	}
+	n.Kill(ctx, cold.ID)
 
 	// Change the last step: everything before it comes from the cache.
 	spec.Steps = append(append([]builds.Step{}, steps[:5]...), builds.Step{Type: "RUN", Args: []string{"echo v2 > /app/version"}})

@@ -232,6 +232,12 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 		err = o.Do("restore", func(ctx context.Context) error { return n.restoreTemplate(ctx, s, ts, "") })
 	default:
 		err = o.Do("boot", func(ctx context.Context) error { return n.boot(ctx, s, t) })
+		if err == nil && t.StartCmd != "" && !req.noSnapshot {
+			// Its template snapshot has the start command running; a
+			// sandbox booted cold (another size, or no snapshot yet)
+			// starts it itself.
+			err = o.Do("start command", func(ctx context.Context) error { return n.startAndWaitReady(ctx, n.withAddr(s), t) })
+		}
 	}
 	if err != nil {
 		n.log.Warn("create failed, cleaning up", "sandbox", s.ID, "err", err)

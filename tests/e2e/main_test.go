@@ -28,6 +28,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/codeinterpreter"
 	"github.com/agentenv/agentenv/internal/templates"
 )
 
@@ -173,8 +174,21 @@ func prepareDataDir(testData, dataDir string) error {
 			return err
 		}
 	}
+	// The code-interpreter template, when the test data dir has it
+	// (scripts/test builds it; the tests that need it fail under CI
+	// without it).
+	if _, err := cat.Get(context.Background(), codeinterpreter.TemplateName); err == nil {
+		if err := cat.Export(context.Background(), codeinterpreter.TemplateName, filepath.Join(dataDir, templates.LegacyDir, codeinterpreter.TemplateName)); err != nil {
+			return err
+		}
+		haveCodeInterpreter = true
+	}
 	return nil
 }
+
+// haveCodeInterpreter is whether the server has the code-interpreter
+// template.
+var haveCodeInterpreter bool
 
 func (s *server) log() string {
 	b, _ := os.ReadFile(s.logPath)

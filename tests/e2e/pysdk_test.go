@@ -38,6 +38,9 @@ func TestOfficialPythonSDK(t *testing.T) {
 		"NO_COLOR=1",
 		"PYTHONDONTWRITEBYTECODE=1",
 	)
+	if haveCodeInterpreter {
+		cmd.Env = append(cmd.Env, "AENV_CODE_INTERPRETER=1")
+	}
 	out, err := cmd.CombinedOutput()
 	t.Logf("pytest pysdk (%s):\n%s", time.Since(start).Round(time.Millisecond), out)
 	if err != nil {

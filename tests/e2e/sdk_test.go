@@ -2,7 +2,8 @@ package e2e
 
 import (
 	"context"
-	"encoding/json"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"os"
 	"os/exec"
@@ -14,21 +15,27 @@ import (
 	"time"
 )
 
-// sdkVersion is the E2B JS SDK the compatibility tests pin (sdk/package.json).
-const sdkVersion = "2.51.0"
-
-// installSDK makes sure e2b@sdkVersion is installed under the test data dir
-// (AENV_TEST_DATA_DIR/npm/e2b-<version>, reused between runs) and returns
+// installSDK makes sure the JS SDKs pinned in sdk/package.json (e2b and
+// @e2b/code-interpreter) are installed under the test data dir, in
+// AENV_TEST_DATA_DIR/npm/e2b-sdk-<hash of package.json> (scripts/test
+// installs the same one; a change of pins makes a new one), and returns
 // that directory. The install happens in a temporary directory that is
-// renamed into place, so a broken install is never reused.
+// renamed into place and marked complete, so a broken install is never
+// reused.
 func installSDK(t *testing.T) string {
 	t.Helper()
 	npm, err := exec.LookPath("npm")
 	if err != nil {
 		t.Skip("npm is not installed: the E2B SDK compatibility tests need node and npm")
 	}
-	dir := filepath.Join(os.Getenv("AENV_TEST_DATA_DIR"), "npm", "e2b-"+sdkVersion)
-	if installedVersion(dir) == sdkVersion {
+	pkg, err := os.ReadFile(filepath.Join("sdk", "package.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := sha256.Sum256(pkg)
+	dir := filepath.Join(os.Getenv("AENV_TEST_DATA_DIR"), "npm", "e2b-sdk-"+hex.EncodeToString(sum[:])[:12])
+	complete := func() bool { _, err := os.Stat(filepath.Join(dir, ".complete")); return err == nil }
+	if complete() {
 		return dir
 	}
 	if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
@@ -43,7 +50,7 @@ func installSDK(t *testing.T) string {
 	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
 		t.Fatal(err)
 	}
-	if installedVersion(dir) == sdkVersion {
+	if complete() {
 		return dir
 	}
 	tmp, err := os.MkdirTemp(filepath.Dir(dir), ".install-")
@@ -51,10 +58,6 @@ func installSDK(t *testing.T) string {
 		t.Fatal(err)
 	}
 	defer os.RemoveAll(tmp)
-	pkg, err := os.ReadFile(filepath.Join("sdk", "package.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
 	if err := os.WriteFile(filepath.Join(tmp, "package.json"), pkg, 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -64,27 +67,17 @@ func installSDK(t *testing.T) string {
 	cmd := exec.CommandContext(ctx, npm, "install", "--no-audit", "--no-fund", "--loglevel=error")
 	cmd.Dir = tmp
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("npm install e2b@%s: %v\n%s", sdkVersion, err, out)
+		t.Fatalf("npm install (sdk/package.json): %v\n%s", err, out)
 	}
-	if v := installedVersion(tmp); v != sdkVersion {
-		t.Fatalf("npm installed e2b %q, want %s", v, sdkVersion)
+	if err := os.WriteFile(filepath.Join(tmp, ".complete"), nil, 0o644); err != nil {
+		t.Fatal(err)
 	}
 	os.RemoveAll(dir)
 	if err := os.Rename(tmp, dir); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("installed e2b@%s into %s in %s", sdkVersion, dir, time.Since(start).Round(time.Millisecond))
+	t.Logf("installed sdk/package.json into %s in %s", dir, time.Since(start).Round(time.Millisecond))
 	return dir
-}
-
-func installedVersion(dir string) string {
-	b, err := os.ReadFile(filepath.Join(dir, "node_modules", "e2b", "package.json"))
-	if err != nil {
-		return ""
-	}
-	var p struct{ Version string }
-	_ = json.Unmarshal(b, &p)
-	return p.Version
 }
 
 // TestOfficialJSSDK runs sdk/*.test.cjs with node's test runner against the
@@ -127,6 +120,9 @@ func runSDKFile(t *testing.T, node, sdkDir, file, url string, serverLog func() s
 		"NO_COLOR=1",
 		fmt.Sprintf("UV_THREADPOOL_SIZE=%d", max(4, runtime.NumCPU())),
 	)
+	if haveCodeInterpreter {
+		cmd.Env = append(cmd.Env, "AENV_CODE_INTERPRETER=1")
+	}
 	out, err := cmd.CombinedOutput()
 	t.Logf("node --test %s (%s):\n%s", filepath.Base(file), time.Since(start).Round(time.Millisecond), out)
 	if err != nil {
