@@ -29,6 +29,7 @@ import (
 	"github.com/agentenv/agentenv/internal/proxy"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage/lazy"
+	"github.com/agentenv/agentenv/internal/templates"
 )
 
 // Node is what the API needs from the orchestrator: the sandboxes, their
@@ -42,10 +43,11 @@ type Node interface {
 	List(ctx context.Context) ([]*sandboxes.Sandbox, error)
 	Kill(ctx context.Context, id string) error
 	SetTimeout(ctx context.Context, id string, d time.Duration) (*sandboxes.Sandbox, error)
-	// Pause stops a running sandbox and keeps it on disk; Resume brings it
-	// back (timeout 0: the node default).
+	// Pause stops a running sandbox and keeps it on disk (PauseFilesystem:
+	// its disk only); ResumeWith brings it back.
 	Pause(ctx context.Context, id string) (*sandboxes.Sandbox, error)
-	Resume(ctx context.Context, id string, timeout time.Duration) (*sandboxes.Sandbox, error)
+	PauseFilesystem(ctx context.Context, id string) (*sandboxes.Sandbox, error)
+	ResumeWith(ctx context.Context, id string, opts orchestrator.ResumeOptions) (*sandboxes.Sandbox, error)
 	// Fork clones a running sandbox into count children (timeout 0: the
 	// node default).
 	Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]orchestrator.ForkResult, error)
@@ -59,12 +61,15 @@ type Node interface {
 	ConsoleLog(ctx context.Context, id string, maxBytes int64) ([]byte, error)
 	// The E2B template API: POST /v3/templates, file uploads, POST
 	// /v2/templates/{id}/builds/{build}, status polling, deletion.
-	RequestBuild(name string, vcpus, memMiB int) (*builds.Record, error)
+	RequestBuild(name string, tags []string, vcpus, memMiB int) (*builds.Record, error)
 	StartBuild(templateID, buildID string, spec builds.Spec) error
 	Build(templateID, buildID string) (*builds.Record, error)
 	Template(name string) (*orchestrator.Template, error)
 	Templates() ([]*orchestrator.Template, error)
 	DeleteTemplate(ctx context.Context, name string) error
+	// Catalog is the node's templates, whose tags the template tag routes
+	// read and change.
+	Catalog() *templates.Catalog
 	DataDir() string
 	BuildFiles() *buildfiles.Store
 	Memory(ctx context.Context) (*orchestrator.NodeMemory, error)
@@ -417,7 +422,7 @@ func routeOf(sb *sandboxes.Sandbox) proxy.Route {
 // Resume implements proxy.Resumer with the node's Resume (node default
 // timeout); a sandbox some other request resumed first is fine.
 func (res Resolver) Resume(ctx context.Context, id string) (proxy.Route, error) {
-	sb, err := res.Node.Resume(ctx, id, 0)
+	sb, err := res.Node.ResumeWith(ctx, id, orchestrator.ResumeOptions{Auto: true})
 	if errors.Is(err, orchestrator.ErrConflict) {
 		sb, err = res.Node.Get(ctx, id)
 	}

@@ -257,8 +257,9 @@ func TestBadInputChangesNothing(t *testing.T) {
 		{"list bad metadata", "GET", "/v2/sandboxes?metadata=" + url.QueryEscape("a=%zz"), ``, 400},
 		{"metrics bad start", "GET", "/sandboxes/sbx1/metrics?start=abc", ``, 400},
 		{"logs bad limit", "GET", "/sandboxes/sbx1/logs?limit=-1", ``, 400},
-		{"pause without memory", "POST", "/sandboxes/sbx1/pause", `{"memory":false}`, 400},
 		{"pause malformed", "POST", "/sandboxes/sbx1/pause", `{"memory":"yes"}`, 400},
+		{"connect memory malformed", "POST", "/sandboxes/sbx1/connect", `{"memory":"no"}`, 400},
+		{"resume memory malformed", "POST", "/sandboxes/sbx1/resume", `{"memory":1}`, 400},
 		{"pause unknown", "POST", "/sandboxes/nope/pause", ``, 404},
 		{"resume running", "POST", "/sandboxes/sbx1/resume", `{}`, 409},
 		{"resume bad timeout", "POST", "/sandboxes/sbx1/resume", `{"timeout":-1}`, 400},
@@ -447,6 +448,15 @@ func TestListV2(t *testing.T) {
 	}
 	a.node.sandboxes["s1"].Metadata["odd"] = "a b/c&d=e%"
 	a.node.add(&sandboxes.Sandbox{ID: "p0", State: sandboxes.Paused, StartedAt: base.Add(-time.Second), Metadata: map[string]string{"team": "a"}})
+	// The node's own sandboxes (a template snapshot's boot) are no user's.
+	a.node.add(&sandboxes.Sandbox{ID: "i0", TemplateID: "base", StartedAt: base, EndAt: base.Add(2 * time.Hour),
+		Metadata: map[string]string{sandboxes.MetaInternal: "template snapshot", "team": "a"}})
+	if rec := a.do("GET", "/sandboxes", ""); strings.Contains(rec.Body.String(), `"i0"`) {
+		t.Errorf("GET /sandboxes lists the node's own sandbox: %s", rec.Body)
+	}
+	if rec := a.do("POST", "/sandboxes", `{"templateID":"base","metadata":{"aenv.internal":"x"}}`); rec.Code != 400 {
+		t.Errorf("create with the reserved metadata key: %d %s", rec.Code, rec.Body)
+	}
 	list := func(q string) ([]string, string) {
 		rec := a.do("GET", "/v2/sandboxes?"+q, "")
 		if rec.Code != 200 {

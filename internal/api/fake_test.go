@@ -14,6 +14,7 @@ import (
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage/lazy"
+	"github.com/agentenv/agentenv/internal/templates"
 )
 
 // fakeNode is an in-memory Node for testing the API layer alone.
@@ -152,7 +153,13 @@ func (f *fakeNode) Pause(ctx context.Context, id string) (*sandboxes.Sandbox, er
 	return &cp, nil
 }
 
-func (f *fakeNode) Resume(ctx context.Context, id string, timeout time.Duration) (*sandboxes.Sandbox, error) {
+// PauseFilesystem pauses as Pause does (the fake keeps no memory anyway).
+func (f *fakeNode) PauseFilesystem(ctx context.Context, id string) (*sandboxes.Sandbox, error) {
+	return f.Pause(ctx, id)
+}
+
+func (f *fakeNode) ResumeWith(ctx context.Context, id string, opts orchestrator.ResumeOptions) (*sandboxes.Sandbox, error) {
+	timeout := opts.Timeout
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	sb, ok := f.sandboxes[id]
@@ -236,7 +243,7 @@ func (f *fakeNode) DeleteSnapshot(ctx context.Context, name string) error {
 	}
 	return fmt.Errorf("%w: snapshot %q", orchestrator.ErrNotFound, name)
 }
-func (f *fakeNode) RequestBuild(name string, vcpus, memMiB int) (*builds.Record, error) {
+func (f *fakeNode) RequestBuild(name string, tags []string, vcpus, memMiB int) (*builds.Record, error) {
 	return nil, fmt.Errorf("%w: the fake node builds nothing", orchestrator.ErrConflict)
 }
 func (f *fakeNode) StartBuild(templateID, buildID string, spec builds.Spec) error {
@@ -253,6 +260,10 @@ func (f *fakeNode) DeleteTemplate(ctx context.Context, name string) error {
 	return fmt.Errorf("%w: template %q", orchestrator.ErrNotFound, name)
 }
 func (f *fakeNode) DataDir() string { return fakeDataDir }
+
+// Catalog: the fake node has no template store (the tag routes are tested
+// on a real node, tests/e2e).
+func (f *fakeNode) Catalog() *templates.Catalog { return nil }
 func (f *fakeNode) BuildFiles() *buildfiles.Store {
 	f.mu.Lock()
 	defer f.mu.Unlock()

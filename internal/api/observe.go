@@ -28,16 +28,17 @@ func (s *Server) connectSandbox(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	secs, present, err := decodeSeconds(r, "timeout", maxTimeoutSeconds)
+	secs, present, memory, err := decodeResume(r)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
+	opts := orchestrator.ResumeOptions{Timeout: time.Duration(secs) * time.Second, Reboot: !memory}
 	sb, err := s.node.Get(r.Context(), id)
 	if errors.Is(err, orchestrator.ErrNotFound) {
 		// Not on this node: in a cluster it may be paused in shared
 		// storage by a node that died, which resume adopts (404 if not).
-		s.resume(w, r, id, time.Duration(secs)*time.Second)
+		s.resume(w, r, id, opts)
 		return
 	}
 	if err != nil {
@@ -47,7 +48,7 @@ func (s *Server) connectSandbox(w http.ResponseWriter, r *http.Request) {
 	switch sb.State {
 	case sandboxes.Running:
 	case sandboxes.Paused:
-		s.resume(w, r, id, time.Duration(secs)*time.Second)
+		s.resume(w, r, id, opts)
 		return
 	default:
 		writeError(w, http.StatusConflict, fmt.Sprintf("sandbox %s is %s", id, sb.State))
@@ -71,16 +72,20 @@ func (s *Server) pauseSandbox(w http.ResponseWriter, r *http.Request) {
 	}
 	var body struct {
 		Memory *bool `json:"memory"`
+		// requireHealthyGuest: a pause with memory does not ask envd;
+		// one without it always needs envd to answer (it syncs the
+		// guest's disks first), as E2B's does.
+		RequireHealthyGuest *bool `json:"requireHealthyGuest"`
 	}
 	if err := decodeBody(r, &body); err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
+	pause := s.node.Pause
 	if body.Memory != nil && !*body.Memory {
-		writeError(w, http.StatusBadRequest, "memory=false (filesystem-only pause) is not supported on this node; pauses keep memory")
-		return
+		pause = s.node.PauseFilesystem
 	}
-	if _, err := s.node.Pause(r.Context(), id); err != nil {
+	if _, err := pause(r.Context(), id); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
@@ -94,18 +99,37 @@ func (s *Server) resumeSandbox(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	secs, _, err := decodeSeconds(r, "timeout", maxTimeoutSeconds)
+	secs, _, memory, err := decodeResume(r)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	s.resume(w, r, id, time.Duration(secs)*time.Second)
+	s.resume(w, r, id, orchestrator.ResumeOptions{Timeout: time.Duration(secs) * time.Second, Reboot: !memory})
 }
 
-// resume resumes a paused sandbox (timeout 0: the node default) and answers
-// 201 with its Sandbox object.
-func (s *Server) resume(w http.ResponseWriter, r *http.Request, id string, timeout time.Duration) {
-	sb, err := s.node.Resume(r.Context(), id, timeout)
+// decodeResume reads a connect or resume body: {timeout, memory} (memory
+// false: boot again from the disk, E2B's on_resume "reboot").
+func decodeResume(r *http.Request) (secs int64, present, memory bool, err error) {
+	var body map[string]json.RawMessage
+	if err := decodeBody(r, &body); err != nil {
+		return 0, false, false, err
+	}
+	secs, present, err = secondsField(body, "timeout", maxTimeoutSeconds)
+	if err != nil {
+		return 0, false, false, err
+	}
+	memory = true
+	if raw, ok := body["memory"]; ok && string(raw) != "null" {
+		if err := json.Unmarshal(raw, &memory); err != nil {
+			return 0, false, false, errors.New("memory must be a boolean")
+		}
+	}
+	return secs, present, memory, nil
+}
+
+// resume resumes a paused sandbox and answers 201 with its Sandbox object.
+func (s *Server) resume(w http.ResponseWriter, r *http.Request, id string, opts orchestrator.ResumeOptions) {
+	sb, err := s.node.ResumeWith(r.Context(), id, opts)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return

@@ -215,6 +215,9 @@ func (req *createSandboxRequest) toCreateRequest(secureDefault bool) (orchestrat
 	if len(req.TemplateID) > 128 || !templateIDPattern.MatchString(req.TemplateID) {
 		return cr, fmt.Errorf("invalid templateID %q", truncate(req.TemplateID, 64))
 	}
+	if _, ok := req.Metadata[sandboxes.MetaInternal]; ok {
+		return cr, fmt.Errorf("metadata key %q is reserved for the node's own sandboxes", sandboxes.MetaInternal)
+	}
 	if err := checkMap("metadata", req.Metadata, maxMetadataEntries, maxMetadataBytes); err != nil {
 		return cr, err
 	}
@@ -235,14 +238,19 @@ func (req *createSandboxRequest) toCreateRequest(secureDefault bool) (orchestrat
 	if req.IAM != nil && len(req.IAM.Tokens) > 0 {
 		return cr, errors.New("iam tokens are not supported on this node")
 	}
+	fsPause := req.AutoPauseMemory != nil && !*req.AutoPauseMemory
+	if fsPause && req.AutoResume != nil && req.AutoResume.Enabled {
+		return cr, errors.New("autoPauseMemory false (lifecycle mode filesystem) cannot be combined with autoResume: traffic does not reboot a sandbox")
+	}
 	cr = orchestrator.CreateRequest{
-		TemplateID:    req.TemplateID,
-		AutoPause:     req.AutoPause == nil || *req.AutoPause,
-		Secure:        secureDefault,
-		AllowInternet: req.AllowInternetAccess,
-		Metadata:      req.Metadata,
-		EnvVars:       req.EnvVars,
-		AutoResume:    req.AutoResume != nil && req.AutoResume.Enabled,
+		TemplateID:          req.TemplateID,
+		AutoPause:           req.AutoPause == nil || *req.AutoPause,
+		AutoPauseFilesystem: fsPause,
+		Secure:              secureDefault,
+		AllowInternet:       req.AllowInternetAccess,
+		Metadata:            req.Metadata,
+		EnvVars:             req.EnvVars,
+		AutoResume:          req.AutoResume != nil && req.AutoResume.Enabled,
 	}
 	if req.Secure != nil {
 		cr.Secure = *req.Secure
@@ -452,6 +460,11 @@ func decodeSeconds(r *http.Request, field string, maxSecs int64) (secs int64, pr
 	if err := decodeBody(r, &body); err != nil {
 		return 0, false, err
 	}
+	return secondsField(body, field, maxSecs)
+}
+
+// secondsField reads field of a decoded body as whole seconds.
+func secondsField(body map[string]json.RawMessage, field string, maxSecs int64) (secs int64, present bool, err error) {
 	raw, ok := body[field]
 	if !ok || string(raw) == "null" {
 		return 0, false, nil
@@ -535,7 +548,7 @@ func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 	}
 	out := []sandboxDetailJSON{}
 	for _, sb := range all {
-		if sb.State == sandboxes.Running && matchMetadata(sb.Metadata, filter) {
+		if sb.State == sandboxes.Running && !sb.Internal() && matchMetadata(sb.Metadata, filter) {
 			out = append(out, s.detailBody(sb))
 		}
 	}
@@ -625,7 +638,7 @@ func (s *Server) listSandboxesV2(w http.ResponseWriter, r *http.Request) {
 	more := false
 	for _, sb := range all {
 		d := s.detailBody(sb)
-		if !states[d.State] || !matchMetadata(sb.Metadata, filter) ||
+		if sb.Internal() || !states[d.State] || !matchMetadata(sb.Metadata, filter) ||
 			(template != "" && sb.TemplateID != template) ||
 			(!startedAfter.IsZero() && !sb.StartedAt.After(startedAfter)) {
 			continue

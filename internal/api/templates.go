@@ -23,10 +23,85 @@ func (s *Server) templateRoutes() {
 	s.route("GET /templates/{templateID}/files/{hash}", auth(s.fileUploadLink))
 	// The upload itself is authorised by the signature in the link.
 	s.routeFunc("PUT /templates/{templateID}/files/{hash}/upload", s.uploadBuildFiles)
-	s.route("GET /templates/aliases/{alias}", auth(s.templateAlias))
+	// GET /templates/aliases/{alias} and GET /templates/{templateID}/tags
+	// overlap (/templates/aliases/tags): one mux pattern serves both, a
+	// template named "aliases" has no tags route.
+	s.patterns = append(s.patterns, "GET /templates/aliases/{alias}", "GET /templates/{templateID}/tags")
+	s.mux.Handle("GET /templates/{first}/{second}", auth(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch first, second := r.PathValue("first"), r.PathValue("second"); {
+		case first == "aliases":
+			r.SetPathValue("alias", second)
+			s.templateAlias(w, r)
+		case second == "tags":
+			r.SetPathValue("templateID", first)
+			s.templateTags(w, r)
+		default:
+			writeError(w, http.StatusNotFound, "no route GET "+r.URL.Path)
+		}
+	})))
 	s.route("GET /templates", auth(s.listTemplates))
 	s.route("GET /v2/templates", auth(s.listTemplates))
 	s.route("DELETE /templates/{templateID}", auth(s.deleteTemplate))
+	s.route("POST /templates/tags", auth(s.assignTemplateTags))
+	s.route("DELETE /templates/tags", auth(s.removeTemplateTags))
+}
+
+// assignTemplateTags implements POST /templates/tags: tags point at the
+// build target ("name" or "name:tag") is.
+func (s *Server) assignTemplateTags(w http.ResponseWriter, r *http.Request) {
+	var req struct {
+		Target string   `json:"target"`
+		Tags   []string `json:"tags"`
+	}
+	if err := decodeBody(r, &req); err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	if req.Target == "" {
+		writeError(w, http.StatusBadRequest, "target is required (\"name\" or \"name:tag\")")
+		return
+	}
+	t, err := s.node.Catalog().AssignTags(r.Context(), req.Target, req.Tags)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, map[string]any{"tags": req.Tags, "buildID": t.BuildRef()})
+}
+
+// removeTemplateTags implements DELETE /templates/tags.
+func (s *Server) removeTemplateTags(w http.ResponseWriter, r *http.Request) {
+	var req struct {
+		Name string   `json:"name"`
+		Tags []string `json:"tags"`
+	}
+	if err := decodeBody(r, &req); err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	if req.Name == "" {
+		writeError(w, http.StatusBadRequest, "name is required")
+		return
+	}
+	if err := s.node.Catalog().RemoveTags(r.Context(), req.Name, req.Tags); err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// templateTags implements GET /templates/{templateID}/tags.
+func (s *Server) templateTags(w http.ResponseWriter, r *http.Request) {
+	tags, err := s.node.Catalog().Tags(r.Context(), r.PathValue("templateID"))
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	out := make([]map[string]any, 0, len(tags))
+	for _, t := range tags {
+		out = append(out, map[string]any{"tag": t.Tag, "buildID": t.BuildRef(), "createdAt": t.UpdatedAt})
+	}
+	writeJSON(w, http.StatusOK, out)
 }
 
 // requestBuild implements POST /v3/templates.
@@ -64,18 +139,12 @@ func (s *Server) requestBuild(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	for _, tag := range req.Tags {
-		if tag == "" {
-			writeError(w, http.StatusBadRequest, "tags must be non-empty strings")
-			return
-		}
-	}
-	rec, err := s.node.RequestBuild(name, cpu, mem)
+	rec, err := s.node.RequestBuild(name, req.Tags, cpu, mem)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
-	tags := req.Tags
+	tags := rec.Tags
 	if tags == nil {
 		tags = []string{}
 	}

@@ -85,6 +85,10 @@ type Spec struct {
 	MemoryMiB    int
 	// Force ignores every cached layer.
 	Force bool
+	// BuildID is the build's record, and Tags the tags pointed at it once
+	// it is ready.
+	BuildID string
+	Tags    []string
 }
 
 // Logger receives a build's log lines.
@@ -248,7 +252,7 @@ func (bs *Builds) Run(ctx context.Context, spec Spec, logf Logger) (err error) {
 	// snapshots of an earlier build keep theirs).
 	t := templates.Template{Name: spec.Template, Layer: parentID, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB, DiskMiB: from.DiskMiB,
 		DefaultUser: from.DefaultUser, DefaultWorkdir: from.DefaultWorkdir, EnvVars: state.env, StartCmd: spec.StartCmd,
-		ReadyCmd: spec.ReadyCmd, StartUser: state.user, StartCwd: state.cwd}
+		ReadyCmd: spec.ReadyCmd, StartUser: state.user, StartCwd: state.cwd, BuildID: spec.BuildID}
 	if state.userSet {
 		t.DefaultUser = state.user
 		if !state.cwdSet {
@@ -289,6 +293,18 @@ func (bs *Builds) Run(ctx context.Context, spec Spec, logf Logger) (err error) {
 	logf("info", "", fmt.Sprintf("template %s built in %s; snapshotting it", spec.Template, time.Since(start).Round(time.Millisecond)))
 	if err := o.Do("template-snapshot", func(ctx context.Context) error { return bs.host.PrepareTemplateSnapshot(ctx, spec.Template) }); err != nil {
 		return fmt.Errorf("snapshot the built template: %w", err)
+	}
+	if len(spec.Tags) > 0 {
+		if err := o.Do("tags", func(ctx context.Context) error {
+			built, err := bs.cat.Get(ctx, spec.Template)
+			if err != nil {
+				return err
+			}
+			return bs.st.Tx(ctx, func(tx *sql.Tx) error { return templates.SetTags(tx, *built, spec.Tags) })
+		}); err != nil {
+			return err
+		}
+		logf("info", "", fmt.Sprintf("tagged %s", strings.Join(spec.Tags, ", ")))
 	}
 	bs.host.RefillTemplatePool(spec.Template)
 	logf("info", "", fmt.Sprintf("template %s ready in %s", spec.Template, time.Since(start).Round(time.Millisecond)))

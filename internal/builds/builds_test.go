@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -80,7 +81,7 @@ func TestStartChecksCopyFiles(t *testing.T) {
 		{"never uploaded", strings.Repeat("1", 64), false, "not uploaded"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			rec, err := bs.Request("app", 0, 0)
+			rec, err := bs.Request("app", nil, 0, 0)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -133,24 +134,38 @@ func TestRecords(t *testing.T) {
 	bs := New(dir, nil, nil, nil, noHost{snapshots: map[string]bool{"snap": true}}, nil, 4, 4096)
 	for _, tc := range []struct {
 		name       string
+		tags       []string
 		vcpus, mem int
 		kind       error
 	}{
-		{"Bad Name", 0, 0, errkind.ErrInvalid},
-		{"ok", 9, 0, errkind.ErrInvalid},
-		{"ok", 0, 64, errkind.ErrInvalid},
-		{"snap", 0, 0, errkind.ErrConflict}, // a snapshot's name
+		{"Bad Name", nil, 0, 0, errkind.ErrInvalid},
+		{"ok", nil, 9, 0, errkind.ErrInvalid},
+		{"ok", nil, 0, 64, errkind.ErrInvalid},
+		{"snap", nil, 0, 0, errkind.ErrConflict}, // a snapshot's name
+		{"ok", []string{""}, 0, 0, errkind.ErrInvalid},
+		{"ok:-bad", nil, 0, 0, errkind.ErrInvalid},
 	} {
-		if _, err := bs.Request(tc.name, tc.vcpus, tc.mem); !errors.Is(err, tc.kind) {
-			t.Errorf("Request(%q, %d, %d): %v", tc.name, tc.vcpus, tc.mem, err)
+		if _, err := bs.Request(tc.name, tc.tags, tc.vcpus, tc.mem); !errors.Is(err, tc.kind) {
+			t.Errorf("Request(%q, %q, %d, %d): %v", tc.name, tc.tags, tc.vcpus, tc.mem, err)
 		}
 	}
-	r1, err := bs.Request("app", 2, 512)
+	r1, err := bs.Request("app", nil, 2, 512)
 	if err != nil {
 		t.Fatal(err)
 	}
+	if !regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`).MatchString(r1.BuildID) {
+		t.Fatalf("build id %q is not a UUID (the SDKs parse it as one)", r1.BuildID)
+	}
+	// name:tag names the template and a tag; "default" is every build's.
+	tagged, err := bs.Request("app:v1", []string{"stable", "default", "v1"}, 0, 0)
+	if err != nil || tagged.TemplateID != "app" || strings.Join(tagged.Tags, ",") != "v1,stable" {
+		t.Fatalf("Request(app:v1, stable): %+v %v", tagged, err)
+	}
+	if got, _ := bs.Get("app", tagged.BuildID); strings.Join(got.Tags, ",") != "v1,stable" {
+		t.Fatalf("recorded tags %+v", got)
+	}
 	time.Sleep(2 * time.Millisecond)
-	r2, _ := bs.Request("app", 0, 0)
+	r2, _ := bs.Request("app", nil, 0, 0)
 	got, err := bs.Get("app", r1.BuildID)
 	if err != nil || got.Status != Waiting || got.VCPUs != 2 {
 		t.Fatalf("Get: %+v %v", got, err)
@@ -159,7 +174,7 @@ func TestRecords(t *testing.T) {
 		t.Fatalf("unknown build: %v", err)
 	}
 	list, _ := bs.List("app")
-	if len(list) != 2 || list[0].BuildID != r2.BuildID {
+	if len(list) != 3 || list[0].BuildID != r2.BuildID {
 		t.Fatalf("List, newest first: %+v", list)
 	}
 	// A build a restart interrupted is recorded as failed.

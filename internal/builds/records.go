@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -46,12 +47,15 @@ type LogEntry struct {
 
 // Record is a template build.
 type Record struct {
-	TemplateID string     `json:"templateID"`
-	BuildID    string     `json:"buildID"`
-	Status     string     `json:"status"`
-	VCPUs      int        `json:"cpuCount"`
-	MemoryMiB  int        `json:"memoryMB"`
-	Logs       []LogEntry `json:"logs"`
+	TemplateID string `json:"templateID"`
+	BuildID    string `json:"buildID"`
+	Status     string `json:"status"`
+	VCPUs      int    `json:"cpuCount"`
+	MemoryMiB  int    `json:"memoryMB"`
+	// Tags are pointed at the build once it is ready (it also becomes the
+	// template's current build, tag default).
+	Tags []string   `json:"tags,omitempty"`
+	Logs []LogEntry `json:"logs"`
 	// Reason says why a build failed, and at which step.
 	Reason     string    `json:"reason,omitempty"`
 	ReasonStep string    `json:"reasonStep,omitempty"`
@@ -97,16 +101,35 @@ func (bs *Builds) save(b *Record) error {
 }
 
 // newID is a fresh build id (20 hex digits).
+// newID makes a build id: a random (version 4) UUID, the form E2B's SDKs
+// parse build ids in.
 func newID() string {
-	b := make([]byte, 10)
+	b := make([]byte, 16)
 	if _, err := rand.Read(b); err != nil {
 		panic(err)
 	}
-	return hex.EncodeToString(b)
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	h := hex.EncodeToString(b)
+	return h[:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
 }
 
-// Request registers a new build of template name.
-func (bs *Builds) Request(name string, vcpus, memMiB int) (*Record, error) {
+// Request registers a new build of template name ("name:tag" adds tag to
+// tags).
+func (bs *Builds) Request(name string, tags []string, vcpus, memMiB int) (*Record, error) {
+	if base, tag, ok := strings.Cut(name, ":"); ok {
+		name, tags = base, append([]string{tag}, tags...)
+	}
+	if err := templates.CheckTags(tags); err != nil {
+		return nil, err
+	}
+	var keep []string
+	for _, t := range tags {
+		if t != templates.DefaultTag && !slices.Contains(keep, t) {
+			keep = append(keep, t)
+		}
+	}
+	tags = keep
 	if !templates.NameRE.MatchString(name) {
 		return nil, fmt.Errorf("%w: template name %q must match %s", errkind.ErrInvalid, name, templates.NameRE)
 	}
@@ -120,7 +143,7 @@ func (bs *Builds) Request(name string, vcpus, memMiB int) (*Record, error) {
 		return nil, fmt.Errorf("%w: %q is a snapshot's name", errkind.ErrConflict, name)
 	}
 	b := &Record{TemplateID: name, BuildID: newID(), Status: Waiting, VCPUs: vcpus, MemoryMiB: memMiB,
-		Logs: []LogEntry{}, CreatedAt: time.Now().UTC()}
+		Tags: tags, Logs: []LogEntry{}, CreatedAt: time.Now().UTC()}
 	return b, bs.save(b)
 }
 
@@ -156,7 +179,7 @@ func (bs *Builds) Start(templateID, buildID string, spec Spec) error {
 	if b.Status != Waiting {
 		return fmt.Errorf("%w: build %s is %s", errkind.ErrConflict, buildID, b.Status)
 	}
-	spec.Template = templateID
+	spec.Template, spec.BuildID, spec.Tags = templateID, buildID, b.Tags
 	if spec.VCPUs == 0 {
 		spec.VCPUs = b.VCPUs
 	}

@@ -21,7 +21,7 @@ func (h buildHost) StartBuilder(ctx context.Context, from *templates.Template, l
 	t := *from
 	t.RootDisk, t.Layer = layerPath, layerID
 	s, err := h.n.Create(ctx, CreateRequest{TemplateID: name, VCPUs: vcpus, MemoryMiB: memMiB,
-		Timeout: time.Hour, noSnapshot: true, template: &t, Metadata: map[string]string{"aenv.build": name}})
+		Timeout: time.Hour, noSnapshot: true, template: &t, Metadata: map[string]string{"aenv.build": name, sandboxes.MetaInternal: "template build"}})
 	if err != nil {
 		return nil, err
 	}
@@ -79,8 +79,8 @@ func (b builderSandbox) Close() { _ = b.n.Kill(context.Background(), b.s.ID) }
 // The parts of the template API the node serves through its builds.
 
 // RequestBuild registers a new build of template name.
-func (n *Node) RequestBuild(name string, vcpus, memMiB int) (*builds.Record, error) {
-	return n.builds.Request(name, vcpus, memMiB)
+func (n *Node) RequestBuild(name string, tags []string, vcpus, memMiB int) (*builds.Record, error) {
+	return n.builds.Request(name, tags, vcpus, memMiB)
 }
 
 // StartBuild runs a requested build in the background.

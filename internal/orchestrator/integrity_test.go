@@ -31,6 +31,9 @@ type subject struct {
 	s      *sandboxes.Sandbox
 	pid    string
 	marker string
+	// rebootable: an operation on it may boot it again from its disk
+	// (its memory dropped, as asked), so its process need not survive.
+	rebootable bool
 }
 
 func newSubject(t *testing.T, n *Node) *subject {
@@ -55,9 +58,13 @@ func (sub *subject) check(t *testing.T, n *Node) {
 	if err != nil {
 		t.Fatalf("subject lost: %v", err)
 	}
+	rebooted := sub.rebootable
 	switch s.State {
 	case sandboxes.Running:
 	case sandboxes.Paused:
+		if rec, err := readPauseRecord(n.sandboxDir(s.ID)); err == nil && rec.FilesystemOnly {
+			rebooted = true // paused without memory: its processes went, as asked
+		}
 		if s, err = n.Resume(ctx, s.ID, time.Minute); err != nil {
 			t.Fatalf("resume the subject: %v", err)
 		}
@@ -65,6 +72,9 @@ func (sub *subject) check(t *testing.T, n *Node) {
 		t.Fatalf("subject rests in %s", s.State)
 	}
 	r, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "cat /home/user/marker; kill -0 "+sub.pid+" && echo alive")
+	if rebooted && err == nil && r.stdout == sub.marker+"\n" {
+		r.stdout += "alive\n" // booted again: the file is what must be kept
+	}
 	if err != nil || r.stdout != sub.marker+"\nalive\n" {
 		t.Fatalf("subject's files and processes: %+v %v", r, err)
 	}
@@ -180,6 +190,20 @@ func pausedSubject(t *testing.T, n *Node) *subject {
 	return sub
 }
 
+// rebootableSubject is paused with memory, its marker synced to its disk,
+// for a resume that boots it again.
+func rebootableSubject(t *testing.T, n *Node) *subject {
+	sub := newSubject(t, n)
+	if _, err := newEnvdClient(sub.s).run(context.Background(), "", "/bin/sh", "-c", "sync"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.Pause(context.Background(), sub.s.ID); err != nil {
+		t.Fatal(err)
+	}
+	sub.rebootable = true
+	return sub
+}
+
 func forkRun(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, error) {
 	res, err := n.Fork(ctx, sub.s.ID, 2, time.Minute)
 	var made []*sandboxes.Sandbox
@@ -242,6 +266,14 @@ var injectedOps = []injectedOp{
 			t.Errorf("a failed build changed the template: %s, was %s", got, before)
 		}
 	}, injBuildState},
+	{"pause", "filesystem", runningSubject, func(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, error) {
+		_, err := n.PauseFilesystem(ctx, sub.s.ID)
+		return nil, err
+	}, nil, nil},
+	{"resume", "reboot", rebootableSubject, func(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, error) {
+		_, err := n.ResumeWith(ctx, sub.s.ID, ResumeOptions{Timeout: time.Minute, Reboot: true})
+		return nil, err
+	}, nil, nil},
 }
 
 // netState is every sandbox's recorded egress rules and the firewall
@@ -359,7 +391,10 @@ func TestInjectedFailuresRollBack(t *testing.T) {
 // included) is never lost.
 func TestClientGoneAtEveryStep(t *testing.T) {
 	n := testNode(t)
-	for _, op := range injectedOps[1:7] {
+	// Pause, resume, snapshot and fork, and the pause and resume without
+	// memory (the last two).
+	ops := append(slices.Clip(injectedOps[1:7]), injectedOps[len(injectedOps)-2:]...)
+	for _, op := range ops {
 		t.Run(strings.TrimSuffix(op.name+"-"+op.kind, "-"), func(t *testing.T) {
 			sub := op.prepare(t, n)
 			rec := faults.NewInjector()
@@ -982,7 +1017,7 @@ func TestBusySandboxRefusesOperations(t *testing.T) {
 	if _, err := n.Snapshot(ctx, sub.s.ID, "taken"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := n.RequestBuild("taken", 0, 0); !errors.Is(err, ErrConflict) {
+	if _, err := n.RequestBuild("taken", nil, 0, 0); !errors.Is(err, ErrConflict) {
 		t.Errorf("build named like a snapshot: %v", err)
 	}
 	if err := n.templates.Install(ctx, Template{Name: "taken", Layer: "whatever"}); !errors.Is(err, ErrConflict) {

@@ -444,9 +444,17 @@ func (n *Node) expiryLoop() {
 		for _, s := range expired {
 			n.log.Info("sandbox expired", "sandbox", s.ID, "end", s.EndAt, "autoPause", s.AutoPause)
 			var err error
-			if s.AutoPause {
+			switch {
+			case s.AutoPause && s.AutoPauseFilesystem:
+				// Its file system only; with memory when the guest cannot
+				// sync (what it stored is kept either way).
+				if _, err = n.PauseFilesystem(ctx, s.ID); err != nil {
+					n.log.Warn("pause without memory failed; pausing with memory", "sandbox", s.ID, "err", err)
+					_, err = n.Pause(ctx, s.ID)
+				}
+			case s.AutoPause:
 				_, err = n.Pause(ctx, s.ID)
-			} else {
+			default:
 				err = n.Kill(ctx, s.ID)
 			}
 			if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrConflict) {

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/faults"
+	"github.com/agentenv/agentenv/internal/guestexec"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/operation"
 	"github.com/agentenv/agentenv/internal/sandboxes"
@@ -30,6 +31,20 @@ const stateFileName = "devices.vmstate"
 // runs to its end whatever the caller does; when it fails the sandbox runs
 // on as before.
 func (n *Node) Pause(ctx context.Context, id string) (*sandboxes.Sandbox, error) {
+	return n.pause(ctx, id, true)
+}
+
+// PauseFilesystem pauses a running sandbox keeping only its file system
+// (E2B's memory: false): the guest's writes are synced to its disk, its
+// vCPUs stop (QEMU flushes the disk), QEMU exits and the RAM is not kept.
+// Resume boots the sandbox again on that disk: running processes are gone,
+// the template's start command runs again. A failure leaves the sandbox
+// running as before.
+func (n *Node) PauseFilesystem(ctx context.Context, id string) (*sandboxes.Sandbox, error) {
+	return n.pause(ctx, id, false)
+}
+
+func (n *Node) pause(ctx context.Context, id string, keepMemory bool) (*sandboxes.Sandbox, error) {
 	s, err := n.records.Get(ctx, id)
 	if err != nil {
 		return nil, err
@@ -51,12 +66,16 @@ func (n *Node) Pause(ctx context.Context, id string) (*sandboxes.Sandbox, error)
 		return nil, o.Finish(err)
 	}
 	n.resumeOnFailure(o, s, sandboxes.Pausing)
-	if err := n.pauseMachine(octx, s, sandboxes.Pausing, o.Do); err != nil {
+	pauseMachine := n.pauseMachine
+	if !keepMemory {
+		pauseMachine = n.pauseFilesystem
+	}
+	if err := pauseMachine(octx, s, sandboxes.Pausing, o.Do); err != nil {
 		n.log.Error("pause failed; the sandbox runs on", "sandbox", id, "err", err)
 		return nil, o.Finish(fmt.Errorf("pause %s: %w", id, err))
 	}
 	o.Finish(nil)
-	n.log.Info("sandbox paused", "sandbox", id, "took", o.Elapsed().Round(time.Microsecond))
+	n.log.Info("sandbox paused", "sandbox", id, "memory", keepMemory, "took", o.Elapsed().Round(time.Microsecond))
 	if n.sharesPaused() {
 		n.sharePausedLater(id)
 	}
@@ -184,12 +203,93 @@ func (n *Node) pauseMachine(ctx context.Context, s *sandboxes.Sandbox, from sand
 	return nil
 }
 
+// pauseFilesystem saves a running sandbox's file system and stops its
+// QEMU, keeping no memory: the guest syncs its page cache to the disk,
+// its vCPUs stop (QEMU drains and flushes the disk, its qcow2 caches
+// included), the disk is made durable, the pause record is published, the
+// record moves to paused (no RAM file any more), and only then QEMU exits
+// and the RAM file goes. On failure QEMU is still there, stopped, nothing
+// is published, and the caller runs it on.
+func (n *Node) pauseFilesystem(ctx context.Context, s *sandboxes.Sandbox, from sandboxes.State, step stepFunc) (err error) {
+	m := n.machines.get(s.ID)
+	if !alive(m) {
+		return errors.New("no running machine")
+	}
+	dir := n.sandboxDir(s.ID)
+	phase := s.PhaseTimer()
+	published := false
+	defer func() {
+		if err != nil && published {
+			os.Remove(filepath.Join(dir, pauseRecordName))
+		}
+	}()
+	os.Remove(filepath.Join(dir, pauseRecordName))
+	os.Remove(filepath.Join(dir, stateFileName))
+	if err := step("guest-sync", func(ctx context.Context) error {
+		sctx, cancel := context.WithTimeout(ctx, guestSyncTimeout)
+		defer cancel()
+		g := guestexec.Target{Addr: n.withAddr(s).EnvdAddr, Token: s.AccessToken}
+		code, err := guestexec.Run(sctx, g, guestexec.Command{Script: "sync"})
+		if err == nil && code != 0 {
+			err = fmt.Errorf("sync in the guest exited with %d", code)
+		}
+		if err != nil {
+			// The guest's state, not the node's: the caller may pause with
+			// memory instead.
+			return fmt.Errorf("%w: the guest's envd did not sync its file systems (%v); a pause without memory needs it to, a pause with memory does not", ErrConflict, err)
+		}
+		return nil
+	}); err != nil {
+		return err
+	}
+	phase("guest sync")
+	if err := step("stop-vcpus", func(ctx context.Context) error { return m.Pause(ctx) }); err != nil {
+		return err
+	}
+	phase("stop vcpus")
+	if err := step("sync", func(ctx context.Context) error {
+		return storage.SyncFile(filepath.Join(dir, overlayName))
+	}); err != nil {
+		return err
+	}
+	phase("sync to disk")
+	if err := step("publish", func(ctx context.Context) error {
+		published = true
+		return storage.WriteJSONAtomic(filepath.Join(dir, pauseRecordName),
+			pauseRecord{FilesystemOnly: true, PausedAt: time.Now().UTC()}, 0o600)
+	}); err != nil {
+		return err
+	}
+	faults.Point(faults.PauseSaved)
+	if err := step("commit", func(ctx context.Context) error {
+		return n.records.Move(ctx, s.ID, from, sandboxes.Paused, "pid = 0, mem_file = '', mem_private = 0")
+	}); err != nil {
+		return err
+	}
+	s.State, s.PID, s.MemFile, s.MemPrivate = sandboxes.Paused, 0, "", false
+	if err := n.stopMachine(s.ID); err != nil {
+		n.log.Warn("stop the QEMU of a paused sandbox", "sandbox", s.ID, "err", err)
+	}
+	// The RAM is not kept (a copy-on-write sandbox's is no file of its own).
+	if err := os.Remove(filepath.Join(dir, memFileName)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		n.log.Warn("remove the RAM file of a sandbox paused without memory", "sandbox", s.ID, "err", err)
+	}
+	phase("qemu exit")
+	return nil
+}
+
+// guestSyncTimeout bounds the guest's sync before a pause without memory.
+const guestSyncTimeout = 30 * time.Second
+
 const pauseRecordName = "paused.json"
 
 // pauseRecord describes a paused sandbox's saved state.
 type pauseRecord struct {
-	StateSHA256 string `json:"stateSHA256"`
-	RAMInState  bool   `json:"ramInState"`
+	// FilesystemOnly: only the disk was kept (no device state, no RAM);
+	// the sandbox boots again on resume.
+	FilesystemOnly bool   `json:"filesystemOnly,omitempty"`
+	StateSHA256    string `json:"stateSHA256,omitempty"`
+	RAMInState     bool   `json:"ramInState"`
 	// RAMDiff: the RAM in the state is only what differs from the image
 	// the sandbox maps (its mem_file), loaded over that image.
 	RAMDiff  bool      `json:"ramDiff,omitempty"`
@@ -204,6 +304,12 @@ func (n *Node) verifyPausedState(s *sandboxes.Sandbox) error {
 	rec, err := readPauseRecord(dir)
 	if err != nil {
 		return err
+	}
+	if rec.FilesystemOnly {
+		if _, err := os.Stat(filepath.Join(dir, overlayName)); err != nil {
+			return fmt.Errorf("%w: paused sandbox is missing its disk: %v", ErrCorrupt, err)
+		}
+		return nil
 	}
 	need := []string{filepath.Join(dir, stateFileName), filepath.Join(dir, overlayName)}
 	switch {
@@ -222,6 +328,9 @@ func (n *Node) verifyPausedState(s *sandboxes.Sandbox) error {
 
 // matchesState checks the saved device state in dir against the record.
 func (rec *pauseRecord) matchesState(dir string) error {
+	if rec.FilesystemOnly {
+		return nil // no state: the disk is all there is
+	}
 	sum, err := store.FileSHA256(filepath.Join(dir, stateFileName))
 	if err != nil {
 		return err
@@ -263,6 +372,26 @@ func (n *Node) openTap(ctx context.Context, ep *network.Endpoint) (*os.File, err
 // caller does; when it fails the sandbox stays paused (or, if its guest
 // already ran, is paused again).
 func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*sandboxes.Sandbox, error) {
+	return n.ResumeWith(ctx, id, ResumeOptions{Timeout: timeout})
+}
+
+// ResumeOptions say how a paused sandbox resumes.
+type ResumeOptions struct {
+	// Timeout is its new time to live (0: the node default).
+	Timeout time.Duration
+	// Reboot boots it again on its disk even if its memory was kept
+	// (E2B's memory: false at connect): the memory is dropped, and what
+	// the guest had not written to its disk before the pause is lost.
+	Reboot bool
+	// Auto marks a resume that traffic asked for (auto-resume): a sandbox
+	// paused without memory is not rebooted by it, only by an explicit
+	// resume (ErrConflict).
+	Auto bool
+}
+
+// ResumeWith resumes a paused sandbox as opts say (see Resume).
+func (n *Node) ResumeWith(ctx context.Context, id string, opts ResumeOptions) (*sandboxes.Sandbox, error) {
+	timeout := opts.Timeout
 	if timeout == 0 {
 		timeout = n.cfg.DefaultTimeout
 	}
@@ -299,16 +428,21 @@ func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*s
 			return nil, o.Finish(err)
 		}
 	}
+	if opts.Auto {
+		if rec, err := readPauseRecord(n.sandboxDir(id)); err == nil && rec.FilesystemOnly {
+			return nil, o.Finish(fmt.Errorf("%w: sandbox %s was paused without memory: resume it explicitly (connect), which boots it again", ErrConflict, id))
+		}
+	}
 	if err := n.records.Move(octx, id, sandboxes.Paused, sandboxes.Resuming, ""); err != nil {
 		return nil, o.Finish(err)
 	}
-	if err := n.resumeMachine(o, s); err != nil {
+	if err := n.resumeMachine(o, s, opts.Reboot); err != nil {
 		return nil, o.Finish(fmt.Errorf("resume %s: %w", id, err))
 	}
 	now := time.Now().UTC().Truncate(time.Millisecond)
 	if err := o.Do("commit", func(ctx context.Context) error {
-		return n.records.Move(ctx, id, sandboxes.Resuming, sandboxes.Running, "pid = ?, started_at = ?, end_at = ?",
-			s.PID, now.UnixMilli(), now.Add(timeout).UnixMilli())
+		return n.records.Move(ctx, id, sandboxes.Resuming, sandboxes.Running, "pid = ?, started_at = ?, end_at = ?, mem_file = ?, mem_private = ?",
+			s.PID, now.UnixMilli(), now.Add(timeout).UnixMilli(), s.MemFile, s.MemPrivate)
 	}); err != nil {
 		return nil, o.Finish(fmt.Errorf("resume %s: %w", id, err))
 	}
@@ -322,7 +456,7 @@ func (n *Node) Resume(ctx context.Context, id string, timeout time.Duration) (*s
 // it. Until the guest runs, a failure stops that QEMU and the sandbox stays
 // paused, its files untouched; once it ran (its RAM and disk moved on), a
 // failure pauses it again.
-func (n *Node) resumeMachine(o *operation.Op, s *sandboxes.Sandbox) error {
+func (n *Node) resumeMachine(o *operation.Op, s *sandboxes.Sandbox, reboot bool) error {
 	o.OnFailure("stay paused", func(ctx context.Context) error {
 		_ = n.stopMachine(s.ID)
 		return n.records.Move(ctx, s.ID, sandboxes.Resuming, sandboxes.Paused, "pid = 0")
@@ -335,6 +469,9 @@ func (n *Node) resumeMachine(o *operation.Op, s *sandboxes.Sandbox) error {
 	rec, err := readPauseRecord(dir)
 	if err != nil {
 		return err
+	}
+	if rec.FilesystemOnly || reboot {
+		return n.rebootPaused(o, s)
 	}
 	phase := s.PhaseTimer()
 	ep, err := n.endpoint(s)
@@ -397,6 +534,96 @@ func (n *Node) resumeMachine(o *operation.Op, s *sandboxes.Sandbox) error {
 		return err
 	}
 	phase("envd init")
+	return nil
+}
+
+// rebootPaused resumes a sandbox paused without memory: it boots again on
+// its disk (envd initialised as at create, the template's start command
+// started again). Until the guest answers, a failure stops that QEMU and
+// the sandbox stays paused; its disk only ever moves forward.
+func (n *Node) rebootPaused(o *operation.Op, s *sandboxes.Sandbox) error {
+	dir := n.sandboxDir(s.ID)
+	phase := s.PhaseTimer()
+	// The boot gets a fresh RAM file (sandbox dir/memory); kept memory,
+	// if any, stays as it is until the guest runs: its own RAM file is set
+	// aside, a mapped image stays where it is.
+	memFile, memPrivate := s.MemFile, s.MemPrivate
+	ram, keptRAM := filepath.Join(dir, memFileName), filepath.Join(dir, memFileName+".kept")
+	if _, err := os.Stat(ram); err == nil {
+		if err := os.Rename(ram, keptRAM); err != nil {
+			return err
+		}
+	}
+	o.OnFailure("keep the memory it had", func(context.Context) error {
+		s.MemFile, s.MemPrivate = memFile, memPrivate
+		if _, err := os.Stat(keptRAM); err == nil {
+			return os.Rename(keptRAM, ram)
+		}
+		return os.Remove(ram) // the boot's
+	})
+	s.MemFile, s.MemPrivate = "", false
+	ep, err := n.endpoint(s)
+	if err != nil {
+		return err
+	}
+	var tap *os.File
+	if err := o.Do("network", func(ctx context.Context) error {
+		tap, err = n.openTap(ctx, ep)
+		return err
+	}); err != nil {
+		return err
+	}
+	defer tap.Close()
+	phase("network")
+	var m *vmm.Machine
+	if err := o.Do("qemu-start", func(ctx context.Context) error {
+		var err error
+		if m, err = vmm.Start(ctx, n.vmConfig(s, tap, false)); err != nil {
+			return err
+		}
+		n.adopt(s.ID, m)
+		s.PID = m.PID()
+		return nil
+	}); err != nil {
+		return err
+	}
+	phase("qemu start")
+	if err := o.Do("boot", func(ctx context.Context) error {
+		bctx, cancel := context.WithTimeout(ctx, n.cfg.BootTimeout)
+		defer cancel()
+		if err := waitEnvd(bctx, m, ep.GuestAddr(EnvdPort)); err != nil {
+			return fmt.Errorf("%w%s", err, consoleTail(dir))
+		}
+		return initEnvd(bctx, ep.GuestAddr(EnvdPort), s)
+	}); err != nil {
+		return err
+	}
+	phase("guest boot to envd")
+	// The guest runs on its disk: a failure from here pauses it again.
+	o.Settle()
+	os.Remove(filepath.Join(dir, pauseRecordName))
+	os.Remove(filepath.Join(dir, stateFileName))
+	os.Remove(keptRAM) // the dropped memory
+	o.OnFailure("pause again", func(ctx context.Context) error {
+		if m := n.machines.get(s.ID); alive(m) && n.pauseFilesystem(ctx, s, sandboxes.Resuming, runStep(ctx)) == nil {
+			return nil
+		}
+		// No guest to sync with: its disk is what it wrote so far, and
+		// stays the sandbox's.
+		_ = n.stopMachine(s.ID)
+		if err := storage.WriteJSONAtomic(filepath.Join(dir, pauseRecordName),
+			pauseRecord{FilesystemOnly: true, PausedAt: time.Now().UTC()}, 0o600); err != nil {
+			return err
+		}
+		return n.records.Move(ctx, s.ID, sandboxes.Resuming, sandboxes.Paused, "pid = 0, mem_file = '', mem_private = 0")
+	})
+	if t, err := n.Template(s.TemplateID); err == nil && t.StartCmd != "" {
+		// As in a sandbox booted cold at create; a start command that does
+		// not become ready is the template's failure, not the resume's.
+		if err := o.Do("start command", func(ctx context.Context) error { return n.startAndWaitReady(ctx, n.withAddr(s), t) }); err != nil {
+			n.log.Warn("the start command of a rebooted sandbox did not become ready", "sandbox", s.ID, "err", err)
+		}
+	}
 	return nil
 }
 

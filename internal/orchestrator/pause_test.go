@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -131,5 +132,104 @@ func TestExpiryPausesWithAutoPause(t *testing.T) {
 	r, err := newEnvdClient(res).run(context.Background(), "", "/bin/sh", "-c", "echo back")
 	if err != nil || r.stdout != "back\n" {
 		t.Fatalf("resumed sandbox: %+v %v", r, err)
+	}
+}
+
+// TestPauseWithoutMemory: a filesystem-only pause (E2B's memory: false)
+// keeps what the guest wrote (synced before QEMU exits, without the
+// program calling sync) and no RAM; resume boots the sandbox again on its
+// disk (processes gone, env vars and secure token as before); traffic's
+// auto-resume refuses it; it survives a restart of the node; and a
+// sandbox paused with memory can be rebooted from its disk instead
+// (connect's memory: false).
+func TestPauseWithoutMemory(t *testing.T) {
+	dir := newTestDataDir(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	n := openTestNode(t, dir)
+	defer func() {
+		all, _ := n.List(context.Background())
+		for _, s := range all {
+			n.Kill(context.Background(), s.ID)
+		}
+		n.Close()
+	}()
+	s := create(t, n, CreateRequest{TemplateID: "base", Secure: true, EnvVars: map[string]string{"K": "v"}})
+	c := newEnvdClient(s)
+	r, err := c.run(ctx, "", "bash", "-c", "nohup sleep 1000 >/dev/null 2>&1 & echo $!; head -c 3000000 /dev/urandom | sha256sum | cut -c1-64 > /home/user/f; cat /home/user/f")
+	if err != nil || r.exit != 0 {
+		t.Fatalf("write a file, start a process: %+v %v", r, err)
+	}
+	lines := strings.Fields(r.stdout)
+	bgPID, sum := lines[0], lines[1]
+
+	if _, err := n.PauseFilesystem(ctx, s.ID); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := n.Get(ctx, s.ID)
+	if got.State != sandboxes.Paused || got.PID != 0 || got.MemFile != "" || got.MemPrivate {
+		t.Fatalf("after the pause: %+v", got)
+	}
+	sdir := n.sandboxDir(s.ID)
+	for _, f := range []string{memFileName, stateFileName} {
+		if _, err := os.Stat(filepath.Join(sdir, f)); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("a pause without memory kept %s: %v", f, err)
+		}
+	}
+	if _, err := n.ResumeWith(ctx, s.ID, ResumeOptions{Auto: true}); !errors.Is(err, ErrConflict) {
+		t.Fatalf("auto-resume of a sandbox paused without memory = %v, want conflict", err)
+	}
+	if got, _ := n.Get(ctx, s.ID); got.State != sandboxes.Paused {
+		t.Fatalf("after the refused auto-resume: %s", got.State)
+	}
+
+	n.Close()
+	n = openTestNode(t, dir)
+	if got, err := n.Get(ctx, s.ID); err != nil || got.State != sandboxes.Paused {
+		t.Fatalf("after a restart of the node: %+v %v", got, err)
+	}
+	res, err := n.Resume(ctx, s.ID, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("resume phases: %v", phaseNames(res))
+	if !strings.Contains(strings.Join(phaseNames(res), ","), "guest boot") {
+		t.Errorf("the resume did not boot: phases %v", phaseNames(res))
+	}
+	c = newEnvdClient(res)
+	out, err := c.run(ctx, "", "bash", "-c", "cat /home/user/f; echo $K; kill -0 "+bgPID+" 2>/dev/null && ps -o comm= -p "+bgPID+" || echo gone")
+	if err != nil || out.exit != 0 {
+		t.Fatalf("after the resume: %+v %v", out, err)
+	}
+	if want := sum + "\nv\n"; !strings.HasPrefix(out.stdout, want) || strings.Contains(out.stdout, "sleep") {
+		t.Fatalf("after the resume: %q, want the file, the env var, and no sleep", out.stdout)
+	}
+
+	// Paused with memory, then rebooted from the disk: the memory goes.
+	if _, err := c.run(ctx, "", "bash", "-c", "nohup sleep 1000 >/dev/null 2>&1 & echo more > /home/user/g; sync"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.Pause(ctx, s.ID); err != nil {
+		t.Fatal(err)
+	}
+	res, err = n.ResumeWith(ctx, s.ID, ResumeOptions{Reboot: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err = newEnvdClient(res).run(ctx, "", "bash", "-c", "cat /home/user/g; pgrep -x sleep || echo no-sleep")
+	if err != nil || out.stdout != "more\nno-sleep\n" {
+		t.Fatalf("rebooted from the disk: %+v %v", out, err)
+	}
+	for _, f := range []string{stateFileName, pauseRecordName, memFileName + ".kept"} {
+		if _, err := os.Stat(filepath.Join(sdir, f)); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("the dropped memory left %s: %v", f, err)
+		}
+	}
+	// And it pauses and resumes with memory again.
+	if _, err := n.Pause(ctx, s.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.Resume(ctx, s.ID, time.Minute); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -155,7 +155,11 @@ func (n *Node) recoverInterrupted(ctx context.Context, s *sandboxes.Sandbox) san
 			} else if aerr == nil {
 				_ = m.Kill()
 			}
-			if n.records.Move(ctx, s.ID, s.State, sandboxes.Paused, "pid = 0") == nil {
+			set := "pid = 0"
+			if rec.FilesystemOnly {
+				set = "pid = 0, mem_file = '', mem_private = 0"
+			}
+			if n.records.Move(ctx, s.ID, s.State, sandboxes.Paused, set) == nil {
 				return sandboxes.Paused
 			}
 			return ""

@@ -30,7 +30,10 @@ type CreateRequest struct {
 	DiskMiB    int // 0: the template's disk size
 	Timeout    time.Duration
 	AutoPause  bool
-	AutoResume bool
+	// AutoPauseFilesystem: the pause at the end of its time keeps only its
+	// file system.
+	AutoPauseFilesystem bool
+	AutoResume          bool
 	// PrivateTraffic requires the sandbox's traffic token on ports other
 	// than envd's (E2B's allowPublicTraffic: false).
 	PrivateTraffic bool
@@ -134,26 +137,27 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 	}
 	now := time.Now().UTC().Truncate(time.Millisecond) // the precision stored
 	s := &sandboxes.Sandbox{
-		ID:             NewSandboxID(),
-		TemplateID:     t.Name,
-		State:          sandboxes.Creating,
-		VCPUs:          req.VCPUs,
-		MemoryMiB:      req.MemoryMiB,
-		DiskMiB:        max(req.DiskMiB, t.DiskMiB),
-		AllowInternet:  internet,
-		Egress:         egress,
-		Secure:         req.Secure,
-		AutoPause:      req.AutoPause,
-		AutoResume:     req.AutoResume,
-		PublicTraffic:  !req.PrivateTraffic,
-		TrafficToken:   newToken(),
-		DefaultUser:    t.DefaultUser,
-		DefaultWorkdir: t.DefaultWorkdir,
-		Metadata:       req.Metadata,
-		EnvVars:        mergeEnv(t.EnvVars, req.EnvVars),
-		CreatedAt:      now,
-		StartedAt:      now,
-		EndAt:          now.Add(req.Timeout),
+		ID:                  NewSandboxID(),
+		TemplateID:          t.Name,
+		State:               sandboxes.Creating,
+		VCPUs:               req.VCPUs,
+		MemoryMiB:           req.MemoryMiB,
+		DiskMiB:             max(req.DiskMiB, t.DiskMiB),
+		AllowInternet:       internet,
+		Egress:              egress,
+		Secure:              req.Secure,
+		AutoPause:           req.AutoPause,
+		AutoPauseFilesystem: req.AutoPause && req.AutoPauseFilesystem,
+		AutoResume:          req.AutoResume,
+		PublicTraffic:       !req.PrivateTraffic,
+		TrafficToken:        newToken(),
+		DefaultUser:         t.DefaultUser,
+		DefaultWorkdir:      t.DefaultWorkdir,
+		Metadata:            req.Metadata,
+		EnvVars:             mergeEnv(t.EnvVars, req.EnvVars),
+		CreatedAt:           now,
+		StartedAt:           now,
+		EndAt:               now.Add(req.Timeout),
 	}
 	if req.Secure {
 		s.AccessToken = newToken()

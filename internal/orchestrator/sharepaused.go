@@ -115,8 +115,10 @@ func (n *Node) sharePaused(ctx context.Context, s *sandboxes.Sandbox) error {
 	if out, err := exec.CommandContext(ctx, "qemu-img", "rebase", "-q", "-f", "qcow2", "-b", t.RootDisk, "-F", "qcow2", disk).CombinedOutput(); err != nil {
 		return fmt.Errorf("flatten disk: %v: %s", err, strings.TrimSpace(string(out)))
 	}
-	if err := os.Link(filepath.Join(dir, stateFileName), filepath.Join(stage, stateFileName)); err != nil {
-		return err
+	if !rec.FilesystemOnly {
+		if err := os.Link(filepath.Join(dir, stateFileName), filepath.Join(stage, stateFileName)); err != nil {
+			return err
+		}
 	}
 	pause, err := json.Marshal(rec)
 	if err != nil {
@@ -124,7 +126,10 @@ func (n *Node) sharePaused(ctx context.Context, s *sandboxes.Sandbox) error {
 	}
 	up := &sharing.Record{Sandbox: *s, Pause: pause, Generation: sharing.NewGeneration(), Template: t.Name,
 		TemplateIdentity: ident, SharedAt: time.Now().UTC()}
-	if s.MemPrivate {
+	switch {
+	case rec.FilesystemOnly:
+		// The disk is all there is.
+	case s.MemPrivate:
 		// The state holds the pages that differ from an image: that image
 		// goes to the repository once, for every sandbox relative to it.
 		if up.RAM, err = n.ramID(s); err != nil {
@@ -143,8 +148,10 @@ func (n *Node) sharePaused(ctx context.Context, s *sandboxes.Sandbox) error {
 			}
 			os.RemoveAll(rdir)
 		}
-	} else if err := os.Link(filepath.Join(dir, memFileName), filepath.Join(stage, memFileName)); err != nil {
-		return err
+	default:
+		if err := os.Link(filepath.Join(dir, memFileName), filepath.Join(stage, memFileName)); err != nil {
+			return err
+		}
 	}
 	// The mark first: a local copy that may be in the repository claims it
 	// before it resumes (a claim of a generation never uploaded is just

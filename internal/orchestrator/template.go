@@ -22,6 +22,9 @@ func (n *Node) Template(name string) (*Template, error) {
 	return n.templates.Get(context.Background(), name)
 }
 
+// Catalog is the node's templates (and their tags).
+func (n *Node) Catalog() *templates.Catalog { return n.templates }
+
 // Templates lists the templates by name.
 func (n *Node) Templates() ([]*Template, error) {
 	return n.templates.List(context.Background())

@@ -76,7 +76,8 @@ func (n *Node) PrepareTemplateSnapshot(ctx context.Context, name string) error {
 		return nil
 	}
 	start := time.Now()
-	s, err := n.Create(ctx, CreateRequest{TemplateID: name, Timeout: 10 * time.Minute, noSnapshot: true})
+	s, err := n.Create(ctx, CreateRequest{TemplateID: name, Timeout: 10 * time.Minute, noSnapshot: true,
+		Metadata: map[string]string{sandboxes.MetaInternal: "template snapshot"}})
 	if err != nil {
 		return fmt.Errorf("boot template %s for its snapshot: %w", name, err)
 	}

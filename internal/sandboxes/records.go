@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 	public_traffic INTEGER NOT NULL DEFAULT 1,
 	base_layer     TEXT NOT NULL DEFAULT '',
 	egress         TEXT NOT NULL DEFAULT '',
-	default_workdir TEXT NOT NULL DEFAULT ''
+	default_workdir TEXT NOT NULL DEFAULT '',
+	auto_pause_fs  INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 `
@@ -94,6 +95,7 @@ var laterColumns = []struct{ name, decl string }{
 	{"base_layer", "TEXT NOT NULL DEFAULT ''"},
 	{"egress", "TEXT NOT NULL DEFAULT ''"},
 	{"default_workdir", "TEXT NOT NULL DEFAULT ''"},
+	{"auto_pause_fs", "INTEGER NOT NULL DEFAULT 0"},
 }
 
 func addMissingColumns(db *sql.DB) error {
@@ -113,7 +115,7 @@ func addMissingColumns(db *sql.DB) error {
 
 const sandboxColumns = `id, template_id, state, vcpus, memory_mib, disk_mib, slot, pid, allow_internet, secure,
 	auto_pause, access_token, traffic_token, default_user, metadata, env_vars, created_at, started_at, end_at,
-	mem_file, mem_private, snapshot_id, auto_resume, public_traffic, base_layer, egress, default_workdir`
+	mem_file, mem_private, snapshot_id, auto_resume, public_traffic, base_layer, egress, default_workdir, auto_pause_fs`
 
 func scanSandbox(row interface{ Scan(...any) error }) (*Sandbox, error) {
 	var s Sandbox
@@ -122,7 +124,7 @@ func scanSandbox(row interface{ Scan(...any) error }) (*Sandbox, error) {
 	if err := row.Scan(&s.ID, &s.TemplateID, &s.State, &s.VCPUs, &s.MemoryMiB, &s.DiskMiB, &s.Slot, &s.PID,
 		&s.AllowInternet, &s.Secure, &s.AutoPause, &s.AccessToken, &s.TrafficToken, &s.DefaultUser,
 		&meta, &env, &created, &started, &end, &s.MemFile, &s.MemPrivate, &s.SnapshotID,
-		&s.AutoResume, &s.PublicTraffic, &s.BaseLayer, &egress, &s.DefaultWorkdir); err != nil {
+		&s.AutoResume, &s.PublicTraffic, &s.BaseLayer, &egress, &s.DefaultWorkdir, &s.AutoPauseFilesystem); err != nil {
 		return nil, err
 	}
 	if egress != "" {
@@ -151,11 +153,11 @@ func (r *Records) Insert(ctx context.Context, s *Sandbox) error {
 	env, _ := json.Marshal(nonNil(s.EnvVars))
 	err := r.st.Tx(ctx, func(tx *sql.Tx) error {
 		if _, err := tx.ExecContext(ctx, `INSERT INTO sandboxes (`+sandboxColumns+`, updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
 			s.ID, s.TemplateID, s.State, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure,
 			s.AutoPause, s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env),
 			s.CreatedAt.UnixMilli(), s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID,
-			s.AutoResume, s.PublicTraffic, s.BaseLayer, egressJSON(s.Egress), s.DefaultWorkdir, time.Now().UnixMilli()); err != nil {
+			s.AutoResume, s.PublicTraffic, s.BaseLayer, egressJSON(s.Egress), s.DefaultWorkdir, s.AutoPauseFilesystem, time.Now().UnixMilli()); err != nil {
 			return err
 		}
 		return store.SetRefs(tx, Holder(s.ID), r.refs(s)...)
@@ -180,11 +182,11 @@ func (r *Records) SaveTx(ctx context.Context, tx *sql.Tx, s *Sandbox) error {
 		disk_mib = ?, slot = ?, pid = ?, allow_internet = ?, secure = ?, auto_pause = ?, access_token = ?,
 		traffic_token = ?, default_user = ?, metadata = ?, env_vars = ?, created_at = ?, started_at = ?, end_at = ?,
 		mem_file = ?, mem_private = ?, snapshot_id = ?, auto_resume = ?, public_traffic = ?, base_layer = ?, egress = ?,
-		default_workdir = ?, updated_at = ? WHERE id = ?`,
+		default_workdir = ?, auto_pause_fs = ?, updated_at = ? WHERE id = ?`,
 		s.TemplateID, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure, s.AutoPause,
 		s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env), s.CreatedAt.UnixMilli(),
 		s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID, s.AutoResume, s.PublicTraffic,
-		s.BaseLayer, egressJSON(s.Egress), s.DefaultWorkdir, time.Now().UnixMilli(), s.ID)
+		s.BaseLayer, egressJSON(s.Egress), s.DefaultWorkdir, s.AutoPauseFilesystem, time.Now().UnixMilli(), s.ID)
 	if err != nil {
 		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
 	}

@@ -30,6 +30,9 @@ type Sandbox struct {
 	Egress    network.Egress
 	Secure    bool
 	AutoPause bool
+	// AutoPauseFilesystem: the pause at the end of its time keeps only its
+	// file system (E2B's lifecycle mode "filesystem").
+	AutoPauseFilesystem bool
 	// AutoResume: traffic for the sandbox while paused resumes it.
 	AutoResume bool
 	// PublicTraffic: ports other than envd's need no traffic token.
@@ -82,4 +85,15 @@ func (s *Sandbox) PhaseTimer() func(name string) {
 		s.Phases = append(s.Phases, Phase{name, now.Sub(mark)})
 		mark = now
 	}
+}
+
+// MetaInternal marks, in its metadata, a sandbox the node runs for itself
+// (a template build's, a template snapshot's boot): users' listings leave
+// it out. Its value says what it is for.
+const MetaInternal = "aenv.internal"
+
+// Internal reports whether the node runs s for itself (MetaInternal).
+func (s *Sandbox) Internal() bool {
+	_, ok := s.Metadata[MetaInternal]
+	return ok
 }

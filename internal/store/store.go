@@ -57,6 +57,7 @@ const (
 	LabelTemplate         = "template"          // a template's name → its root layer
 	LabelTemplateSnapshot = "template-snapshot" // a template's name → its snapshot on this node
 	LabelSnapshot         = "snapshot"          // a named snapshot → its snapshot
+	LabelTemplateTag      = "template-tag"      // "template:tag" → the root layer of that build
 )
 
 // NameTaken reports what a template or snapshot name already names, in
@@ -393,6 +394,13 @@ func DeleteLabel(tx *sql.Tx, kind, name string) error {
 		return fmt.Errorf("%w: %s %q", ErrNotFound, kind, name)
 	}
 	return nil
+}
+
+// DeleteLabelsPrefixed removes the labels of kind whose names start with
+// prefix, in tx.
+func DeleteLabelsPrefixed(tx *sql.Tx, kind, prefix string) error {
+	_, err := tx.Exec(`DELETE FROM labels WHERE kind = ? AND substr(name, 1, ?) = ?`, kind, len(prefix), prefix)
+	return err
 }
 
 // Label reads label kind/name.

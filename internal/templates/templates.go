@@ -19,6 +19,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"strings"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/envd"
@@ -60,6 +61,9 @@ type Template struct {
 	// LazyLayers are the repository layers (bottom first) a template loaded
 	// lazily boots from, served by the node's NBD server.
 	LazyLayers []string `json:"lazyLayers,omitempty"`
+	// BuildID is the build that made this version of the template ("" for
+	// templates aenv setup made or images imported).
+	BuildID string `json:"buildID,omitempty"`
 }
 
 // LabelKind is the store label kind of templates.
@@ -92,6 +96,9 @@ func (c *Catalog) Store() *store.Store { return c.st }
 func (c *Catalog) Get(ctx context.Context, name string) (*Template, error) {
 	if name == "" {
 		return nil, fmt.Errorf("%w: templateID is required", errkind.ErrInvalid)
+	}
+	if base, tag, ok := strings.Cut(name, ":"); ok {
+		return c.getTagged(ctx, base, tag)
 	}
 	if !NameRE.MatchString(name) {
 		return nil, fmt.Errorf("%w: template %q", errkind.ErrNotFound, name)
@@ -200,9 +207,14 @@ func (c *Catalog) InstallFile(ctx context.Context, t Template, path string, need
 	return c.Get(ctx, t.Name)
 }
 
-// Delete removes template name's label in tx; its layers go when nothing
-// else reaches them.
-func Delete(tx *sql.Tx, name string) error { return store.DeleteLabel(tx, LabelKind, name) }
+// Delete removes template name's label and its tags in tx; its layers go
+// when nothing else reaches them.
+func Delete(tx *sql.Tx, name string) error {
+	if err := store.DeleteLabel(tx, LabelKind, name); err != nil {
+		return err
+	}
+	return store.DeleteLabelsPrefixed(tx, store.LabelTemplateTag, name+":")
+}
 
 // tempFile names a scratch file in the store's layers dir.
 func (c *Catalog) tempFile(pattern string) (string, error) {

@@ -62,7 +62,7 @@ func TestRESTBadInputRealNode(t *testing.T) {
 		{"timeout negative", "POST", "/sandboxes/" + id + "/timeout", `{"timeout":-1}`, 400},
 		{"timeout huge", "POST", "/sandboxes/" + id + "/timeout", `{"timeout":1e12}`, 400},
 		{"refresh malformed", "POST", "/sandboxes/" + id + "/refreshes", `{"duration":}`, 400},
-		{"filesystem-only pause", "POST", "/sandboxes/" + id + "/pause", `{"memory":false}`, 400},
+		{"pause memory wrong type", "POST", "/sandboxes/" + id + "/pause", `{"memory":"no"}`, 400},
 		{"resume a running sandbox", "POST", "/sandboxes/" + id + "/resume", `{}`, 409},
 		{"fork too many", "POST", "/sandboxes/" + id + "/fork", `{"count":17}`, 400},
 		{"fork wrong type", "POST", "/sandboxes/" + id + "/fork", `{"count":"2"}`, 400},

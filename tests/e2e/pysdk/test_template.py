@@ -3,6 +3,7 @@ the files hash the SDK sends."""
 import os
 import time
 
+import pytest
 from e2b import Sandbox, Template
 from e2b.template.utils import calculate_files_hash, tar_file_stream
 
@@ -105,3 +106,38 @@ def test_last_user_and_workdir_are_the_sandbox_defaults():
         assert sbx.commands.run("whoami; pwd").stdout == "user\n/tmp/wd\n"
     finally:
         sbx.kill()
+
+
+def test_tags_name_builds():
+    """Template tags: a build's tags keep pointing at it when the template
+    is built again; name:tag creates from that build; assign_tags,
+    get_tags, remove_tags; build ids are UUIDs, as the SDK parses them."""
+    name = "py-tags-" + format(int(time.time() * 1000), "x")
+    one = Template.build(Template().from_template("base").run_cmd("echo one | sudo tee /build.txt"), name, tags=["v1"])
+    two = Template.build(Template().from_template("base").run_cmd("echo two | sudo tee /build.txt"), name)
+    assert one.build_id != two.build_id and one.tags == ["v1"]
+
+    tags = {t.tag: t.build_id for t in Template.get_tags(name)}
+    assert tags == {"default": two.build_id, "v1": one.build_id}, tags
+
+    def content(ref):
+        sbx = Sandbox.create(ref, timeout=120)
+        try:
+            return sbx.commands.run("cat /build.txt").stdout
+        finally:
+            sbx.kill()
+
+    assert content(name) == "two\n"
+    assert content(f"{name}:default") == "two\n"
+    assert content(f"{name}:v1") == "one\n"
+
+    info = Template.assign_tags(f"{name}:v1", ["prod", "stable"])
+    assert info.build_id == one.build_id and sorted(info.tags) == ["prod", "stable"]
+    Template.remove_tags(name, ["v1", "stable"])
+    tags = {t.tag: t.build_id for t in Template.get_tags(name)}
+    assert tags == {"default": two.build_id, "prod": one.build_id}, tags
+    assert content(f"{name}:prod") == "one\n"
+    with pytest.raises(Exception):
+        Sandbox.create(f"{name}:v1", timeout=60)
+    with pytest.raises(Exception):
+        Template.remove_tags(name, ["never-assigned"])
