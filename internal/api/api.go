@@ -64,6 +64,8 @@ type Node interface {
 	RequestBuild(name string, tags []string, vcpus, memMiB int) (*builds.Record, error)
 	StartBuild(templateID, buildID string, spec builds.Spec) error
 	Build(templateID, buildID string) (*builds.Record, error)
+	// TemplateBuilds lists a template's builds, newest first.
+	TemplateBuilds(templateID string) ([]*builds.Record, error)
 	Template(name string) (*orchestrator.Template, error)
 	Templates() ([]*orchestrator.Template, error)
 	DeleteTemplate(ctx context.Context, name string) error
@@ -177,7 +179,9 @@ func (s *Server) routes() {
 	s.route("POST /sandboxes/{id}/connect", auth(s.connectSandbox))
 	s.route("POST /v2/sandboxes/{id}/connect", auth(s.connectSandbox))
 	s.route("GET /sandboxes/{id}/metrics", auth(s.sandboxMetrics))
+	s.route("GET /sandboxes/metrics", auth(s.sandboxesMetrics))
 	s.route("GET /sandboxes/{id}/logs", auth(s.sandboxLogs))
+	s.route("GET /v2/sandboxes/{id}/logs", auth(s.sandboxLogsV2))
 	s.route("GET /snapshots", auth(s.listSnapshots))
 	s.route("GET /metrics", s.nodeMetrics())
 	if s.cfg.PeerChunks != nil {

@@ -259,6 +259,13 @@ func TestBadInputChangesNothing(t *testing.T) {
 		{"logs bad limit", "GET", "/sandboxes/sbx1/logs?limit=-1", ``, 400},
 		{"pause malformed", "POST", "/sandboxes/sbx1/pause", `{"memory":"yes"}`, 400},
 		{"connect memory malformed", "POST", "/sandboxes/sbx1/connect", `{"memory":"no"}`, 400},
+		{"metrics of no sandboxes", "GET", "/sandboxes/metrics", ``, 400},
+		{"metrics of a bad id", "GET", "/sandboxes/metrics?sandbox_ids=sbx1,../x", ``, 400},
+		{"metrics of too many", "GET", "/sandboxes/metrics?sandbox_ids=" + strings.TrimSuffix(strings.Repeat("a,", 101), ","), ``, 400},
+		{"template visibility", "PATCH", "/templates/base", `{"public":true}`, 404},
+		{"build logs bad direction", "GET", "/templates/base/builds/b1/logs?direction=sideways", ``, 400},
+		{"build logs bad level", "GET", "/templates/base/builds/b1/logs?level=loud", ``, 400},
+		{"template detail bad limit", "GET", "/templates/base?limit=0", ``, 400},
 		{"resume memory malformed", "POST", "/sandboxes/sbx1/resume", `{"memory":1}`, 400},
 		{"pause unknown", "POST", "/sandboxes/nope/pause", ``, 404},
 		{"resume running", "POST", "/sandboxes/sbx1/resume", `{}`, 409},
@@ -596,6 +603,47 @@ func TestLogs(t *testing.T) {
 		})
 	}
 	assertError(t, a.do("GET", "/sandboxes/zz/logs", ""), 404)
+
+	// The v2 form: entries only, with direction, cursor, level and search.
+	for _, tc := range []struct {
+		name, q string
+		lines   []string
+	}{
+		{"all", "", []string{"[    0.1] kernel line", "init: started envd", "bad \uFFFD byte"}},
+		{"backward, one", "?direction=backward&limit=1", []string{"bad \uFFFD byte"}},
+		{"search", "?search=envd", []string{"init: started envd"}},
+		{"cursor after the start", fmt.Sprintf("?cursor=%d", started.UnixMilli()+1), nil},
+		{"backward to before the start", fmt.Sprintf("?direction=backward&cursor=%d", started.UnixMilli()-1), nil},
+		{"level above info", "?level=warn", nil},
+	} {
+		t.Run("v2 "+tc.name, func(t *testing.T) {
+			rec := a.do("GET", "/v2/sandboxes/l1/logs"+tc.q, "")
+			var out struct {
+				Logs []struct {
+					Timestamp time.Time `json:"timestamp"`
+					Message   string    `json:"message"`
+					Level     string    `json:"level"`
+				} `json:"logs"`
+			}
+			if rec.Code != 200 || json.Unmarshal(rec.Body.Bytes(), &out) != nil || out.Logs == nil {
+				t.Fatalf("%d %s", rec.Code, rec.Body)
+			}
+			var got []string
+			for _, l := range out.Logs {
+				if l.Level != "info" || !l.Timestamp.Equal(started) {
+					t.Fatalf("entry %+v", l)
+				}
+				got = append(got, l.Message)
+			}
+			if strings.Join(got, "|") != strings.Join(tc.lines, "|") {
+				t.Fatalf("lines %q, want %q", got, tc.lines)
+			}
+		})
+	}
+	for _, q := range []string{"?direction=up", "?level=loud", "?limit=-1", "?cursor=x"} {
+		assertError(t, a.do("GET", "/v2/sandboxes/l1/logs"+q, ""), 400)
+	}
+	assertError(t, a.do("GET", "/v2/sandboxes/zz/logs", ""), 404)
 }
 
 func TestKill(t *testing.T) {

@@ -261,6 +261,8 @@ func (f *fakeNode) DeleteTemplate(ctx context.Context, name string) error {
 }
 func (f *fakeNode) DataDir() string { return fakeDataDir }
 
+func (f *fakeNode) TemplateBuilds(templateID string) ([]*builds.Record, error) { return nil, nil }
+
 // Catalog: the fake node has no template store (the tag routes are tested
 // on a real node, tests/e2e).
 func (f *fakeNode) Catalog() *templates.Catalog { return nil }

@@ -10,12 +10,14 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/httperr"
 	"github.com/agentenv/agentenv/internal/orchestrator"
+	"github.com/agentenv/agentenv/internal/proxy"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
@@ -253,7 +255,7 @@ func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	if limit == 0 {
+	if limit < 0 { // not given
 		limit = 100
 	}
 	q := r.URL.Query()
@@ -428,6 +430,55 @@ func (s *Server) sandboxMetrics(w http.ResponseWriter, r *http.Request) {
 	}})
 }
 
+// maxMetricsSandboxes bounds GET /sandboxes/metrics (as E2B's).
+const maxMetricsSandboxes = 100
+
+// sandboxesMetrics implements GET /sandboxes/metrics?sandbox_ids=a,b: the
+// latest sample of each running sandbox named (read from its envd now);
+// sandboxes that are not running, or not this node's, are left out.
+func (s *Server) sandboxesMetrics(w http.ResponseWriter, r *http.Request) {
+	q, err := query(r)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	raw := q.Get("sandbox_ids")
+	if raw == "" {
+		writeError(w, http.StatusBadRequest, "sandbox_ids is required (comma-separated)")
+		return
+	}
+	ids := strings.Split(raw, ",")
+	if len(ids) > maxMetricsSandboxes {
+		writeError(w, http.StatusBadRequest, fmt.Sprintf("at most %d sandbox_ids", maxMetricsSandboxes))
+		return
+	}
+	for _, id := range ids {
+		if !proxy.ValidSandboxID(id) {
+			writeError(w, http.StatusBadRequest, fmt.Sprintf("sandbox_ids: %q is not a sandbox id", truncate(id, 64)))
+			return
+		}
+	}
+	out := map[string]metricJSON{}
+	for _, id := range ids {
+		sb, err := s.node.Get(r.Context(), id)
+		if err != nil || sb.State != sandboxes.Running {
+			continue
+		}
+		m, err := fetchEnvdMetrics(r.Context(), sb)
+		if err != nil {
+			s.log.Warn("metrics of a sandbox", "sandbox", id, "err", err)
+			continue
+		}
+		ts := time.Unix(m.Timestamp, 0).UTC()
+		if m.Timestamp == 0 {
+			ts = time.Now().UTC().Truncate(time.Second)
+		}
+		out[id] = metricJSON{Timestamp: ts, TimestampUnix: ts.Unix(), CPUCount: m.CPUCount, CPUUsedPct: m.CPUUsedPct,
+			MemUsed: m.MemUsed, MemTotal: m.MemTotal, MemCache: m.MemCache, DiskUsed: m.DiskUsed, DiskTotal: m.DiskTotal}
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"sandboxes": out})
+}
+
 // envdClient keeps no idle connections: a guest that is killed or paused
 // never closes them, and they would hold goroutines and files.
 var envdClient = &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
@@ -539,6 +590,75 @@ func (s *Server) sandboxLogs(w http.ResponseWriter, r *http.Request) {
 		})
 	}
 	writeJSON(w, http.StatusOK, out)
+}
+
+// sandboxLogsV2 implements GET /v2/sandboxes/{id}/logs: the guest
+// console's lines as log entries (level info, stamped with the sandbox's
+// start: the console carries no times), from cursor (Unix ms) forward or
+// backward, at most limit, at level and above, containing search.
+func (s *Server) sandboxLogsV2(w http.ResponseWriter, r *http.Request) {
+	id, ok := s.sandboxID(w, r)
+	if !ok {
+		return
+	}
+	cursor, err := queryInt(r, "cursor", 0, 1<<53)
+	var limit int64
+	if err == nil {
+		if limit, err = queryInt(r, "limit", 0, maxLogLimitLines); err == nil && limit < 0 {
+			limit = defaultLogLimit
+		}
+	}
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	q := r.URL.Query()
+	direction, search := q.Get("direction"), q.Get("search")
+	if direction != "" && direction != "forward" && direction != "backward" {
+		writeError(w, http.StatusBadRequest, "direction must be forward or backward")
+		return
+	}
+	minLevel := 0
+	if l := q.Get("level"); l != "" {
+		if minLevel, ok = logLevels[l]; !ok {
+			writeError(w, http.StatusBadRequest, "level must be debug, info, warn or error")
+			return
+		}
+	}
+	sb, err := s.node.Get(r.Context(), id)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	raw, err := s.node.ConsoleLog(r.Context(), id, maxLogBytes)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	ts := sb.StartedAt.UTC()
+	var lines []string
+	if minLevel <= logLevels["info"] &&
+		(cursor < 0 || (direction == "backward" && ts.UnixMilli() <= cursor) || (direction != "backward" && ts.UnixMilli() >= cursor)) {
+		sc := bufio.NewScanner(bytes.NewReader(raw))
+		sc.Buffer(make([]byte, 64<<10), maxLogBytes)
+		for sc.Scan() {
+			line := toValidUTF8(string(bytes.TrimRight(sc.Bytes(), "\r")))
+			if line != "" && strings.Contains(line, search) {
+				lines = append(lines, line)
+			}
+		}
+	}
+	if direction == "backward" {
+		slices.Reverse(lines)
+	}
+	out := []logEntryJSON{}
+	for _, line := range lines {
+		if int64(len(out)) == limit {
+			break
+		}
+		out = append(out, logEntryJSON{Timestamp: ts, Level: "info", Message: line, Fields: map[string]string{"source": "console"}})
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"logs": out})
 }
 
 func toValidUTF8(s string) string {

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"slices"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/buildfiles"
@@ -20,6 +21,8 @@ func (s *Server) templateRoutes() {
 	s.route("POST /v3/templates", auth(s.requestBuild))
 	s.route("POST /v2/templates/{templateID}/builds/{buildID}", auth(s.startBuild))
 	s.route("GET /templates/{templateID}/builds/{buildID}/status", auth(s.buildStatus))
+	s.route("GET /templates/{templateID}/builds/{buildID}/logs", auth(s.buildLogs))
+	s.route("GET /templates/{templateID}", auth(s.templateDetail))
 	s.route("GET /templates/{templateID}/files/{hash}", auth(s.fileUploadLink))
 	// The upload itself is authorised by the signature in the link.
 	s.routeFunc("PUT /templates/{templateID}/files/{hash}/upload", s.uploadBuildFiles)
@@ -320,8 +323,145 @@ func (s *Server) listTemplates(w http.ResponseWriter, r *http.Request) {
 	}
 	out := []map[string]any{}
 	for _, t := range all {
-		out = append(out, map[string]any{"templateID": t.Name, "buildID": "", "aliases": []string{t.Name}, "names": []string{t.Name},
+		out = append(out, map[string]any{"templateID": t.Name, "buildID": t.BuildRef(), "aliases": []string{t.Name}, "names": []string{t.Name},
 			"cpuCount": t.VCPUs, "memoryMB": t.MemoryMiB, "public": false, "envdVersion": t.EnvdVersion, "buildStatus": "ready"})
 	}
 	writeJSON(w, http.StatusOK, out)
+}
+
+// templateDetail implements GET /templates/{templateID}: the template and
+// its builds (newest first, in pages of limit with nextToken). The node
+// counts no spawns (E2B cloud accounting): spawnCount is 0.
+func (s *Server) templateDetail(w http.ResponseWriter, r *http.Request) {
+	limit, err := queryInt(r, "limit", 1, 1000)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	if limit < 0 {
+		limit = 100
+	}
+	name := r.PathValue("templateID")
+	t, err := s.node.Template(name)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	recs, err := s.node.TemplateBuilds(t.Name)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	after := r.URL.Query().Get("nextToken")
+	if after != "" && !slices.ContainsFunc(recs, func(b *builds.Record) bool { return b.BuildID == after }) {
+		writeError(w, http.StatusBadRequest, "invalid nextToken")
+		return
+	}
+	buildsOut := []map[string]any{}
+	created, updated := time.Time{}, time.Time{}
+	skipping := after != ""
+	for _, b := range recs {
+		if created.IsZero() || b.CreatedAt.Before(created) {
+			created = b.CreatedAt
+		}
+		if b.FinishedAt.After(updated) {
+			updated = b.FinishedAt
+		}
+		if skipping {
+			skipping = b.BuildID != after
+			continue
+		}
+		if int64(len(buildsOut)) == limit {
+			w.Header().Set("X-Next-Token", buildsOut[len(buildsOut)-1]["buildID"].(string))
+			continue
+		}
+		entry := map[string]any{"buildID": b.BuildID, "status": b.Status, "createdAt": b.CreatedAt,
+			"updatedAt": latest(b.CreatedAt, b.FinishedAt), "cpuCount": max(b.VCPUs, 1), "memoryMB": b.MemoryMiB,
+			"envdVersion": t.EnvdVersion}
+		if !b.FinishedAt.IsZero() {
+			entry["finishedAt"] = b.FinishedAt
+		}
+		buildsOut = append(buildsOut, entry)
+	}
+	if created.IsZero() {
+		created, updated = time.Unix(0, 0).UTC(), time.Unix(0, 0).UTC() // made by aenv setup or an import: no build record
+	}
+	writeJSON(w, http.StatusOK, map[string]any{
+		"templateID": t.Name, "buildID": t.BuildRef(), "cpuCount": t.VCPUs, "memoryMB": t.MemoryMiB, "diskSizeMB": t.DiskMiB,
+		"public": false, "aliases": []string{t.Name}, "names": []string{t.Name}, "createdAt": created,
+		"updatedAt": latest(created, updated), "createdBy": nil, "lastSpawnedAt": nil, "spawnCount": 0,
+		"buildCount": len(recs), "envdVersion": t.EnvdVersion, "buildStatus": "ready", "builds": buildsOut,
+	})
+}
+
+func latest(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
+}
+
+// logLevels orders build log levels; a level filter keeps that level and
+// the ones above it.
+var logLevels = map[string]int{"debug": 0, "info": 1, "warn": 2, "error": 3}
+
+// buildLogs implements GET /templates/{templateID}/builds/{buildID}/logs:
+// the build's log from cursor (Unix milliseconds; forward from it, or
+// backward up to it), at most limit entries, at level and above.
+func (s *Server) buildLogs(w http.ResponseWriter, r *http.Request) {
+	cursor, err := queryInt(r, "cursor", 0, 1<<62)
+	if err == nil && cursor < 0 {
+		cursor = 0
+	}
+	var limit int64
+	if err == nil {
+		if limit, err = queryInt(r, "limit", 0, 10000); err == nil && limit < 0 {
+			limit = 100
+		}
+	}
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	q := r.URL.Query()
+	direction := q.Get("direction")
+	if direction != "" && direction != "forward" && direction != "backward" {
+		writeError(w, http.StatusBadRequest, "direction must be forward or backward")
+		return
+	}
+	minLevel := 0
+	if l := q.Get("level"); l != "" {
+		var ok bool
+		if minLevel, ok = logLevels[l]; !ok {
+			writeError(w, http.StatusBadRequest, "level must be debug, info, warn or error")
+			return
+		}
+	}
+	if src := q.Get("source"); src != "" && src != "persistent" && src != "temporary" {
+		writeError(w, http.StatusBadRequest, "source must be persistent or temporary")
+		return
+	}
+	rec, err := s.node.Build(r.PathValue("templateID"), r.PathValue("buildID"))
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	entries := rec.Logs
+	if direction == "backward" {
+		entries = slices.Clone(entries)
+		slices.Reverse(entries)
+	}
+	out := []buildLogJSON{}
+	for _, e := range entries {
+		ms := e.Timestamp.UnixMilli()
+		if (direction == "backward" && cursor > 0 && ms > cursor) || (direction != "backward" && ms < cursor) ||
+			logLevels[e.Level] < minLevel {
+			continue
+		}
+		if int64(len(out)) == limit {
+			break
+		}
+		out = append(out, buildLogJSON(e))
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"logs": out})
 }

@@ -93,6 +93,11 @@ func (n *Node) Build(templateID, buildID string) (*builds.Record, error) {
 	return n.builds.Get(templateID, buildID)
 }
 
+// TemplateBuilds lists a template's builds, newest first.
+func (n *Node) TemplateBuilds(templateID string) ([]*builds.Record, error) {
+	return n.builds.List(templateID)
+}
+
 // DataDir is the node's data directory.
 func (n *Node) DataDir() string { return n.cfg.DataDir }
 

@@ -113,6 +113,16 @@ func TestLogsAndMetricsRealNode(t *testing.T) {
 	if len(metrics) != 1 || metrics[0]["memTotal"].(float64) <= 0 || metrics[0]["cpuCount"].(float64) < 1 {
 		t.Fatalf("metrics %v", metrics)
 	}
+	// Several at once: a running sandbox's, and none for one that is not.
+	var many struct {
+		Sandboxes map[string]map[string]any `json:"sandboxes"`
+	}
+	if err := s.rest(ctx, "GET", "/sandboxes/metrics?sandbox_ids="+sb.SandboxID+",nosuchsandbox00000000", nil, &many); err != nil {
+		t.Fatal(err)
+	}
+	if m := many.Sandboxes[sb.SandboxID]; len(many.Sandboxes) != 1 || m == nil || m["memTotal"].(float64) <= 0 {
+		t.Fatalf("GET /sandboxes/metrics: %v", many.Sandboxes)
+	}
 	req, _ := http.NewRequest("GET", s.url+"/sandboxes/"+sb.SandboxID+"/logs?limit=5000", nil)
 	req.Header.Set("X-API-Key", apiKey)
 	resp, err := http.DefaultClient.Do(req)

@@ -141,3 +141,24 @@ def test_tags_name_builds():
         Sandbox.create(f"{name}:v1", timeout=60)
     with pytest.raises(Exception):
         Template.remove_tags(name, ["never-assigned"])
+
+    # The SDK's generated client reads the template with its builds, and a
+    # build's log (its models parse the answers: UUID build ids, times).
+    from e2b.api.client.api.templates import get_templates_template_id, get_templates_template_id_builds_build_id_logs
+    from e2b.api.client.models import LogLevel, LogsDirection
+    from e2b.api.client_sync import get_api_client
+    from e2b.connection_config import ConnectionConfig
+
+    client = get_api_client(ConnectionConfig())
+    detail = get_templates_template_id.sync_detailed(name, client=client)
+    assert detail.status_code == 200, detail.content
+    assert str(detail.parsed.build_id) == two.build_id and detail.parsed.build_count == 2
+    assert [str(b.build_id) for b in detail.parsed.builds] == [two.build_id, one.build_id]
+    assert all(b.status.value == "ready" for b in detail.parsed.builds)
+    logs = get_templates_template_id_builds_build_id_logs.sync_detailed(name, one.build_id, client=client)
+    assert logs.status_code == 200, logs.content
+    messages = [e.message for e in logs.parsed.logs]
+    assert any("tagged v1" in m for m in messages), messages
+    back = get_templates_template_id_builds_build_id_logs.sync_detailed(
+        name, one.build_id, client=client, direction=LogsDirection.BACKWARD, limit=1, level=LogLevel.INFO)
+    assert [e.message for e in back.parsed.logs] == [messages[-1]]
