@@ -17,7 +17,8 @@ import (
 // own GET /openapi.yml, bounded in examples and time:
 //   - negative mode (every request breaks the schema): no 5xx, every answer
 //     a 4xx in the {code,message} shape, and nothing on the node changed;
-//   - positive mode on the read-only operations: no 5xx, errors in shape.
+//   - positive mode on the read-only operations: no 5xx, errors in shape,
+//     and every answer's status, content type and body as documented.
 func TestSchemathesis(t *testing.T) {
 	bin := os.Getenv("SCHEMATHESIS")
 	if bin == "" {
@@ -49,12 +50,12 @@ func TestSchemathesis(t *testing.T) {
 		}
 		return out
 	}
-	run := func(name string, args ...string) {
+	run := func(name, checks string, args ...string) {
 		t.Helper()
 		ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 		defer cancel()
 		all := append([]string{"run", s.url + "/openapi.yml",
-			"--checks", "not_a_server_error,error_body_shape,negative_data_rejection",
+			"--checks", checks,
 			"--header", "X-API-Key: " + apiKey,
 			"--max-examples", "12", "--generation-deterministic", "--request-timeout", "60",
 			"--max-failures", "20", "--no-color", "--suppress-health-check", "all",
@@ -77,11 +78,15 @@ func TestSchemathesis(t *testing.T) {
 		t.Logf("schemathesis (%s):\n%s", name, tail)
 	}
 	before := state()
-	run("negative", "--mode", "negative", "--phases", "examples,coverage,fuzzing")
+	run("negative", "not_a_server_error,error_body_shape,negative_data_rejection",
+		"--mode", "negative", "--phases", "examples,coverage,fuzzing")
 	if after := state(); !reflect.DeepEqual(before, after) {
 		t.Fatalf("refused requests changed the node:\nbefore %v\nafter  %v", before, after)
 	}
-	run("positive, read-only", "--mode", "positive", "--include-method", "GET", "--phases", "examples,coverage,fuzzing")
+	// The answers of the read-only operations must match the document:
+	// their status codes are documented and their bodies fit its schemas.
+	run("positive, read-only", "not_a_server_error,error_body_shape,status_code_conformance,response_schema_conformance,content_type_conformance",
+		"--mode", "positive", "--include-method", "GET", "--phases", "examples,coverage,fuzzing")
 }
 
 // stripVolatile drops the fields of a listing that change on their own
