@@ -97,8 +97,9 @@ func reportPercentiles(b *testing.B, ds []time.Duration) {
 // times and reports p50/p90 of each. The resume figure ends when envd has
 // accepted /init (so the sandbox answers requests), first with a RAM file of
 // its own, then with copy-on-write RAM over a snapshot's image (pause writes
-// the changed pages). Baseline in the same run: the bare QMP stop/cont round
-// trip on the running machine.
+// the changed pages), and last without memory (the pause syncs the guest's
+// disks, the resume boots it again). Baseline in the same run: the bare QMP
+// stop/cont round trip on the running machine.
 func BenchmarkPauseResume(b *testing.B) {
 	n := testNode(b)
 	ctx := context.Background()
@@ -145,6 +146,22 @@ func BenchmarkPauseResume(b *testing.B) {
 		b.Fatal(err)
 	}
 	cycle("-copy-on-write")
+	// Without memory: the pause syncs the guest's disks and keeps no RAM,
+	// the resume boots the guest again on its disk.
+	fsPause, reboot := &series{name: "pause-filesystem"}, &series{name: "resume-boot"}
+	all = append(all, fsPause, reboot)
+	for i := 0; i < b.N; i++ {
+		t0 := time.Now()
+		if _, err := n.PauseFilesystem(ctx, s.ID); err != nil {
+			b.Fatal(err)
+		}
+		fsPause.ds = append(fsPause.ds, time.Since(t0))
+		t0 = time.Now()
+		if _, err := n.Resume(ctx, s.ID, time.Hour); err != nil {
+			b.Fatal(err)
+		}
+		reboot.ds = append(reboot.ds, time.Since(t0))
+	}
 	for _, sr := range all {
 		fmt.Fprintf(os.Stderr, "%-28s n=%d p50 %8s p90 %8s\n", sr.name, len(sr.ds),
 			percentile(sr.ds, 50).Round(10*time.Microsecond), percentile(sr.ds, 90).Round(10*time.Microsecond))

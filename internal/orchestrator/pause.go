@@ -436,7 +436,11 @@ func (n *Node) ResumeWith(ctx context.Context, id string, opts ResumeOptions) (*
 	if err := n.records.Move(octx, id, sandboxes.Paused, sandboxes.Resuming, ""); err != nil {
 		return nil, o.Finish(err)
 	}
-	if err := n.resumeMachine(o, s, opts.Reboot); err != nil {
+	resume := n.resumeMachine
+	if opts.Reboot {
+		resume = n.rebootFromMemory
+	}
+	if err := resume(o, s, opts.Reboot); err != nil {
 		return nil, o.Finish(fmt.Errorf("resume %s: %w", id, err))
 	}
 	now := time.Now().UTC().Truncate(time.Millisecond)
@@ -535,6 +539,34 @@ func (n *Node) resumeMachine(o *operation.Op, s *sandboxes.Sandbox, reboot bool)
 	}
 	phase("envd init")
 	return nil
+}
+
+// rebootFromMemory boots a sandbox paused with memory again from its disk
+// (the caller's record is resuming) without losing what its guest had not
+// written to that disk yet: the memory is restored first, the guest syncs
+// its disks and stops, and then it boots. That first part is an operation
+// of its own (resume-sync): when anything in it fails the sandbox is
+// paused as it was, and the boot goes on from the disk as it is, as asked
+// (the memory may be the very thing that is broken, e.g. an envd that no
+// longer answers).
+func (n *Node) rebootFromMemory(o *operation.Op, s *sandboxes.Sandbox, _ bool) error {
+	dir := n.sandboxDir(s.ID)
+	if rec, err := readPauseRecord(dir); err == nil && !rec.FilesystemOnly {
+		first := operation.Start(o.Context(), "resume-sync", n.cfg.OperationTimeout, n.log)
+		err := n.resumeMachine(first, s, false)
+		if err == nil {
+			err = n.pauseFilesystem(first.Context(), s, sandboxes.Resuming, first.Do)
+		}
+		if err = first.Finish(err); err != nil {
+			n.log.Warn("a reboot could not sync the guest's disks first; it boots from the disk as it is", "sandbox", s.ID, "err", err)
+		}
+		// Paused again, with its memory (a failure) or without (synced):
+		// the reboot takes it from there.
+		if err := n.records.Move(o.Context(), s.ID, sandboxes.Paused, sandboxes.Resuming, ""); err != nil {
+			return err
+		}
+	}
+	return n.resumeMachine(o, s, true)
 }
 
 // rebootPaused resumes a sandbox paused without memory: it boots again on

@@ -141,7 +141,7 @@ func TestExpiryPausesWithAutoPause(t *testing.T) {
 // disk (processes gone, env vars and secure token as before); traffic's
 // auto-resume refuses it; it survives a restart of the node; and a
 // sandbox paused with memory can be rebooted from its disk instead
-// (connect's memory: false).
+// (connect's memory: false), keeping what its guest had not flushed.
 func TestPauseWithoutMemory(t *testing.T) {
 	dir := newTestDataDir(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
@@ -205,8 +205,10 @@ func TestPauseWithoutMemory(t *testing.T) {
 		t.Fatalf("after the resume: %q, want the file, the env var, and no sleep", out.stdout)
 	}
 
-	// Paused with memory, then rebooted from the disk: the memory goes.
-	if _, err := c.run(ctx, "", "bash", "-c", "nohup sleep 1000 >/dev/null 2>&1 & echo more > /home/user/g; sync"); err != nil {
+	// Paused with memory, then rebooted from the disk: the processes go,
+	// what the guest wrote stays, also what it had not flushed yet (the
+	// memory is restored to sync it before the boot).
+	if _, err := c.run(ctx, "", "bash", "-c", "nohup sleep 1000 >/dev/null 2>&1 & echo more > /home/user/g"); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := n.Pause(ctx, s.ID); err != nil {
