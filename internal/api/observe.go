@@ -559,30 +559,20 @@ func (s *Server) sandboxLogs(w http.ResponseWriter, r *http.Request) {
 	if limit < 0 {
 		limit = defaultLogLimit
 	}
-	sb, err := s.node.Get(r.Context(), id)
-	if err != nil {
-		s.writeNodeError(w, err)
-		return
-	}
-	raw, err := s.node.ConsoleLog(r.Context(), id, maxLogBytes)
+	lines, ts, err := s.consoleLines(r.Context(), id)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
 	out := logsJSON{Logs: []logLineJSON{}, LogEntries: []logEntryJSON{}}
-	ts := sb.StartedAt.UTC()
 	if start >= 0 && ts.UnixMilli() < start {
 		writeJSON(w, http.StatusOK, out)
 		return
 	}
-	sc := bufio.NewScanner(bytes.NewReader(raw))
-	sc.Buffer(make([]byte, 64<<10), maxLogBytes)
-	for sc.Scan() && int64(len(out.Logs)) < limit {
-		line := string(bytes.TrimRight(sc.Bytes(), "\r"))
-		if line == "" {
-			continue
+	for _, line := range lines {
+		if int64(len(out.Logs)) == limit {
+			break
 		}
-		line = toValidUTF8(line)
 		out.Logs = append(out.Logs, logLineJSON{Timestamp: ts, Line: line})
 		out.LogEntries = append(out.LogEntries, logEntryJSON{
 			Timestamp: ts, Level: "info", Message: line,
@@ -590,6 +580,29 @@ func (s *Server) sandboxLogs(w http.ResponseWriter, r *http.Request) {
 		})
 	}
 	writeJSON(w, http.StatusOK, out)
+}
+
+// consoleLines are the non-empty lines of a sandbox's guest console (at
+// most maxLogBytes of it, made valid UTF-8), stamped with the sandbox's
+// start (the console carries no times).
+func (s *Server) consoleLines(ctx context.Context, id string) ([]string, time.Time, error) {
+	sb, err := s.node.Get(ctx, id)
+	if err != nil {
+		return nil, time.Time{}, err
+	}
+	raw, err := s.node.ConsoleLog(ctx, id, maxLogBytes)
+	if err != nil {
+		return nil, time.Time{}, err
+	}
+	var lines []string
+	sc := bufio.NewScanner(bytes.NewReader(raw))
+	sc.Buffer(make([]byte, 64<<10), maxLogBytes)
+	for sc.Scan() {
+		if line := string(bytes.TrimRight(sc.Bytes(), "\r")); line != "" {
+			lines = append(lines, toValidUTF8(line))
+		}
+	}
+	return lines, sb.StartedAt.UTC(), nil
 }
 
 // sandboxLogsV2 implements GET /v2/sandboxes/{id}/logs: the guest
@@ -612,38 +625,22 @@ func (s *Server) sandboxLogsV2(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	q := r.URL.Query()
-	direction, search := q.Get("direction"), q.Get("search")
-	if direction != "" && direction != "forward" && direction != "backward" {
-		writeError(w, http.StatusBadRequest, "direction must be forward or backward")
+	direction, minLevel, err := logQuery(r)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	minLevel := 0
-	if l := q.Get("level"); l != "" {
-		if minLevel, ok = logLevels[l]; !ok {
-			writeError(w, http.StatusBadRequest, "level must be debug, info, warn or error")
-			return
-		}
-	}
-	sb, err := s.node.Get(r.Context(), id)
+	search := r.URL.Query().Get("search")
+	all, ts, err := s.consoleLines(r.Context(), id)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
-	raw, err := s.node.ConsoleLog(r.Context(), id, maxLogBytes)
-	if err != nil {
-		s.writeNodeError(w, err)
-		return
-	}
-	ts := sb.StartedAt.UTC()
 	var lines []string
 	if minLevel <= logLevels["info"] &&
 		(cursor < 0 || (direction == "backward" && ts.UnixMilli() <= cursor) || (direction != "backward" && ts.UnixMilli() >= cursor)) {
-		sc := bufio.NewScanner(bytes.NewReader(raw))
-		sc.Buffer(make([]byte, 64<<10), maxLogBytes)
-		for sc.Scan() {
-			line := toValidUTF8(string(bytes.TrimRight(sc.Bytes(), "\r")))
-			if line != "" && strings.Contains(line, search) {
+		for _, line := range all {
+			if strings.Contains(line, search) {
 				lines = append(lines, line)
 			}
 		}

@@ -405,6 +405,23 @@ func latest(a, b time.Time) time.Time {
 // the ones above it.
 var logLevels = map[string]int{"debug": 0, "info": 1, "warn": 2, "error": 3}
 
+// logQuery reads the direction (forward, backward) and level (the
+// lowest kept) of a log request.
+func logQuery(r *http.Request) (direction string, minLevel int, err error) {
+	q := r.URL.Query()
+	direction = q.Get("direction")
+	if direction != "" && direction != "forward" && direction != "backward" {
+		return "", 0, errors.New("direction must be forward or backward")
+	}
+	if l := q.Get("level"); l != "" {
+		var ok bool
+		if minLevel, ok = logLevels[l]; !ok {
+			return "", 0, errors.New("level must be debug, info, warn or error")
+		}
+	}
+	return direction, minLevel, nil
+}
+
 // buildLogs implements GET /templates/{templateID}/builds/{buildID}/logs:
 // the build's log from cursor (Unix milliseconds; forward from it, or
 // backward up to it), at most limit entries, at level and above.
@@ -423,20 +440,12 @@ func (s *Server) buildLogs(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	q := r.URL.Query()
-	direction := q.Get("direction")
-	if direction != "" && direction != "forward" && direction != "backward" {
-		writeError(w, http.StatusBadRequest, "direction must be forward or backward")
+	direction, minLevel, err := logQuery(r)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	minLevel := 0
-	if l := q.Get("level"); l != "" {
-		var ok bool
-		if minLevel, ok = logLevels[l]; !ok {
-			writeError(w, http.StatusBadRequest, "level must be debug, info, warn or error")
-			return
-		}
-	}
+	q := r.URL.Query()
 	if src := q.Get("source"); src != "" && src != "persistent" && src != "temporary" {
 		writeError(w, http.StatusBadRequest, "source must be persistent or temporary")
 		return

@@ -255,14 +255,13 @@ func (n *Node) pauseFilesystem(ctx context.Context, s *sandboxes.Sandbox, from s
 	phase("sync to disk")
 	if err := step("publish", func(ctx context.Context) error {
 		published = true
-		return storage.WriteJSONAtomic(filepath.Join(dir, pauseRecordName),
-			pauseRecord{FilesystemOnly: true, PausedAt: time.Now().UTC()}, 0o600)
+		return publishFilesystemPause(dir)
 	}); err != nil {
 		return err
 	}
 	faults.Point(faults.PauseSaved)
 	if err := step("commit", func(ctx context.Context) error {
-		return n.records.Move(ctx, s.ID, from, sandboxes.Paused, "pid = 0, mem_file = '', mem_private = 0")
+		return n.records.Move(ctx, s.ID, from, sandboxes.Paused, setPausedWithoutMemory)
 	}); err != nil {
 		return err
 	}
@@ -276,6 +275,17 @@ func (n *Node) pauseFilesystem(ctx context.Context, s *sandboxes.Sandbox, from s
 	}
 	phase("qemu exit")
 	return nil
+}
+
+// setPausedWithoutMemory is the record of a sandbox paused without
+// memory: no QEMU, no RAM file.
+const setPausedWithoutMemory = "pid = 0, mem_file = '', mem_private = 0"
+
+// publishFilesystemPause writes the pause record of a sandbox paused
+// without memory in its directory dir.
+func publishFilesystemPause(dir string) error {
+	return storage.WriteJSONAtomic(filepath.Join(dir, pauseRecordName),
+		pauseRecord{FilesystemOnly: true, PausedAt: time.Now().UTC()}, 0o600)
 }
 
 // guestSyncTimeout bounds the guest's sync before a pause without memory.
@@ -436,11 +446,11 @@ func (n *Node) ResumeWith(ctx context.Context, id string, opts ResumeOptions) (*
 	if err := n.records.Move(octx, id, sandboxes.Paused, sandboxes.Resuming, ""); err != nil {
 		return nil, o.Finish(err)
 	}
-	resume := n.resumeMachine
+	resume := func() error { return n.resumeMachine(o, s, false) }
 	if opts.Reboot {
-		resume = n.rebootFromMemory
+		resume = func() error { return n.rebootFromMemory(o, s) }
 	}
-	if err := resume(o, s, opts.Reboot); err != nil {
+	if err := resume(); err != nil {
 		return nil, o.Finish(fmt.Errorf("resume %s: %w", id, err))
 	}
 	now := time.Now().UTC().Truncate(time.Millisecond)
@@ -482,28 +492,10 @@ func (n *Node) resumeMachine(o *operation.Op, s *sandboxes.Sandbox, reboot bool)
 	if err != nil {
 		return err
 	}
-	var tap *os.File
-	if err := o.Do("network", func(ctx context.Context) error {
-		tap, err = n.openTap(ctx, ep)
-		return err
-	}); err != nil {
+	m, err := n.startMachine(o, s, ep, true, phase)
+	if err != nil {
 		return err
 	}
-	defer tap.Close()
-	phase("network")
-	var m *vmm.Machine
-	if err := o.Do("qemu-start", func(ctx context.Context) error {
-		var err error
-		if m, err = vmm.Start(ctx, n.vmConfig(s, tap, true)); err != nil {
-			return err
-		}
-		n.adopt(s.ID, m)
-		s.PID = m.PID()
-		return nil
-	}); err != nil {
-		return err
-	}
-	phase("qemu start")
 	load := m.LoadState
 	if rec.RAMDiff {
 		load = m.LoadFullState
@@ -549,7 +541,7 @@ func (n *Node) resumeMachine(o *operation.Op, s *sandboxes.Sandbox, reboot bool)
 // paused as it was, and the boot goes on from the disk as it is, as asked
 // (the memory may be the very thing that is broken, e.g. an envd that no
 // longer answers).
-func (n *Node) rebootFromMemory(o *operation.Op, s *sandboxes.Sandbox, _ bool) error {
+func (n *Node) rebootFromMemory(o *operation.Op, s *sandboxes.Sandbox) error {
 	dir := n.sandboxDir(s.ID)
 	if rec, err := readPauseRecord(dir); err == nil && !rec.FilesystemOnly {
 		first := operation.Start(o.Context(), "resume-sync", n.cfg.OperationTimeout, n.log)
@@ -598,28 +590,10 @@ func (n *Node) rebootPaused(o *operation.Op, s *sandboxes.Sandbox) error {
 	if err != nil {
 		return err
 	}
-	var tap *os.File
-	if err := o.Do("network", func(ctx context.Context) error {
-		tap, err = n.openTap(ctx, ep)
-		return err
-	}); err != nil {
+	m, err := n.startMachine(o, s, ep, false, phase)
+	if err != nil {
 		return err
 	}
-	defer tap.Close()
-	phase("network")
-	var m *vmm.Machine
-	if err := o.Do("qemu-start", func(ctx context.Context) error {
-		var err error
-		if m, err = vmm.Start(ctx, n.vmConfig(s, tap, false)); err != nil {
-			return err
-		}
-		n.adopt(s.ID, m)
-		s.PID = m.PID()
-		return nil
-	}); err != nil {
-		return err
-	}
-	phase("qemu start")
 	if err := o.Do("boot", func(ctx context.Context) error {
 		bctx, cancel := context.WithTimeout(ctx, n.cfg.BootTimeout)
 		defer cancel()
@@ -643,11 +617,10 @@ func (n *Node) rebootPaused(o *operation.Op, s *sandboxes.Sandbox) error {
 		// No guest to sync with: its disk is what it wrote so far, and
 		// stays the sandbox's.
 		_ = n.stopMachine(s.ID)
-		if err := storage.WriteJSONAtomic(filepath.Join(dir, pauseRecordName),
-			pauseRecord{FilesystemOnly: true, PausedAt: time.Now().UTC()}, 0o600); err != nil {
+		if err := publishFilesystemPause(dir); err != nil {
 			return err
 		}
-		return n.records.Move(ctx, s.ID, sandboxes.Resuming, sandboxes.Paused, "pid = 0, mem_file = '', mem_private = 0")
+		return n.records.Move(ctx, s.ID, sandboxes.Resuming, sandboxes.Paused, setPausedWithoutMemory)
 	})
 	if t, err := n.Template(s.TemplateID); err == nil && t.StartCmd != "" {
 		// As in a sandbox booted cold at create; a start command that does
@@ -657,6 +630,36 @@ func (n *Node) rebootPaused(o *operation.Op, s *sandboxes.Sandbox) error {
 		}
 	}
 	return nil
+}
+
+// startMachine opens the tap of s's network (building the network again
+// if it is gone) and starts its QEMU (incoming: waiting for saved state),
+// as the steps network and qemu-start of o.
+func (n *Node) startMachine(o *operation.Op, s *sandboxes.Sandbox, ep *network.Endpoint, incoming bool, phase func(string)) (*vmm.Machine, error) {
+	var tap *os.File
+	if err := o.Do("network", func(ctx context.Context) error {
+		var err error
+		tap, err = n.openTap(ctx, ep)
+		return err
+	}); err != nil {
+		return nil, err
+	}
+	defer tap.Close() // QEMU holds its own copy
+	phase("network")
+	var m *vmm.Machine
+	if err := o.Do("qemu-start", func(ctx context.Context) error {
+		var err error
+		if m, err = vmm.Start(ctx, n.vmConfig(s, tap, incoming)); err != nil {
+			return err
+		}
+		n.adopt(s.ID, m)
+		s.PID = m.PID()
+		return nil
+	}); err != nil {
+		return nil, err
+	}
+	phase("qemu start")
+	return m, nil
 }
 
 // vmConfig is the machine of a sandbox; incoming restores saved state.

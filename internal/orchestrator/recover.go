@@ -157,7 +157,7 @@ func (n *Node) recoverInterrupted(ctx context.Context, s *sandboxes.Sandbox) san
 			}
 			set := "pid = 0"
 			if rec.FilesystemOnly {
-				set = "pid = 0, mem_file = '', mem_private = 0"
+				set = setPausedWithoutMemory
 			}
 			if n.records.Move(ctx, s.ID, s.State, sandboxes.Paused, set) == nil {
 				return sandboxes.Paused

@@ -168,11 +168,14 @@ func (c *Catalog) RemoveTags(ctx context.Context, name string, tags []string) er
 
 // Tags lists the tags of template name, "default" first.
 func (c *Catalog) Tags(ctx context.Context, name string) ([]Tag, error) {
-	cur, err := c.Get(ctx, name)
+	if !NameRE.MatchString(name) {
+		return nil, fmt.Errorf("%w: template %q", errkind.ErrNotFound, name)
+	}
+	l, err := c.st.Label(ctx, LabelKind, name)
 	if err != nil {
 		return nil, err
 	}
-	l, err := c.st.Label(ctx, LabelKind, name)
+	cur, err := c.fromLabel(ctx, l)
 	if err != nil {
 		return nil, err
 	}
