@@ -1,7 +1,7 @@
 # Shared helpers for scripts/setup and scripts/test (sourced, not run).
 
 GO_VERSION=${GO_VERSION:-1.26.8}
-APT_PACKAGES="qemu-system-x86 qemu-utils debootstrap busybox-static nftables iproute2 e2fsprogs cpio zstd xz-utils ca-certificates curl unzip procps"
+APT_PACKAGES="qemu-system-x86 qemu-utils debootstrap busybox-static nftables iproute2 e2fsprogs fuse2fs cpio zstd xz-utils ca-certificates curl unzip procps"
 
 say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 

@@ -30,6 +30,7 @@ import (
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage/lazy"
 	"github.com/agentenv/agentenv/internal/templates"
+	"github.com/agentenv/agentenv/internal/volumes"
 )
 
 // Node is what the API needs from the orchestrator: the sandboxes, their
@@ -99,7 +100,10 @@ type Config struct {
 	// PeerChunks, when set, serves cached layer chunks to neighbour nodes
 	// (GET /v1/chunks/{sum}; it checks the peer token itself).
 	PeerChunks http.Handler
-	Logger     *slog.Logger
+	// Volumes, when set, are the node's volumes (the /volumes and
+	// /volumecontent routes; without it they answer 404).
+	Volumes *volumes.Store
+	Logger  *slog.Logger
 }
 
 // Server is the HTTP handler of a node's API.
@@ -194,6 +198,7 @@ func (s *Server) routes() {
 	s.route("POST /sandboxes/{id}/snapshots", auth(s.createSnapshot))
 	s.route("DELETE /snapshots/{name}", auth(s.deleteSnapshot))
 	s.route("PUT /sandboxes/{id}/network", auth(s.updateNetwork))
+	s.volumeRoutes()
 	s.routeFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
 	})

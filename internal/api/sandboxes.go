@@ -233,7 +233,7 @@ func (req *createSandboxRequest) toCreateRequest(secureDefault bool) (orchestrat
 		return cr, errors.New("mcp is not supported on this node")
 	}
 	if len(req.VolumeMounts) > 0 {
-		return cr, errors.New("volumeMounts are not supported on this node")
+		return cr, errors.New("volumeMounts: mounting volumes into sandboxes is not supported yet; a volume's files are read and written through the volume content API")
 	}
 	if req.IAM != nil && len(req.IAM.Tokens) > 0 {
 		return cr, errors.New("iam tokens are not supported on this node")

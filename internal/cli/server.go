@@ -28,6 +28,7 @@ import (
 	"github.com/agentenv/agentenv/internal/statedb"
 	"github.com/agentenv/agentenv/internal/storage/repository"
 	"github.com/agentenv/agentenv/internal/vmm"
+	"github.com/agentenv/agentenv/internal/volumes"
 )
 
 // nodePaths are the derived files under a data dir (the runtime cache: all of
@@ -52,6 +53,7 @@ type serverOptions struct {
 	instance       string
 	poolSize       int
 	layerCache     int
+	volumeSizeGiB  int
 	peers          []string
 	peerTokenFile  string
 	repository     string
@@ -92,6 +94,7 @@ func serverFlags(cmd *cobra.Command, o *serverOptions) {
 	cmd.Flags().StringVar(&o.instance, "instance", "aenv", "prefix of host objects (netns, veth, nftables); nodes sharing a host need distinct ones")
 	cmd.Flags().IntVar(&o.poolSize, "pool-size", 2, "pre-started sandboxes kept waiting per template snapshot")
 	cmd.Flags().IntVar(&o.layerCache, "layer-cache-mib", 10240, "local cache for chunks of templates run lazily from the repository, in MiB")
+	cmd.Flags().IntVar(&o.volumeSizeGiB, "volume-size-gib", volumes.DefaultSize>>30, "size of the filesystem of a new volume, in GiB (sparse: a volume takes the room its files take)")
 	cmd.Flags().StringSliceVar(&o.peers, "p2p-peers", nil, "neighbour nodes' API URLs asked for layer chunks before the repository (peer exchange is off unless set, with a token)")
 	cmd.Flags().StringVar(&o.peerTokenFile, "p2p-token-file", "", "file holding the secret token the nodes of a peer group share (env AENV_P2P_TOKEN also works)")
 	cmd.Flags().StringVar(&o.repository, "repository", "", "snapshot repository: /path, posix_fs:///path or oss://bucket/prefix?endpoint=…&region=… (default: <data-dir>/repository)")
@@ -256,8 +259,18 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 	adminSrv := &http.Server{Handler: keys.Handler(log), ReadHeaderTimeout: 10 * time.Second}
 	go adminSrv.Serve(admin)
 	defer adminSrv.Close()
+	// The volumes (records in the same database, disks in the data dir),
+	// owned by the sandboxes' default user.
+	vols, err := volumes.Open(ctx, keysDB, volumes.Config{
+		Dir: filepath.Join(o.dataDir, "volumes"), Size: int64(o.volumeSizeGiB) << 30,
+		UID: guest.DefaultUID, GID: guest.DefaultUID, Logger: log,
+	})
+	if err != nil {
+		return err
+	}
+	defer vols.Close()
 	px := proxy.New(api.Resolver{Node: node}, o.domain, orchestrator.EnvdPort, log)
-	acfg := api.Config{Keys: keys, APIKeySHA256: envKey, Domain: o.domain, SandboxProxy: px, PeerChunks: node.PeerChunks(), Logger: log}
+	acfg := api.Config{Keys: keys, APIKeySHA256: envKey, Domain: o.domain, SandboxProxy: px, PeerChunks: node.PeerChunks(), Volumes: vols, Logger: log}
 	if cluster != nil {
 		acfg.NodeToken = cluster.nodeToken
 	}

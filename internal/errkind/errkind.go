@@ -13,4 +13,5 @@ var (
 	ErrCapacity = errors.New("no capacity")             // 503
 	ErrSetup    = errors.New("node not set up")         // 503: run aenv setup
 	ErrCorrupt  = errors.New("stored state is corrupt") // 500, with what was found
+	ErrTooLarge = errors.New("too large")               // 413: e.g. a volume that is full
 )

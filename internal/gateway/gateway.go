@@ -20,6 +20,7 @@ import (
 	"net/http/httputil"
 	"net/url"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -89,7 +90,8 @@ func New(cfg Config) *Gateway {
 			pr.SetURL(pr.In.Context().Value(targetKey{}).(*url.URL))
 			pr.Out.Host = pr.In.Host // sandbox hosts ({port}-{id}.{domain}) route on the node too
 			pr.SetXForwarded()
-			if _, sandbox := proxy.ParseTarget(pr.In, g.cfg.Domain); !sandbox {
+			_, sandbox := proxy.ParseTarget(pr.In, g.cfg.Domain)
+			if !sandbox && !isVolumeContent(pr.In) {
 				g.asGateway(pr.Out.Header) // REST: the node sees the gateway, not the client's key
 			}
 		},
@@ -121,13 +123,22 @@ func (g *Gateway) registerRoutes() {
 	g.mux.Handle("GET /snapshots", key(g.listSnapshots))
 	g.mux.Handle("DELETE /snapshots/{name}", key(g.deleteSnapshot))
 	for _, p := range []string{"/templates", "/v2/templates", "/v3/templates"} {
-		g.mux.Handle(p, key(g.toTemplateNode))
-		g.mux.Handle(p+"/", key(g.toTemplateNode))
+		g.mux.Handle(p, key(g.toFirstNode))
+		g.mux.Handle(p+"/", key(g.toFirstNode))
 	}
+	// Volumes live on the first node, like templates' builds. Their
+	// content routes carry the volume's own token, which the node checks.
+	g.mux.Handle("/volumes", key(g.toFirstNode))
+	g.mux.Handle("/volumes/", key(g.toFirstNode))
+	g.mux.HandleFunc("/volumecontent/", g.toFirstNode)
 	g.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		httperr.Write(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
 	})
 }
+
+// isVolumeContent reports whether r is a request of the volume content
+// API, which passes to the node with the client's bearer token.
+func isVolumeContent(r *http.Request) bool { return strings.HasPrefix(r.URL.Path, "/volumecontent/") }
 
 // ServeHTTP sends sandbox traffic to the sandbox's node and the REST API to
 // its handlers.
@@ -402,12 +413,13 @@ func (g *Gateway) onAnyNode(w http.ResponseWriter, r *http.Request, template str
 	copyResponse(w, status, hdr, out)
 }
 
-// toTemplateNode sends the template API to one node (the first ready one
-// by id), so a template's build, files and status live in one place.
-func (g *Gateway) toTemplateNode(w http.ResponseWriter, r *http.Request) {
+// toFirstNode sends the template and volume APIs to one node (the first
+// ready one by id), so a template's build, files and status, and a
+// volume's record and disk, live in one place.
+func (g *Gateway) toFirstNode(w http.ResponseWriter, r *http.Request) {
 	nodes, err := g.readyNodes(r.Context())
 	if err != nil || len(nodes) == 0 {
-		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "no ready node for the template API", err)
+		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "no ready node for the template and volume API", err)
 		return
 	}
 	g.proxyTo(w, r, nodes[0].Url)

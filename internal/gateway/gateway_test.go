@@ -98,6 +98,22 @@ func standInNode(t *testing.T, sandboxes []listedSandbox, failing *bool) *httpte
 		}
 		httperr.Write(w, http.StatusNotFound, "not found")
 	})
+	// Volumes: the REST routes see the node credential; the content routes
+	// the client's own bearer token (the volume's), and no node credential.
+	mux.HandleFunc("GET /volumes", func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get(api.HeaderNodeToken) != testNodeToken || r.Header.Get("Authorization") != "" {
+			httperr.Write(w, http.StatusUnauthorized, "key")
+			return
+		}
+		json.NewEncoder(w).Encode([]map[string]string{{"volumeID": "v1", "name": "data"}})
+	})
+	mux.HandleFunc("GET /volumecontent/{id}/path", func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Authorization") != "Bearer vol_token" || r.Header.Get(api.HeaderNodeToken) != "" {
+			httperr.Write(w, http.StatusUnauthorized, "token")
+			return
+		}
+		json.NewEncoder(w).Encode(map[string]string{"path": r.URL.Query().Get("path")})
+	})
 	srv := httptest.NewServer(mux)
 	t.Cleanup(srv.Close)
 	return srv
@@ -314,5 +330,30 @@ func TestNamedKeys(t *testing.T) {
 			t.Fatal("a revoked key is still accepted")
 		}
 		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// The volume routes go to the first node: /volumes with the client's API
+// key checked by the gateway, the content routes with the volume's bearer
+// token passed through for the node to check.
+func TestVolumeRoutes(t *testing.T) {
+	h := newHarness(t, 1, nil)
+	if resp, body := get(t, h.gw.URL+"/volumes"); resp.StatusCode != 200 || !strings.Contains(string(body), `"v1"`) {
+		t.Fatalf("GET /volumes: %d %s", resp.StatusCode, body)
+	}
+	resp, err := http.Get(h.gw.URL + "/volumes")
+	if err != nil || resp.StatusCode != 401 {
+		t.Fatalf("GET /volumes without a key: %v %v", resp, err)
+	}
+	req, _ := http.NewRequest("GET", h.gw.URL+"/volumecontent/v1/path?path=/x", nil)
+	req.Header.Set("Authorization", "Bearer vol_token")
+	resp, err = http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || !strings.Contains(string(body), `"/x"`) {
+		t.Fatalf("volume content through the gateway: %d %s", resp.StatusCode, body)
 	}
 }

@@ -8,16 +8,21 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/agentenv/agentenv/internal/storage"
 	"io"
 	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/storage"
 )
+
+// DefaultUID is the uid (and gid) of the sandboxes' default user, user.
+const DefaultUID = 1000
 
 // Rootfs kinds.
 const (
@@ -238,7 +243,7 @@ func buildBaseTree(ctx context.Context, spec RootfsSpec, pkgs []string, tree str
 			return err
 		}
 	}
-	const uid = "1000"
+	uid := strconv.Itoa(DefaultUID)
 	steps := [][]string{
 		{"groupadd", "-g", uid, "user"},
 		{"useradd", "-m", "-u", uid, "-g", uid, "-d", "/home/user", "-s", "/bin/bash", "-G", "sudo", "user"},
@@ -347,7 +352,7 @@ func buildMinimalTree(ctx context.Context, spec RootfsSpec, tree string) error {
 	if err := os.Chmod(filepath.Join(tree, "root"), 0o700); err != nil {
 		return err
 	}
-	if err := os.Chown(filepath.Join(tree, "home/user"), 1000, 1000); err != nil {
+	if err := os.Chown(filepath.Join(tree, "home/user"), DefaultUID, DefaultUID); err != nil {
 		return err
 	}
 	for link, target := range map[string]string{"sbin": "bin", "usr/bin": "../bin", "usr/sbin": "../bin"} {

@@ -80,6 +80,8 @@ func StatusOf(err error) int {
 		return http.StatusConflict
 	case errors.Is(err, errkind.ErrCapacity):
 		return http.StatusTooManyRequests
+	case errors.Is(err, errkind.ErrTooLarge):
+		return http.StatusRequestEntityTooLarge
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		return http.StatusGatewayTimeout
 	}

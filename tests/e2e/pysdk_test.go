@@ -34,6 +34,7 @@ func TestOfficialPythonSDK(t *testing.T) {
 	cmd.Env = append(os.Environ(),
 		"E2B_API_URL="+s.url,
 		"E2B_SANDBOX_URL="+s.url,
+		"E2B_VOLUME_API_URL="+s.url,
 		"E2B_API_KEY="+apiKey,
 		"NO_COLOR=1",
 		"PYTHONDONTWRITEBYTECODE=1",

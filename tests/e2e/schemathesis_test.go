@@ -37,7 +37,7 @@ func TestSchemathesis(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		out := map[string]any{}
-		for _, path := range []string{"/v2/sandboxes?state=running,paused", "/snapshots", "/templates"} {
+		for _, path := range []string{"/v2/sandboxes?state=running,paused", "/snapshots", "/templates", "/volumes"} {
 			var v any
 			if err := s.rest(ctx, "GET", path, nil, &v); err != nil {
 				t.Fatalf("GET %s: %v", path, err)

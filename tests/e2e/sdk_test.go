@@ -115,6 +115,7 @@ func runSDKFile(t *testing.T, node, sdkDir, file, url string, serverLog func() s
 	cmd.Env = append(os.Environ(),
 		"E2B_API_URL="+url,
 		"E2B_SANDBOX_URL="+url,
+		"E2B_VOLUME_API_URL="+url,
 		"E2B_API_KEY="+apiKey,
 		"E2B_SDK_DIR="+sdkDir,
 		"NO_COLOR=1",

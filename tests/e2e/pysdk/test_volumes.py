@@ -1,0 +1,90 @@
+"""Volumes through the official SDK: e2b.Volume and e2b.AsyncVolume (the
+/volumes routes with the API key, the /volumecontent routes with the
+volume's token at E2B_VOLUME_API_URL, which the harness points at the
+server too)."""
+import uuid
+
+import pytest
+
+from e2b import AsyncVolume, Volume
+from e2b.exceptions import AuthenticationException, NotFoundException, VolumeException
+
+
+def name():
+    return "pyvol-" + uuid.uuid4().hex[:10]
+
+
+def test_volume_lifecycle_and_files():
+    vol = Volume.create(name())
+    try:
+        assert vol.volume_id and vol.token
+        assert any(v.volume_id == vol.volume_id for v in Volume.list())
+        info = Volume.get_info(vol.volume_id)
+        assert info.name == vol.name and info.token == vol.token
+
+        # Files: parents made, bytes kept, metadata set.
+        e = vol.write_file("/data/hello.txt", "hello volume", mode=0o640)
+        assert e.path == "/data/hello.txt" and e.size == 12 and e.mode == 0o640
+        assert e.uid == 1000 and e.type.value == "file"
+        assert vol.read_file("/data/hello.txt") == "hello volume"
+        blob = bytes(range(256)) * 4096
+        vol.write_file("/data/blob.bin", blob)
+        assert vol.read_file("/data/blob.bin", format="bytes") == blob
+        assert b"".join(vol.read_file("/data/blob.bin", format="stream")) == blob
+
+        d = vol.make_dir("/a/b/c", force=True)
+        assert d.type.value == "directory" and d.path == "/a/b/c"
+        with pytest.raises(NotFoundException):
+            vol.make_dir("/x/y")  # no parent without force
+        listed = [e.path for e in vol.list("/", depth=3)]
+        assert "/a/b/c" in listed and "/data/hello.txt" in listed
+
+        info = vol.get_info("/data/hello.txt")
+        assert info.size == 12 and info.mtime.tzinfo is not None
+        assert vol.exists("/data/hello.txt") and not vol.exists("/nope")
+
+        e = vol.update_metadata("/data/hello.txt", uid=0, gid=0, mode=0o600)
+        assert (e.uid, e.gid, e.mode) == (0, 0, 0o600)
+
+        vol.remove("/data")
+        assert not vol.exists("/data/hello.txt")
+        with pytest.raises(NotFoundException):
+            vol.read_file("/data/hello.txt")
+
+        # Connect finds it again by id, token included.
+        again = Volume.connect(vol.volume_id)
+        assert again.token == vol.token and again.exists("/a/b/c")
+    finally:
+        assert Volume.destroy(vol.volume_id)
+    assert not Volume.destroy(vol.volume_id)
+    with pytest.raises(NotFoundException):
+        Volume.get_info(vol.volume_id)
+
+
+def test_volume_name_in_use_and_bad_token():
+    n = name()
+    vol = Volume.create(n)
+    try:
+        with pytest.raises(VolumeException):
+            Volume.create(n)
+        wrong = Volume(vol.volume_id, vol.name, token="vol_" + "0" * 48)
+        with pytest.raises(AuthenticationException):
+            wrong.list("/")
+    finally:
+        Volume.destroy(vol.volume_id)
+
+
+@pytest.mark.asyncio
+async def test_async_volume():
+    vol = await AsyncVolume.create(name())
+    try:
+        await vol.write_file("/notes/one.txt", b"one")
+        assert await vol.read_file("/notes/one.txt") == "one"
+        assert [e.name for e in await vol.list("/notes")] == ["one.txt"]
+        await vol.make_dir("/deep/er", force=True)
+        assert await vol.exists("/deep/er")
+        await vol.remove("/notes/one.txt")
+        assert not await vol.exists("/notes/one.txt")
+        assert any(v.volume_id == vol.volume_id for v in await AsyncVolume.list())
+    finally:
+        assert await AsyncVolume.destroy(vol.volume_id)
