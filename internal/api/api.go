@@ -199,6 +199,13 @@ func (s *Server) routes() {
 	s.route("DELETE /snapshots/{name}", auth(s.deleteSnapshot))
 	s.route("PUT /sandboxes/{id}/network", auth(s.updateNetwork))
 	s.volumeRoutes()
+	// E2B's secrets are placeholders its egress proxy swaps for their
+	// values; this node refuses those network rules, so it stores none.
+	noSecrets := func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, http.StatusNotFound, "secrets are not served by this node: E2B resolves them at sandbox egress through network rules with header transforms, which this node refuses (network.rules); pass values as envVars instead")
+	}
+	s.routeFunc("/secrets", noSecrets)
+	s.routeFunc("/secrets/", noSecrets)
 	s.routeFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
 	})

@@ -944,3 +944,15 @@ func TestOpenAPIMatchesTheRoutes(t *testing.T) {
 		}
 	}
 }
+
+// The SDKs' secrets routes are refused with the reason, whatever the method.
+func TestSecretsRefused(t *testing.T) {
+	a := newTestAPI(t)
+	for _, c := range [][2]string{{"GET", "/secrets"}, {"POST", "/secrets"}, {"GET", "/secrets/sec_1"}, {"POST", "/secrets/sec_1"}, {"DELETE", "/secrets/sec_1"}} {
+		rec := a.do(c[0], c[1], `{"name":"x","value":"y"}`)
+		assertError(t, rec, http.StatusNotFound)
+		if !strings.Contains(rec.Body.String(), "secrets are not served") {
+			t.Errorf("%s %s: %s", c[0], c[1], rec.Body)
+		}
+	}
+}
