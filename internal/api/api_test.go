@@ -956,3 +956,18 @@ func TestSecretsRefused(t *testing.T) {
 		}
 	}
 }
+
+// A snapshot of the filesystem only (memory: false) is refused, not taken
+// with memory as if the field were not there.
+func TestSnapshotWithoutMemoryRefused(t *testing.T) {
+	a := newTestAPI(t)
+	id := a.create(`{"templateID":"base"}`)["sandboxID"].(string)
+	rec := a.do("POST", "/sandboxes/"+id+"/snapshots", `{"name":"fs-only","memory":false}`)
+	assertError(t, rec, http.StatusBadRequest)
+	if !strings.Contains(rec.Body.String(), "memory: false") {
+		t.Fatalf("%s", rec.Body)
+	}
+	if l, _ := a.node.Snapshots(); len(l) != 0 {
+		t.Fatalf("snapshots %v", l)
+	}
+}

@@ -226,10 +226,15 @@ func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	var body struct {
-		Name *string `json:"name"`
+		Name   *string `json:"name"`
+		Memory *bool   `json:"memory"`
 	}
 	if err := decodeBody(r, &body); err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	if body.Memory != nil && !*body.Memory {
+		writeError(w, http.StatusBadRequest, "memory: false (a snapshot of the filesystem only) is not supported yet; snapshots keep the sandbox's memory")
 		return
 	}
 	name := "snap-" + id
