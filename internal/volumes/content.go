@@ -48,6 +48,11 @@ type Owner struct {
 // MaxDepth bounds a listing's depth.
 const MaxDepth = 64
 
+// uploadDir, at a volume's root, holds the files being written; the host
+// empties it whenever it opens the volume, so a write a crash cut short
+// leaves nothing behind. Clients cannot name it.
+const uploadDir = ".aenv-uploads"
+
 // clean turns a client's path into one relative to the volume's root ("."
 // for the root itself); ".." cannot climb above the root.
 func clean(p string) (string, error) {
@@ -57,6 +62,9 @@ func clean(p string) (string, error) {
 	c := path.Clean("/" + p)
 	if c == "/" {
 		return ".", nil
+	}
+	if c == "/"+uploadDir || strings.HasPrefix(c, "/"+uploadDir+"/") {
+		return "", fmt.Errorf("%w: %s is the node's (files being written)", errkind.ErrInvalid, c)
 	}
 	return c[1:], nil
 }
@@ -184,6 +192,9 @@ func walk(ctx context.Context, root *os.Root, dir string, depth int, out *[]Entr
 		return pathError(dir, err)
 	}
 	for _, n := range names {
+		if dir == "." && n == uploadDir {
+			continue
+		}
 		rel := path.Join(dir, n)
 		fi, err := root.Lstat(rel)
 		if errors.Is(err, fs.ErrNotExist) {
@@ -381,7 +392,7 @@ func (s *Store) WriteFile(ctx context.Context, id, p string, o Owner, replace bo
 		if fi, err := root.Lstat(rel); err == nil && !fi.Mode().IsRegular() && !replace {
 			return fmt.Errorf("%w: %s is a %s (force replaces it)", errkind.ErrConflict, abs(rel), entryOf(root, rel, fi).Type)
 		}
-		tmp := path.Join(path.Dir(rel), ".aenv-upload-"+randomSuffix())
+		tmp := path.Join(uploadDir, randomSuffix())
 		f, err := root.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
 		if err != nil {
 			return pathError(rel, err)

@@ -204,6 +204,12 @@ func openHost(ctx context.Context, t Tools, dir string) (m *hostMount, err error
 		return m, err
 	}
 	m.root = root
+	if err := root.RemoveAll(uploadDir); err != nil {
+		return m, fmt.Errorf("clear the volume's unfinished writes: %w", err)
+	}
+	if err := root.Mkdir(uploadDir, 0o700); err != nil {
+		return m, fmt.Errorf("make the volume's upload directory: %w", err)
+	}
 	return m, nil
 }
 

@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -332,6 +334,11 @@ func TestPersistence(t *testing.T) {
 	// s2 is left open, as by a server that was killed (its files closed
 	// with it, its fuse2fs and storage daemon left running): the next one
 	// recovers its mount.
+	if err := s2.use(ctx, v.ID, func(root *os.Root) error {
+		return root.WriteFile(uploadDir+"/cut-short", []byte("half"), 0o600)
+	}); err != nil {
+		t.Fatal(err)
+	}
 	s2.mu.Lock()
 	s2.usage[v.ID].mount.root.Close()
 	s2.mu.Unlock()
@@ -342,6 +349,15 @@ func TestPersistence(t *testing.T) {
 	l, err := s3.ListDir(ctx, v.ID, "/", 1)
 	if err != nil || paths(l) != "/lost+found /one /three /two" {
 		t.Fatalf("after recovery: %v %v", paths(l), err)
+	}
+	if err := s3.use(ctx, v.ID, func(root *os.Root) error {
+		entries, err := fs.ReadDir(root.FS(), uploadDir)
+		if err != nil || len(entries) != 0 {
+			return fmt.Errorf("unfinished writes after recovery: %v %v", entries, err)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
 	if pids := pidsWith("qemu-storage-da", filepath.Join(s3.dir(v.ID), diskName)); len(pids) != 1 {
 		t.Fatalf("storage daemons of the volume: %v", pids)
@@ -421,3 +437,44 @@ func TestDeleteWaitsForReaders(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A write whose body breaks off (a client that goes away at any point)
+// leaves the file as it was and nothing half-written.
+func TestWriteCutShort(t *testing.T) {
+	needTools(t)
+	ctx := context.Background()
+	s := openStore(t, t.TempDir(), nil)
+	v, err := s.Create(ctx, "data")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.WriteFile(ctx, v.ID, "/f", Owner{}, false, strings.NewReader("original")); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []int64{0, 1, 4095, 1 << 20} {
+		body := io.MultiReader(io.LimitReader(zeros{}, n), failingReader{})
+		if _, err := s.WriteFile(ctx, v.ID, "/f", Owner{}, false, body); err == nil {
+			t.Fatalf("cut after %d bytes: no error", n)
+		}
+		var buf bytes.Buffer
+		if err := s.ReadFile(ctx, v.ID, "/f", func(int64) {}, &buf); err != nil || buf.String() != "original" {
+			t.Fatalf("cut after %d bytes: the file is %q (%v)", n, buf.String(), err)
+		}
+	}
+	if err := s.use(ctx, v.ID, func(root *os.Root) error {
+		entries, err := fs.ReadDir(root.FS(), uploadDir)
+		if err != nil || len(entries) != 0 {
+			return fmt.Errorf("left in the upload directory: %v %v", entries, err)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Stat(ctx, v.ID, "/"+uploadDir+"/x"); !errors.Is(err, errkind.ErrInvalid) {
+		t.Fatalf("the upload directory named by a client: %v", err)
+	}
+}
+
+type failingReader struct{}
+
+func (failingReader) Read([]byte) (int, error) { return 0, errors.New("client went away") }
