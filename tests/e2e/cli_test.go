@@ -302,3 +302,67 @@ func (l *lockedBuffer) String() string {
 	defer l.mu.Unlock()
 	return l.b.String()
 }
+
+// TestCLIVolumes: aenv volume create, put, get, files, mkdir, delete-path
+// and rm against the server, by name and by id.
+func TestCLIVolumes(t *testing.T) {
+	s := needServer(t)
+	home := t.TempDir()
+	if r := aenvCLI(t, s, home, apiKey+"\n", "auth", "login", "--url", s.url); r.code != 0 {
+		t.Fatalf("login: %+v", r)
+	}
+	name := "clivol-" + strings.ToLower(rand.Text()[:8])
+	mustCLI(t, s, home, "volume", "create", name)
+	t.Cleanup(func() { aenvCLI(t, s, home, "", "volume", "rm", name) })
+	var vols []map[string]string
+	if err := json.Unmarshal([]byte(mustCLI(t, s, home, "volume", "ls", "-o", "json")), &vols); err != nil {
+		t.Fatal(err)
+	}
+	id := ""
+	for _, v := range vols {
+		if v["name"] == name {
+			id = v["volumeID"]
+		}
+	}
+	if id == "" {
+		t.Fatalf("%s not listed: %v", name, vols)
+	}
+	local := filepath.Join(t.TempDir(), "data.bin")
+	data := make([]byte, 3<<20)
+	rand.Read(data)
+	if err := os.WriteFile(local, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out := mustCLI(t, s, home, "volume", "put", name, local, "/sets/data.bin"); !strings.Contains(out, "3145728 bytes") {
+		t.Fatalf("put: %s", out)
+	}
+	if r := aenvCLI(t, s, home, "from stdin", "volume", "put", id, "-", "/notes/n.txt", "--mode", "0600"); r.code != 0 {
+		t.Fatalf("put from stdin: %+v", r)
+	}
+	back := filepath.Join(t.TempDir(), "back.bin")
+	mustCLI(t, s, home, "volume", "get", id, "/sets/data.bin", back)
+	if b, err := os.ReadFile(back); err != nil || !bytes.Equal(b, data) {
+		t.Fatalf("get to a file: %d bytes, %v", len(b), err)
+	}
+	if out := mustCLI(t, s, home, "volume", "get", name, "/notes/n.txt"); out != "from stdin" {
+		t.Fatalf("get to stdout: %q", out)
+	}
+	mustCLI(t, s, home, "volume", "mkdir", name, "/a/b/c", "-p")
+	out := mustCLI(t, s, home, "volume", "files", name, "/", "--depth", "3")
+	for _, want := range []string{"/a/b/c", "/sets/data.bin", "file 0600", "/notes/n.txt"} {
+		if !strings.Contains(out, want) {
+			t.Fatalf("files lacks %q:\n%s", want, out)
+		}
+	}
+	mustCLI(t, s, home, "volume", "delete-path", name, "/a")
+	if r := aenvCLI(t, s, home, "", "volume", "get", name, "/a/b"); r.code != 3 || !strings.Contains(r.stderr, "not found") {
+		t.Fatalf("get a removed path: %+v", r)
+	}
+	if r := aenvCLI(t, s, home, "", "volume", "mkdir", name, "/x/y"); r.code != 3 {
+		t.Fatalf("mkdir without its parent: %+v", r)
+	}
+	mustCLI(t, s, home, "volume", "rm", name)
+	if r := aenvCLI(t, s, home, "", "volume", "files", name); r.code == 0 || !strings.Contains(r.stderr, name) {
+		t.Fatalf("files of a deleted volume: %+v", r)
+	}
+}
