@@ -15,6 +15,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/httperr"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/proxy"
@@ -142,8 +143,8 @@ func (s *Server) resume(w http.ResponseWriter, r *http.Request, id string, opts 
 // forkResultJSON is one entry of E2B's fork answer: the child, or why it
 // could not be made.
 type forkResultJSON struct {
-	Sandbox *sandboxJSON `json:"sandbox,omitempty"`
-	Error   *Error       `json:"error,omitempty"`
+	Sandbox *apispec.Sandbox `json:"sandbox,omitempty"`
+	Error   *Error           `json:"error,omitempty"`
 }
 
 // maxForkCount bounds one fork request (orchestrator.MaxForkChildren).
@@ -201,20 +202,10 @@ func (s *Server) forkSandbox(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusCreated, out)
 }
 
-// snapshotJSON describes a named snapshot.
-type snapshotJSON struct {
-	SnapshotID string    `json:"snapshotID"`
-	Names      []string  `json:"names"`
-	SandboxID  string    `json:"sandboxID"`
-	TemplateID string    `json:"templateID"`
-	CPUCount   int       `json:"cpuCount"`
-	MemoryMB   int       `json:"memoryMB"`
-	CreatedAt  time.Time `json:"createdAt"`
-}
-
-func snapshotBody(ns *orchestrator.NamedSnapshot) snapshotJSON {
-	return snapshotJSON{SnapshotID: ns.Name, Names: []string{ns.Name}, SandboxID: ns.SandboxID,
-		TemplateID: ns.TemplateID, CPUCount: ns.VCPUs, MemoryMB: ns.MemoryMiB, CreatedAt: ns.CreatedAt}
+// snapshotBody describes a named snapshot.
+func snapshotBody(ns *orchestrator.NamedSnapshot) apispec.Snapshot {
+	return apispec.Snapshot{SnapshotID: ns.Name, Names: []string{ns.Name}, SandboxID: ns.SandboxID,
+		TemplateID: ns.TemplateID, CpuCount: ns.VCPUs, MemoryMB: ns.MemoryMiB, CreatedAt: ns.CreatedAt}
 }
 
 // createSnapshot implements POST /sandboxes/{id}/snapshots {name}: the
@@ -279,7 +270,7 @@ func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request) {
 		s.writeNodeError(w, err)
 		return
 	}
-	out := []snapshotJSON{}
+	out := []apispec.Snapshot{}
 	var last *orchestrator.NamedSnapshot
 	for _, ns := range all {
 		if sandboxID != "" && ns.SandboxID != sandboxID || name != "" && ns.Name != name && ns.Name+":latest" != name {

@@ -16,6 +16,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/sandboxes"
@@ -84,45 +85,6 @@ type volumeMountJSON struct {
 	Path string `json:"path"`
 }
 
-// sandboxJSON is the Sandbox object of E2B's REST API.
-type sandboxJSON struct {
-	TemplateID         string  `json:"templateID"`
-	SandboxID          string  `json:"sandboxID"`
-	Alias              *string `json:"alias,omitempty"`
-	ClientID           string  `json:"clientID"`
-	EnvdVersion        string  `json:"envdVersion"`
-	EnvdAccessToken    *string `json:"envdAccessToken,omitempty"`
-	TrafficAccessToken *string `json:"trafficAccessToken,omitempty"`
-	Domain             *string `json:"domain,omitempty"`
-}
-
-// sandboxDetailJSON is E2B's SandboxDetail / ListedSandbox.
-type sandboxDetailJSON struct {
-	TemplateID      string            `json:"templateID"`
-	SandboxID       string            `json:"sandboxID"`
-	Alias           *string           `json:"alias,omitempty"`
-	ClientID        string            `json:"clientID"`
-	StartedAt       time.Time         `json:"startedAt"`
-	EndAt           time.Time         `json:"endAt"`
-	CPUCount        int               `json:"cpuCount"`
-	MemoryMB        int               `json:"memoryMB"`
-	DiskSizeMB      int               `json:"diskSizeMB"`
-	EnvdVersion     string            `json:"envdVersion"`
-	EnvdAccessToken *string           `json:"envdAccessToken,omitempty"`
-	Domain          *string           `json:"domain,omitempty"`
-	State           string            `json:"state"`
-	Metadata        map[string]string `json:"metadata"`
-	// AllowInternetAccess and Lifecycle are in newer E2B responses.
-	AllowInternetAccess *bool           `json:"allowInternetAccess,omitempty"`
-	Network             *networkOutJSON `json:"network,omitempty"`
-	Lifecycle           *lifecycleJSON  `json:"lifecycle,omitempty"`
-}
-
-type lifecycleJSON struct {
-	OnTimeout  string `json:"onTimeout"`
-	AutoResume bool   `json:"autoResume"`
-}
-
 func (s *Server) domainPtr() *string {
 	if s.cfg.Domain == "" {
 		return nil
@@ -131,8 +93,8 @@ func (s *Server) domainPtr() *string {
 	return &d
 }
 
-func (s *Server) sandboxBody(sb *sandboxes.Sandbox) sandboxJSON {
-	out := sandboxJSON{
+func (s *Server) sandboxBody(sb *sandboxes.Sandbox) apispec.Sandbox {
+	out := apispec.Sandbox{
 		TemplateID:  sb.TemplateID,
 		SandboxID:   sb.ID,
 		ClientID:    "aenv",
@@ -152,34 +114,48 @@ func (s *Server) sandboxBody(sb *sandboxes.Sandbox) sandboxJSON {
 	return out
 }
 
-func (s *Server) detailBody(sb *sandboxes.Sandbox) sandboxDetailJSON {
-	state := string(sb.State)
+// listedBody is a sandbox as the listings describe it.
+func listedBody(sb *sandboxes.Sandbox) apispec.ListedSandbox {
+	state := apispec.ListedSandboxState(sb.State)
 	if sb.State != sandboxes.Paused {
 		state = "running"
 	}
-	out := sandboxDetailJSON{
+	out := apispec.ListedSandbox{
 		TemplateID:  sb.TemplateID,
 		SandboxID:   sb.ID,
 		ClientID:    "aenv",
 		StartedAt:   sb.StartedAt,
 		EndAt:       sb.EndAt,
-		CPUCount:    sb.VCPUs,
+		CpuCount:    sb.VCPUs,
 		MemoryMB:    sb.MemoryMiB,
 		DiskSizeMB:  sb.DiskMiB,
 		EnvdVersion: sb.EnvdVersion,
-		Domain:      s.domainPtr(),
 		State:       state,
 		Metadata:    sb.Metadata,
+		Network:     networkBody(sb),
+		Lifecycle:   &apispec.SandboxLifecycle{OnTimeout: "kill", AutoResume: sb.AutoResume},
 	}
 	if out.Metadata == nil {
 		out.Metadata = map[string]string{}
 	}
 	internet := sb.AllowInternet
 	out.AllowInternetAccess = &internet
-	out.Network = networkBody(sb)
-	out.Lifecycle = &lifecycleJSON{OnTimeout: "kill", AutoResume: sb.AutoResume}
 	if sb.AutoPause {
 		out.Lifecycle.OnTimeout = "pause"
+	}
+	return out
+}
+
+// detailBody is a sandbox as GET /sandboxes/{id} describes it: as listed,
+// with its envd token and domain.
+func (s *Server) detailBody(sb *sandboxes.Sandbox) apispec.SandboxDetail {
+	l := listedBody(sb)
+	out := apispec.SandboxDetail{
+		TemplateID: l.TemplateID, SandboxID: l.SandboxID, Alias: l.Alias, ClientID: l.ClientID,
+		StartedAt: l.StartedAt, EndAt: l.EndAt, CpuCount: l.CpuCount, MemoryMB: l.MemoryMB, DiskSizeMB: l.DiskSizeMB,
+		EnvdVersion: l.EnvdVersion, State: apispec.SandboxDetailState(l.State), Metadata: l.Metadata,
+		AllowInternetAccess: l.AllowInternetAccess, Network: l.Network, Lifecycle: l.Lifecycle,
+		Domain: s.domainPtr(),
 	}
 	if sb.AccessToken != "" {
 		t := sb.AccessToken
@@ -320,16 +296,19 @@ func (n *networkJSON) egress(allowInternet *bool) (*bool, *network.Egress, error
 	return internet, &network.Egress{Allow: allow, Deny: deny, Domains: domains, DNSServers: dns}, nil
 }
 
-// networkOutJSON is the network part of a sandbox's details.
-type networkOutJSON struct {
-	AllowOut   []string `json:"allowOut"`
-	DenyOut    []string `json:"denyOut"`
-	DNSServers []string `json:"dnsServers,omitempty"`
-}
-
-func networkBody(sb *sandboxes.Sandbox) *networkOutJSON {
-	out := &networkOutJSON{AllowOut: append(network.Strings(sb.Egress.Allow), sb.Egress.Domains...),
-		DenyOut: network.Strings(sb.Egress.Deny), DNSServers: network.Strings(sb.Egress.DNSServers)}
+// networkBody is the network part of a sandbox's description.
+func networkBody(sb *sandboxes.Sandbox) *apispec.SandboxNetwork {
+	out := &apispec.SandboxNetwork{AllowOut: append(network.Strings(sb.Egress.Allow), sb.Egress.Domains...),
+		DenyOut: network.Strings(sb.Egress.Deny)}
+	if dns := network.Strings(sb.Egress.DNSServers); len(dns) > 0 {
+		out.DnsServers = &dns
+	}
+	if out.AllowOut == nil {
+		out.AllowOut = []string{}
+	}
+	if out.DenyOut == nil {
+		out.DenyOut = []string{}
+	}
 	if !sb.AllowInternet {
 		out.DenyOut = append(out.DenyOut, network.AllTraffic)
 	}
@@ -546,10 +525,10 @@ func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 		s.writeNodeError(w, err)
 		return
 	}
-	out := []sandboxDetailJSON{}
+	out := []apispec.ListedSandbox{}
 	for _, sb := range all {
 		if sb.State == sandboxes.Running && !sb.Internal() && matchMetadata(sb.Metadata, filter) {
-			out = append(out, s.detailBody(sb))
+			out = append(out, listedBody(sb))
 		}
 	}
 	writeJSON(w, http.StatusOK, out)
@@ -633,12 +612,12 @@ func (s *Server) listSandboxesV2(w http.ResponseWriter, r *http.Request) {
 		}
 		return all[i].ID < all[j].ID
 	})
-	out := []sandboxDetailJSON{}
+	out := []apispec.ListedSandbox{}
 	var last *sandboxes.Sandbox
 	more := false
 	for _, sb := range all {
-		d := s.detailBody(sb)
-		if sb.Internal() || !states[d.State] || !matchMetadata(sb.Metadata, filter) ||
+		d := listedBody(sb)
+		if sb.Internal() || !states[string(d.State)] || !matchMetadata(sb.Metadata, filter) ||
 			(template != "" && sb.TemplateID != template) ||
 			(!startedAfter.IsZero() && !sb.StartedAt.After(startedAfter)) {
 			continue

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
 	"github.com/agentenv/agentenv/internal/orchestrator"
@@ -321,10 +322,10 @@ func (s *Server) listTemplates(w http.ResponseWriter, r *http.Request) {
 		s.writeNodeError(w, err)
 		return
 	}
-	out := []map[string]any{}
+	out := []apispec.Template{}
 	for _, t := range all {
-		out = append(out, map[string]any{"templateID": t.Name, "buildID": t.BuildRef(), "aliases": []string{t.Name}, "names": []string{t.Name},
-			"cpuCount": t.VCPUs, "memoryMB": t.MemoryMiB, "public": false, "envdVersion": t.EnvdVersion, "buildStatus": "ready"})
+		out = append(out, apispec.Template{TemplateID: t.Name, BuildID: t.BuildRef(), Aliases: []string{t.Name}, Names: []string{t.Name},
+			CpuCount: t.VCPUs, MemoryMB: t.MemoryMiB, EnvdVersion: t.EnvdVersion, BuildStatus: apispec.TemplateBuildStatusReady})
 	}
 	writeJSON(w, http.StatusOK, out)
 }

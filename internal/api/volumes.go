@@ -10,21 +10,10 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/volumes"
 )
-
-// volumeJSON is E2B's Volume; volumeAndTokenJSON its VolumeAndToken.
-type volumeJSON struct {
-	VolumeID string `json:"volumeID"`
-	Name     string `json:"name"`
-}
-
-type volumeAndTokenJSON struct {
-	VolumeID string `json:"volumeID"`
-	Name     string `json:"name"`
-	Token    string `json:"token"`
-}
 
 func (s *Server) volumeRoutes() {
 	auth := s.requireKey
@@ -90,7 +79,7 @@ func (s *Server) createVolume(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	s.log.Info("volume created", "volume", v.ID, "name", v.Name)
-	writeJSON(w, http.StatusCreated, volumeAndTokenJSON{VolumeID: v.ID, Name: v.Name, Token: v.Token})
+	writeJSON(w, http.StatusCreated, apispec.VolumeAndToken{VolumeID: v.ID, Name: v.Name, Token: v.Token})
 }
 
 func (s *Server) listVolumes(w http.ResponseWriter, r *http.Request) {
@@ -102,9 +91,9 @@ func (s *Server) listVolumes(w http.ResponseWriter, r *http.Request) {
 		s.writeNodeError(w, err)
 		return
 	}
-	out := make([]volumeJSON, 0, len(l))
+	out := make([]apispec.Volume, 0, len(l))
 	for _, v := range l {
-		out = append(out, volumeJSON{VolumeID: v.ID, Name: v.Name})
+		out = append(out, apispec.Volume{VolumeID: v.ID, Name: v.Name})
 	}
 	writeJSON(w, http.StatusOK, out)
 }
@@ -118,7 +107,7 @@ func (s *Server) getVolume(w http.ResponseWriter, r *http.Request) {
 		s.writeNodeError(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, volumeAndTokenJSON{VolumeID: v.ID, Name: v.Name, Token: v.Token})
+	writeJSON(w, http.StatusOK, apispec.VolumeAndToken{VolumeID: v.ID, Name: v.Name, Token: v.Token})
 }
 
 func (s *Server) deleteVolume(w http.ResponseWriter, r *http.Request) {
@@ -160,6 +149,19 @@ func (s *Server) requireVolumeToken(h func(http.ResponseWriter, *http.Request)) 
 		}
 		h(w, r)
 	})
+}
+
+// entryBody is a volume entry as the content routes answer it.
+func entryBody(e *volumes.Entry) apispec.VolumeEntryStat {
+	out := apispec.VolumeEntryStat{
+		Name: e.Name, Type: apispec.VolumeEntryStatType(e.Type), Path: e.Path, Size: e.Size, Mode: int(e.Mode),
+		Uid: int(e.UID), Gid: int(e.GID), Atime: e.Atime, Mtime: e.Mtime, Ctime: e.Ctime,
+	}
+	if e.Target != "" {
+		t := e.Target
+		out.Target = &t
+	}
+	return out
 }
 
 // volumeQuery reads the content routes' query: path (required), the
@@ -238,7 +240,7 @@ func (s *Server) statVolumePath(w http.ResponseWriter, r *http.Request) {
 		s.writeNodeError(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, e)
+	writeJSON(w, http.StatusOK, entryBody(e))
 }
 
 func (s *Server) patchVolumePath(w http.ResponseWriter, r *http.Request) {
@@ -264,7 +266,7 @@ func (s *Server) patchVolumePath(w http.ResponseWriter, r *http.Request) {
 		s.writeNodeError(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, e)
+	writeJSON(w, http.StatusOK, entryBody(e))
 }
 
 func (s *Server) removeVolumePath(w http.ResponseWriter, r *http.Request) {
@@ -291,10 +293,11 @@ func (s *Server) listVolumeDir(w http.ResponseWriter, r *http.Request) {
 		s.writeNodeError(w, err)
 		return
 	}
-	if l == nil {
-		l = []volumes.Entry{}
+	out := make([]apispec.VolumeEntryStat, 0, len(l))
+	for i := range l {
+		out = append(out, entryBody(&l[i]))
 	}
-	writeJSON(w, http.StatusOK, l)
+	writeJSON(w, http.StatusOK, out)
 }
 
 func (s *Server) makeVolumeDir(w http.ResponseWriter, r *http.Request) {
@@ -308,7 +311,7 @@ func (s *Server) makeVolumeDir(w http.ResponseWriter, r *http.Request) {
 		s.writeNodeError(w, err)
 		return
 	}
-	writeJSON(w, http.StatusCreated, e)
+	writeJSON(w, http.StatusCreated, entryBody(e))
 }
 
 func (s *Server) readVolumeFile(w http.ResponseWriter, r *http.Request) {
@@ -345,6 +348,6 @@ func (s *Server) writeVolumeFile(w http.ResponseWriter, r *http.Request) {
 	case err != nil:
 		s.writeNodeError(w, err)
 	default:
-		writeJSON(w, http.StatusCreated, e)
+		writeJSON(w, http.StatusCreated, entryBody(e))
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/statedb"
 	"github.com/agentenv/agentenv/internal/volumes"
 )
@@ -20,16 +21,7 @@ import (
 // QEMU's storage daemon and fuse2fs: skipped without them, failed under CI).
 func newVolumeAPI(t *testing.T) *testAPI {
 	t.Helper()
-	var missing []string
-	for _, p := range []string{"qemu-storage-daemon", "fuse2fs", "mkfs.ext4", "qemu-img"} {
-		if _, err := exec.LookPath(p); err != nil {
-			missing = append(missing, p)
-		}
-	}
-	if _, err := os.Stat("/dev/fuse"); err != nil || os.Geteuid() != 0 {
-		missing = append(missing, "root with /dev/fuse")
-	}
-	if len(missing) > 0 {
+	if missing := volumesMissing(); len(missing) > 0 {
 		if os.Getenv("CI") == "true" {
 			t.Fatalf("volumes need %v", missing)
 		}
@@ -53,6 +45,24 @@ func newVolumeAPI(t *testing.T) *testAPI {
 	}
 	return &testAPI{t: t, node: node, srv: srv}
 }
+
+// volumesMissing lists what volumes need that this host lacks.
+func volumesMissing() []string {
+	var missing []string
+	for _, p := range []string{"qemu-storage-daemon", "fuse2fs", "mkfs.ext4", "qemu-img"} {
+		if _, err := exec.LookPath(p); err != nil {
+			missing = append(missing, p)
+		}
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil || os.Geteuid() != 0 {
+		missing = append(missing, "root with /dev/fuse")
+	}
+	return missing
+}
+
+// volumesRunHere reports whether the host runs volumes (under CI it must:
+// newVolumeAPI fails there otherwise).
+func volumesRunHere() bool { return len(volumesMissing()) == 0 || os.Getenv("CI") == "true" }
 
 // content sends a volume content request with a bearer token.
 func (a *testAPI) content(method, path, token, body string) *httptest.ResponseRecorder {
@@ -80,34 +90,34 @@ func decodeTo[T any](t *testing.T, rec *httptest.ResponseRecorder, status int) T
 
 func TestVolumesAPI(t *testing.T) {
 	a := newVolumeAPI(t)
-	v := decodeTo[volumeAndTokenJSON](t, a.do("POST", "/volumes", `{"name":"data"}`), http.StatusCreated)
+	v := decodeTo[apispec.VolumeAndToken](t, a.do("POST", "/volumes", `{"name":"data"}`), http.StatusCreated)
 	if v.VolumeID == "" || v.Name != "data" || v.Token == "" {
 		t.Fatalf("created %+v", v)
 	}
 	assertError(t, a.do("POST", "/volumes", `{"name":"data"}`), http.StatusConflict)
-	l := decodeTo[[]volumeJSON](t, a.do("GET", "/volumes", ""), http.StatusOK)
-	if len(l) != 1 || l[0] != (volumeJSON{VolumeID: v.VolumeID, Name: "data"}) {
+	l := decodeTo[[]apispec.Volume](t, a.do("GET", "/volumes", ""), http.StatusOK)
+	if len(l) != 1 || l[0] != (apispec.Volume{VolumeID: v.VolumeID, Name: "data"}) {
 		t.Fatalf("list %+v", l)
 	}
-	if got := decodeTo[volumeAndTokenJSON](t, a.do("GET", "/volumes/"+v.VolumeID, ""), http.StatusOK); got != v {
+	if got := decodeTo[apispec.VolumeAndToken](t, a.do("GET", "/volumes/"+v.VolumeID, ""), http.StatusOK); got != v {
 		t.Fatalf("get %+v", got)
 	}
 	base := "/volumecontent/" + v.VolumeID
-	e := decodeTo[volumes.Entry](t, a.content("PUT", base+"/file?path=/dir/f.txt&mode=384", v.Token, "hello"), http.StatusCreated)
-	if e.Path != "/dir/f.txt" || e.Size != 5 || e.Mode != 0o600 || e.UID != 1000 {
+	e := decodeTo[apispec.VolumeEntryStat](t, a.content("PUT", base+"/file?path=/dir/f.txt&mode=384", v.Token, "hello"), http.StatusCreated)
+	if e.Path != "/dir/f.txt" || e.Size != 5 || e.Mode != 0o600 || e.Uid != 1000 {
 		t.Fatalf("write %+v", e)
 	}
 	rec := a.content("GET", base+"/file?path=/dir/f.txt", v.Token, "")
 	if rec.Code != http.StatusOK || rec.Body.String() != "hello" || rec.Header().Get("Content-Type") != "application/octet-stream" || rec.Header().Get("Content-Length") != "5" {
 		t.Fatalf("read %d %q %v", rec.Code, rec.Body, rec.Header())
 	}
-	if e := decodeTo[volumes.Entry](t, a.content("GET", base+"/path?path=dir", v.Token, ""), http.StatusOK); e.Type != "directory" {
+	if e := decodeTo[apispec.VolumeEntryStat](t, a.content("GET", base+"/path?path=dir", v.Token, ""), http.StatusOK); e.Type != apispec.Directory {
 		t.Fatalf("stat %+v", e)
 	}
-	if e := decodeTo[volumes.Entry](t, a.content("POST", base+"/dir?path=/a/b&force=true&uid=0", v.Token, ""), http.StatusCreated); e.Type != "directory" || e.UID != 0 {
+	if e := decodeTo[apispec.VolumeEntryStat](t, a.content("POST", base+"/dir?path=/a/b&force=true&uid=0", v.Token, ""), http.StatusCreated); e.Type != apispec.Directory || e.Uid != 0 {
 		t.Fatalf("mkdir %+v", e)
 	}
-	entries := decodeTo[[]volumes.Entry](t, a.content("GET", base+"/dir?path=/&depth=2", v.Token, ""), http.StatusOK)
+	entries := decodeTo[[]apispec.VolumeEntryStat](t, a.content("GET", base+"/dir?path=/&depth=2", v.Token, ""), http.StatusOK)
 	var paths []string
 	for _, e := range entries {
 		paths = append(paths, e.Path)
@@ -115,7 +125,7 @@ func TestVolumesAPI(t *testing.T) {
 	if strings.Join(paths, " ") != "/a /a/b /dir /dir/f.txt /lost+found" {
 		t.Fatalf("list %v", paths)
 	}
-	if e := decodeTo[volumes.Entry](t, a.content("PATCH", base+"/path?path=/dir/f.txt", v.Token, `{"gid":7,"mode":420}`), http.StatusOK); e.GID != 7 || e.Mode != 0o644 || e.UID != 1000 {
+	if e := decodeTo[apispec.VolumeEntryStat](t, a.content("PATCH", base+"/path?path=/dir/f.txt", v.Token, `{"gid":7,"mode":420}`), http.StatusOK); e.Gid != 7 || e.Mode != 0o644 || e.Uid != 1000 {
 		t.Fatalf("patch %+v", e)
 	}
 	if rec := a.content("DELETE", base+"/path?path=/dir", v.Token, ""); rec.Code != http.StatusNoContent {
@@ -133,7 +143,7 @@ func TestVolumesAPI(t *testing.T) {
 // change nothing in the volume.
 func TestVolumesBadInput(t *testing.T) {
 	a := newVolumeAPI(t)
-	v := decodeTo[volumeAndTokenJSON](t, a.do("POST", "/volumes", `{"name":"data"}`), http.StatusCreated)
+	v := decodeTo[apispec.VolumeAndToken](t, a.do("POST", "/volumes", `{"name":"data"}`), http.StatusCreated)
 	if rec := a.content("PUT", "/volumecontent/"+v.VolumeID+"/file?path=/keep", v.Token, "kept"); rec.Code != http.StatusCreated {
 		t.Fatalf("write %d %s", rec.Code, rec.Body)
 	}
@@ -199,11 +209,11 @@ func TestVolumesBadInput(t *testing.T) {
 	if rec.Code != 200 || rec.Body.String() != "kept" {
 		t.Fatalf("the file after the bad requests: %d %q", rec.Code, rec.Body)
 	}
-	entries := decodeTo[[]volumes.Entry](t, a.content("GET", base+"/dir?path=/", v.Token, ""), http.StatusOK)
+	entries := decodeTo[[]apispec.VolumeEntryStat](t, a.content("GET", base+"/dir?path=/", v.Token, ""), http.StatusOK)
 	if len(entries) != 2 {
 		t.Fatalf("entries after the bad requests: %+v", entries)
 	}
-	if l := decodeTo[[]volumeJSON](t, a.do("GET", "/volumes", ""), http.StatusOK); len(l) != 1 {
+	if l := decodeTo[[]apispec.Volume](t, a.do("GET", "/volumes", ""), http.StatusOK); len(l) != 1 {
 		t.Fatalf("volumes after the bad requests: %+v", l)
 	}
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/envd/gen/processpb"
 )
 
@@ -98,7 +99,7 @@ func runBench(ctx context.Context, c *apiClient, template string, n int, progres
 	}
 	var last string
 	if err := add(timed("create", func() error {
-		var sb sandboxInfo
+		var sb apispec.Sandbox
 		err := c.do(ctx, "POST", "/sandboxes", map[string]any{"templateID": template, "timeout": 600}, &sb)
 		if err == nil {
 			created = append(created, sb.SandboxID)
@@ -139,7 +140,7 @@ func runBench(ctx context.Context, c *apiClient, template string, n int, progres
 	out = append(out, pauses, resumes)
 	if err := add(timed("fork", func() error {
 		var res []struct {
-			Sandbox *sandboxInfo `json:"sandbox"`
+			Sandbox *apispec.Sandbox `json:"sandbox"`
 		}
 		if err := c.do(ctx, "POST", "/sandboxes/"+last+"/fork", map[string]any{"count": 1, "timeout": 600}, &res); err != nil {
 			return err

@@ -18,6 +18,7 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
+	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/envd/gen/processpb"
 	"github.com/agentenv/agentenv/internal/envd/gen/processpb/processpbconnect"
 )
@@ -60,11 +61,15 @@ func basicUser(u string) string { return base64.StdEncoding.EncodeToString([]byt
 // connectSandbox gets a sandbox's envd token (resuming it if paused) and
 // returns a connection to its envd.
 func connectSandbox(ctx context.Context, c *apiClient, id, user string) (*envdConn, error) {
-	var sb sandboxInfo
+	var sb apispec.Sandbox
 	if err := c.do(ctx, "POST", "/sandboxes/"+url.PathEscape(id)+"/connect", map[string]any{}, &sb); err != nil {
 		return nil, err
 	}
-	hc := &http.Client{Transport: &sandboxTransport{id: id, token: sb.EnvdAccessToken, user: user, next: http.DefaultTransport}}
+	token := ""
+	if sb.EnvdAccessToken != nil {
+		token = *sb.EnvdAccessToken
+	}
+	hc := &http.Client{Transport: &sandboxTransport{id: id, token: token, user: user, next: http.DefaultTransport}}
 	return &envdConn{base: c.base, http: hc, proc: processpbconnect.NewProcessClient(hc, c.base)}, nil
 }
 

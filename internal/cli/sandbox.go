@@ -10,27 +10,12 @@ import (
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/spf13/cobra"
 )
 
 // The sandbox commands: create, ls, info, pause, resume, fork, timeout,
 // kill, logs (exec, shell and cp are in envdclient.go).
-
-// sandboxInfo is a sandbox as the REST API describes it.
-type sandboxInfo struct {
-	SandboxID       string            `json:"sandboxID"`
-	TemplateID      string            `json:"templateID"`
-	ClientID        string            `json:"clientID,omitempty"`
-	State           string            `json:"state,omitempty"`
-	StartedAt       time.Time         `json:"startedAt,omitzero"`
-	EndAt           time.Time         `json:"endAt,omitzero"`
-	CPUCount        int               `json:"cpuCount,omitempty"`
-	MemoryMB        int               `json:"memoryMB,omitempty"`
-	DiskSizeMB      int               `json:"diskSizeMB,omitempty"`
-	EnvdVersion     string            `json:"envdVersion,omitempty"`
-	EnvdAccessToken string            `json:"envdAccessToken,omitempty"`
-	Metadata        map[string]string `json:"metadata,omitempty"`
-}
 
 // keyValues parses repeated K=V flags.
 func keyValues(flag string, vals []string) (map[string]string, error) {
@@ -93,7 +78,7 @@ func createCmd() *cobra.Command {
 			if noInet {
 				body["allow_internet_access"] = false
 			}
-			var sb sandboxInfo
+			var sb apispec.Sandbox
 			if err := c.do(cmd.Context(), "POST", "/sandboxes", body, &sb); err != nil {
 				return err
 			}
@@ -178,8 +163,8 @@ func metadataQuery(m map[string]string) string {
 }
 
 // listSandboxes reads every page of GET /v2/sandboxes.
-func listSandboxes(ctx context.Context, c *apiClient, states []string, metadata map[string]string) ([]sandboxInfo, error) {
-	var all []sandboxInfo
+func listSandboxes(ctx context.Context, c *apiClient, states []string, metadata map[string]string) ([]apispec.ListedSandbox, error) {
+	var all []apispec.ListedSandbox
 	token := ""
 	for page := 0; page < 10000; page++ {
 		q := url.Values{"limit": {"100"}}
@@ -196,7 +181,7 @@ func listSandboxes(ctx context.Context, c *apiClient, states []string, metadata 
 		if err != nil {
 			return nil, err
 		}
-		var items []sandboxInfo
+		var items []apispec.ListedSandbox
 		if err := decodeResponse(resp, "GET", "/v2/sandboxes", &items); err != nil {
 			return nil, err
 		}
@@ -243,14 +228,14 @@ func lsCmd() *cobra.Command {
 			}
 			if asJSON {
 				if all == nil {
-					all = []sandboxInfo{}
+					all = []apispec.ListedSandbox{}
 				}
 				return printJSON(cmd.OutOrStdout(), all)
 			}
 			rows := make([][]string, 0, len(all))
 			for _, sb := range all {
-				rows = append(rows, []string{sb.SandboxID, sb.TemplateID, sb.State, ago(sb.StartedAt), ago(sb.EndAt),
-					fmt.Sprint(sb.CPUCount), fmt.Sprintf("%d MiB", sb.MemoryMB), formatMetadata(sb.Metadata)})
+				rows = append(rows, []string{sb.SandboxID, sb.TemplateID, string(sb.State), ago(sb.StartedAt), ago(sb.EndAt),
+					fmt.Sprint(sb.CpuCount), fmt.Sprintf("%d MiB", sb.MemoryMB), formatMetadata(sb.Metadata)})
 			}
 			return table(cmd.OutOrStdout(), []string{"SANDBOX", "TEMPLATE", "STATE", "STARTED", "ENDS", "CPU", "MEMORY", "METADATA"}, rows)
 		},
@@ -294,7 +279,7 @@ func infoCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			var sb sandboxInfo
+			var sb apispec.SandboxDetail
 			if err := c.do(cmd.Context(), "GET", "/sandboxes/"+url.PathEscape(args[0]), nil, &sb); err != nil {
 				return err
 			}
@@ -303,10 +288,10 @@ func infoCmd() *cobra.Command {
 			}
 			w := cmd.OutOrStdout()
 			for _, kv := range [][2]string{
-				{"sandbox", sb.SandboxID}, {"template", sb.TemplateID}, {"state", sb.State},
+				{"sandbox", sb.SandboxID}, {"template", sb.TemplateID}, {"state", string(sb.State)},
 				{"started", sb.StartedAt.Local().Format(time.RFC3339) + " (" + ago(sb.StartedAt) + ")"},
 				{"ends", sb.EndAt.Local().Format(time.RFC3339) + " (" + ago(sb.EndAt) + ")"},
-				{"cpu", fmt.Sprint(sb.CPUCount)}, {"memory", fmt.Sprintf("%d MiB", sb.MemoryMB)},
+				{"cpu", fmt.Sprint(sb.CpuCount)}, {"memory", fmt.Sprintf("%d MiB", sb.MemoryMB)},
 				{"disk", fmt.Sprintf("%d MiB", sb.DiskSizeMB)}, {"envd", sb.EnvdVersion}, {"metadata", formatMetadata(sb.Metadata)},
 			} {
 				fmt.Fprintf(w, "%-9s %s\n", kv[0]+":", kv[1])
@@ -401,7 +386,7 @@ func forkCmd() *cobra.Command {
 				return err
 			}
 			var out []struct {
-				Sandbox *sandboxInfo `json:"sandbox"`
+				Sandbox *apispec.Sandbox `json:"sandbox"`
 				Error   *struct {
 					Message string `json:"message"`
 				} `json:"error"`

@@ -4,22 +4,12 @@ import (
 	"fmt"
 	"net/url"
 	"strings"
-	"time"
 
+	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/spf13/cobra"
 )
 
 // Client commands for named snapshots and templates on a server.
-
-type snapshotInfo struct {
-	SnapshotID string    `json:"snapshotID"`
-	Names      []string  `json:"names"`
-	SandboxID  string    `json:"sandboxID"`
-	TemplateID string    `json:"templateID"`
-	CPUCount   int       `json:"cpuCount"`
-	MemoryMB   int       `json:"memoryMB"`
-	CreatedAt  time.Time `json:"createdAt"`
-}
 
 func snapshotCmd() *cobra.Command {
 	cmd := &cobra.Command{
@@ -46,7 +36,7 @@ func snapshotCreateCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			var s snapshotInfo
+			var s apispec.Snapshot
 			if err := c.do(cmd.Context(), "POST", "/sandboxes/"+url.PathEscape(args[0])+"/snapshots", map[string]any{"name": args[1]}, &s); err != nil {
 				return err
 			}
@@ -65,8 +55,8 @@ func snapshotCreateCmd() *cobra.Command {
 func snapshotLsCmd() *cobra.Command {
 	return listingCmd("List named snapshots", "  aenv snapshot ls\n  aenv snapshot ls -o json", "/snapshots",
 		[]string{"NAME", "TEMPLATE", "FROM SANDBOX", "CPU", "MEMORY", "CREATED"},
-		func(s snapshotInfo) []string {
-			return []string{strings.Join(s.Names, ","), s.TemplateID, s.SandboxID, fmt.Sprint(s.CPUCount),
+		func(s apispec.Snapshot) []string {
+			return []string{strings.Join(s.Names, ","), s.TemplateID, s.SandboxID, fmt.Sprint(s.CpuCount),
 				fmt.Sprintf("%d MiB", s.MemoryMB), ago(s.CreatedAt)}
 		})
 }
@@ -147,20 +137,11 @@ func deleteCmd(use, short, example, prefix, done string) *cobra.Command {
 	return cmd
 }
 
-// templateInfo is a template as GET /templates lists it.
-type templateInfo struct {
-	TemplateID  string `json:"templateID"`
-	CPUCount    int    `json:"cpuCount"`
-	MemoryMB    int    `json:"memoryMB"`
-	BuildStatus string `json:"buildStatus"`
-	EnvdVersion string `json:"envdVersion"`
-}
-
 func templateLsCmd() *cobra.Command {
 	return listingCmd("List a server's templates", "  aenv template ls\n  aenv template ls -o json", "/templates",
 		[]string{"TEMPLATE", "CPU", "MEMORY", "STATUS"},
-		func(t templateInfo) []string {
-			return []string{t.TemplateID, fmt.Sprint(t.CPUCount), fmt.Sprintf("%d MiB", t.MemoryMB), t.BuildStatus}
+		func(t apispec.Template) []string {
+			return []string{t.TemplateID, fmt.Sprint(t.CpuCount), fmt.Sprintf("%d MiB", t.MemoryMB), string(t.BuildStatus)}
 		})
 }
 

@@ -9,32 +9,14 @@ import (
 	"net/url"
 	"os"
 	"strconv"
-	"time"
 
+	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/spf13/cobra"
 )
 
 // Client commands for a server's volumes: the volumes themselves with the
 // API key, their files through the volume content API with each volume's
 // own token (which the commands fetch with the API key).
-
-type volumeInfo struct {
-	VolumeID string `json:"volumeID"`
-	Name     string `json:"name"`
-	Token    string `json:"token,omitempty"`
-}
-
-type volumeEntry struct {
-	Name   string    `json:"name"`
-	Type   string    `json:"type"`
-	Path   string    `json:"path"`
-	Size   int64     `json:"size"`
-	Mode   uint32    `json:"mode"`
-	UID    uint32    `json:"uid"`
-	GID    uint32    `json:"gid"`
-	Mtime  time.Time `json:"mtime"`
-	Target string    `json:"target,omitempty"`
-}
 
 func volumeCmd() *cobra.Command {
 	cmd := &cobra.Command{
@@ -61,7 +43,7 @@ func volumeCreateCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			var v volumeInfo
+			var v apispec.VolumeAndToken
 			if err := c.do(cmd.Context(), "POST", "/volumes", map[string]string{"name": args[0]}, &v); err != nil {
 				return err
 			}
@@ -79,7 +61,7 @@ func volumeCreateCmd() *cobra.Command {
 
 func volumeLsCmd() *cobra.Command {
 	return listingCmd("List the volumes", "  aenv volume ls\n  aenv volume ls -o json", "/volumes",
-		[]string{"NAME", "ID"}, func(v volumeInfo) []string { return []string{v.Name, v.VolumeID} })
+		[]string{"NAME", "ID"}, func(v apispec.Volume) []string { return []string{v.Name, v.VolumeID} })
 }
 
 func volumeRmCmd() *cobra.Command {
@@ -124,14 +106,14 @@ func volumeRmCmd() *cobra.Command {
 }
 
 // findVolume resolves a volume's name or id to the volume, with its token.
-func findVolume(ctx context.Context, c *apiClient, ref string) (*volumeInfo, error) {
-	var v volumeInfo
+func findVolume(ctx context.Context, c *apiClient, ref string) (*apispec.VolumeAndToken, error) {
+	var v apispec.VolumeAndToken
 	err := c.do(ctx, "GET", "/volumes/"+url.PathEscape(ref), nil, &v)
 	var ae *apiError
 	if err == nil || !errors.As(err, &ae) || ae.Status != http.StatusNotFound {
 		return &v, err
 	}
-	var all []volumeInfo
+	var all []apispec.Volume
 	if err := c.do(ctx, "GET", "/volumes", nil, &all); err != nil {
 		return nil, err
 	}
@@ -193,7 +175,7 @@ func volumeFilesCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			var entries []volumeEntry
+			var entries []apispec.VolumeEntryStat
 			if err := decodeResponse(resp, "GET", "dir", &entries); err != nil {
 				return err
 			}
@@ -203,10 +185,10 @@ func volumeFilesCmd() *cobra.Command {
 			rows := make([][]string, 0, len(entries))
 			for _, e := range entries {
 				name := e.Path
-				if e.Target != "" {
-					name += " -> " + e.Target
+				if e.Target != nil {
+					name += " -> " + *e.Target
 				}
-				rows = append(rows, []string{fmt.Sprintf("%s %04o", e.Type, e.Mode), fmt.Sprintf("%d:%d", e.UID, e.GID),
+				rows = append(rows, []string{fmt.Sprintf("%s %04o", e.Type, e.Mode), fmt.Sprintf("%d:%d", e.Uid, e.Gid),
 					strconv.FormatInt(e.Size, 10), ago(e.Mtime), name})
 			}
 			return table(cmd.OutOrStdout(), []string{"TYPE MODE", "OWNER", "SIZE", "MODIFIED", "PATH"}, rows)
@@ -259,7 +241,7 @@ func volumePutCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			var e volumeEntry
+			var e apispec.VolumeEntryStat
 			if err := decodeResponse(resp, "PUT", "file", &e); err != nil {
 				return err
 			}

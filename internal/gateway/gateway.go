@@ -27,6 +27,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/agentenv/agentenv/internal/api"
+	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/httperr"
 	"github.com/agentenv/agentenv/internal/proxy"
 	pb "github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb"
@@ -779,33 +780,17 @@ func (g *Gateway) deleteSnapshot(w http.ResponseWriter, r *http.Request) {
 }
 
 // nodeJSON is a node in GET /nodes.
-type nodeJSON struct {
-	NodeID               string    `json:"nodeID"`
-	URL                  string    `json:"url"`
-	Status               string    `json:"status"`
-	LastSeen             time.Time `json:"lastSeen"`
-	CPUs                 int32     `json:"cpuCount"`
-	MemoryTotalBytes     int64     `json:"memoryTotalBytes"`
-	MemoryAvailableBytes int64     `json:"memoryAvailableBytes"`
-	SandboxMemoryBytes   int64     `json:"sandboxMemoryBytes"`
-	DiskFreeBytes        int64     `json:"diskFreeBytes"`
-	Running              int32     `json:"running"`
-	Paused               int32     `json:"paused"`
-	Templates            []string  `json:"templates"`
-	Version              string    `json:"version"`
-}
-
 func (g *Gateway) listNodes(w http.ResponseWriter, r *http.Request) {
 	nodes, err := g.nodeList(r.Context())
 	if err != nil {
 		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "the cluster's nodes are unavailable", err)
 		return
 	}
-	out := []nodeJSON{}
+	out := []apispec.Node{}
 	for _, n := range nodes {
 		rep := n.Report
-		out = append(out, nodeJSON{NodeID: n.NodeId, URL: n.Url, Status: n.Status, LastSeen: time.UnixMilli(n.LastSeenUnixMs).UTC(),
-			CPUs: rep.Cpus, MemoryTotalBytes: rep.MemoryTotalBytes, MemoryAvailableBytes: rep.MemoryAvailableBytes,
+		out = append(out, apispec.Node{NodeID: n.NodeId, Url: n.Url, Status: apispec.NodeStatus(n.Status), LastSeen: time.UnixMilli(n.LastSeenUnixMs).UTC(),
+			CpuCount: rep.Cpus, MemoryTotalBytes: rep.MemoryTotalBytes, MemoryAvailableBytes: rep.MemoryAvailableBytes,
 			SandboxMemoryBytes: rep.SandboxMemoryBytes, DiskFreeBytes: rep.DiskFreeBytes, Running: rep.Running,
 			Paused: rep.Paused, Templates: append([]string{}, rep.Templates...), Version: rep.Version})
 	}

@@ -18,23 +18,19 @@ import (
 	"github.com/agentenv/agentenv/internal/errkind"
 )
 
-// Entry describes a file, directory or symbolic link of a volume, as the
-// content routes answer it.
+// Entry describes a file, directory or symbolic link of a volume.
 type Entry struct {
-	Name string `json:"name"`
+	Name string
 	// Type is file, directory, symlink or unknown.
-	Type string `json:"type"`
+	Type string
 	// Path is the entry's absolute path in the volume.
-	Path  string    `json:"path"`
-	Size  int64     `json:"size"`
-	Mode  uint32    `json:"mode"` // permission bits (with setuid, setgid, sticky)
-	UID   uint32    `json:"uid"`
-	GID   uint32    `json:"gid"`
-	Atime time.Time `json:"atime"`
-	Mtime time.Time `json:"mtime"`
-	Ctime time.Time `json:"ctime"`
+	Path                string
+	Size                int64
+	Mode                uint32 // permission bits (with setuid, setgid, sticky)
+	UID, GID            uint32
+	Atime, Mtime, Ctime time.Time
 	// Target is a symbolic link's target.
-	Target string `json:"target,omitempty"`
+	Target string
 }
 
 // Owner is what a write or a new directory sets: nil fields keep the
