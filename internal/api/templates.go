@@ -117,6 +117,8 @@ func (s *Server) requestBuild(w http.ResponseWriter, r *http.Request) {
 		CPUCount      *int     `json:"cpuCount"`
 		MemoryMB      *int     `json:"memoryMB"`
 		MinFreeDiskMB *int     `json:"minFreeDiskMb"`
+		// TeamID is E2B cloud's; read only to refuse one of the wrong type.
+		TeamID *string `json:"teamID"`
 	}
 	if err := decodeBody(r, &req); err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
@@ -324,10 +326,35 @@ func (s *Server) listTemplates(w http.ResponseWriter, r *http.Request) {
 	}
 	out := []apispec.Template{}
 	for _, t := range all {
-		out = append(out, apispec.Template{TemplateID: t.Name, BuildID: t.BuildRef(), Aliases: []string{t.Name}, Names: []string{t.Name},
-			CpuCount: t.VCPUs, MemoryMB: t.MemoryMiB, EnvdVersion: t.EnvdVersion, BuildStatus: apispec.TemplateBuildStatusReady})
+		recs, err := s.node.TemplateBuilds(t.Name)
+		if err != nil {
+			s.writeNodeError(w, err)
+			return
+		}
+		out = append(out, templateBody(t, recs))
 	}
 	writeJSON(w, http.StatusOK, out)
+}
+
+// templateBody describes template t, whose builds are recs.
+func templateBody(t *orchestrator.Template, recs []*builds.Record) apispec.Template {
+	created, updated := time.Time{}, time.Time{}
+	for _, b := range recs {
+		if created.IsZero() || b.CreatedAt.Before(created) {
+			created = b.CreatedAt
+		}
+		if b.FinishedAt.After(updated) {
+			updated = b.FinishedAt
+		}
+	}
+	if created.IsZero() {
+		created, updated = time.Unix(0, 0).UTC(), time.Unix(0, 0).UTC() // made by aenv setup or an import: no build record
+	}
+	return apispec.Template{
+		TemplateID: t.Name, BuildID: t.BuildRef(), CpuCount: t.VCPUs, MemoryMB: t.MemoryMiB, DiskSizeMB: t.DiskMiB,
+		Aliases: []string{t.Name}, Names: []string{t.Name}, CreatedAt: created, UpdatedAt: latest(created, updated),
+		BuildCount: len(recs), EnvdVersion: t.EnvdVersion, BuildStatus: apispec.TemplateBuildStatusReady,
+	}
 }
 
 // templateDetail implements GET /templates/{templateID}: the template and
@@ -358,40 +385,31 @@ func (s *Server) templateDetail(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, "invalid nextToken")
 		return
 	}
-	buildsOut := []map[string]any{}
-	created, updated := time.Time{}, time.Time{}
+	buildsOut := []apispec.TemplateBuild{}
 	skipping := after != ""
 	for _, b := range recs {
-		if created.IsZero() || b.CreatedAt.Before(created) {
-			created = b.CreatedAt
-		}
-		if b.FinishedAt.After(updated) {
-			updated = b.FinishedAt
-		}
 		if skipping {
 			skipping = b.BuildID != after
 			continue
 		}
 		if int64(len(buildsOut)) == limit {
-			w.Header().Set("X-Next-Token", buildsOut[len(buildsOut)-1]["buildID"].(string))
+			w.Header().Set("X-Next-Token", buildsOut[len(buildsOut)-1].BuildID)
 			continue
 		}
-		entry := map[string]any{"buildID": b.BuildID, "status": b.Status, "createdAt": b.CreatedAt,
-			"updatedAt": latest(b.CreatedAt, b.FinishedAt), "cpuCount": max(b.VCPUs, 1), "memoryMB": b.MemoryMiB,
-			"envdVersion": t.EnvdVersion}
+		entry := apispec.TemplateBuild{BuildID: b.BuildID, Status: apispec.BuildStatus(b.Status), CreatedAt: b.CreatedAt,
+			UpdatedAt: latest(b.CreatedAt, b.FinishedAt), CpuCount: max(b.VCPUs, 1), MemoryMB: b.MemoryMiB,
+			EnvdVersion: &t.EnvdVersion}
 		if !b.FinishedAt.IsZero() {
-			entry["finishedAt"] = b.FinishedAt
+			f := b.FinishedAt
+			entry.FinishedAt = &f
 		}
 		buildsOut = append(buildsOut, entry)
 	}
-	if created.IsZero() {
-		created, updated = time.Unix(0, 0).UTC(), time.Unix(0, 0).UTC() // made by aenv setup or an import: no build record
-	}
-	writeJSON(w, http.StatusOK, map[string]any{
-		"templateID": t.Name, "buildID": t.BuildRef(), "cpuCount": t.VCPUs, "memoryMB": t.MemoryMiB, "diskSizeMB": t.DiskMiB,
-		"public": false, "aliases": []string{t.Name}, "names": []string{t.Name}, "createdAt": created,
-		"updatedAt": latest(created, updated), "createdBy": nil, "lastSpawnedAt": nil, "spawnCount": 0,
-		"buildCount": len(recs), "envdVersion": t.EnvdVersion, "buildStatus": "ready", "builds": buildsOut,
+	tb := templateBody(t, recs)
+	writeJSON(w, http.StatusOK, apispec.TemplateWithBuilds{
+		TemplateID: tb.TemplateID, BuildID: tb.BuildID, CpuCount: tb.CpuCount, MemoryMB: tb.MemoryMB, DiskSizeMB: tb.DiskSizeMB,
+		Aliases: tb.Aliases, Names: tb.Names, CreatedAt: tb.CreatedAt, UpdatedAt: tb.UpdatedAt, BuildCount: tb.BuildCount,
+		EnvdVersion: tb.EnvdVersion, BuildStatus: apispec.TemplateWithBuildsBuildStatus(tb.BuildStatus), Builds: buildsOut,
 	})
 }
 

@@ -118,6 +118,45 @@ func (e TemplateBuildStatus) Valid() bool {
 	}
 }
 
+// Defines values for BuildStatus.
+const (
+	BuildStatusBuilding BuildStatus = "building"
+	BuildStatusError    BuildStatus = "error"
+	BuildStatusReady    BuildStatus = "ready"
+	BuildStatusWaiting  BuildStatus = "waiting"
+)
+
+// Valid indicates whether the value is a known member of the BuildStatus enum.
+func (e BuildStatus) Valid() bool {
+	switch e {
+	case BuildStatusBuilding:
+		return true
+	case BuildStatusError:
+		return true
+	case BuildStatusReady:
+		return true
+	case BuildStatusWaiting:
+		return true
+	default:
+		return false
+	}
+}
+
+// Defines values for TemplateWithBuildsBuildStatus.
+const (
+	TemplateWithBuildsBuildStatusReady TemplateWithBuildsBuildStatus = "ready"
+)
+
+// Valid indicates whether the value is a known member of the TemplateWithBuildsBuildStatus enum.
+func (e TemplateWithBuildsBuildStatus) Valid() bool {
+	switch e {
+	case TemplateWithBuildsBuildStatusReady:
+		return true
+	default:
+		return false
+	}
+}
+
 // Defines values for VolumeEntryStatType.
 const (
 	Directory VolumeEntryStatType = "directory"
@@ -608,20 +647,86 @@ type Snapshot struct {
 // Template A template as the listings describe it
 type Template struct {
 	Aliases     []string            `json:"aliases"`
+	BuildCount  int                 `json:"buildCount"`
 	BuildID     string              `json:"buildID"`
 	BuildStatus TemplateBuildStatus `json:"buildStatus"`
 	CpuCount    int                 `json:"cpuCount"`
-	EnvdVersion string              `json:"envdVersion"`
-	MemoryMB    int                 `json:"memoryMB"`
-	Names       []string            `json:"names"`
+
+	// CreatedAt Its first build's start (1970 for templates no build made)
+	CreatedAt time.Time `json:"createdAt"`
+
+	// CreatedBy Always null (E2B cloud users)
+	CreatedBy   *map[string]interface{} `json:"createdBy"`
+	DiskSizeMB  int                     `json:"diskSizeMB"`
+	EnvdVersion string                  `json:"envdVersion"`
+
+	// LastSpawnedAt Always null (E2B cloud accounting)
+	LastSpawnedAt *time.Time `json:"lastSpawnedAt"`
+	MemoryMB      int        `json:"memoryMB"`
+	Names         []string   `json:"names"`
 
 	// Public Always false (a node's templates are its own)
-	Public     bool   `json:"public"`
-	TemplateID string `json:"templateID"`
+	Public bool `json:"public"`
+
+	// SpawnCount Always 0 (E2B cloud accounting)
+	SpawnCount int       `json:"spawnCount"`
+	TemplateID string    `json:"templateID"`
+	UpdatedAt  time.Time `json:"updatedAt"`
 }
 
 // TemplateBuildStatus defines model for Template.BuildStatus.
 type TemplateBuildStatus string
+
+// TemplateBuild defines model for TemplateBuild.
+type TemplateBuild struct {
+	BuildID     string      `json:"buildID"`
+	CpuCount    int         `json:"cpuCount"`
+	CreatedAt   time.Time   `json:"createdAt"`
+	EnvdVersion *string     `json:"envdVersion,omitempty"`
+	FinishedAt  *time.Time  `json:"finishedAt,omitempty"`
+	MemoryMB    int         `json:"memoryMB"`
+	Status      BuildStatus `json:"status"`
+	UpdatedAt   time.Time   `json:"updatedAt"`
+}
+
+// BuildStatus defines model for TemplateBuild.status.
+type BuildStatus string
+
+// TemplateWithBuilds defines model for TemplateWithBuilds.
+type TemplateWithBuilds struct {
+	Aliases     []string                      `json:"aliases"`
+	BuildCount  int                           `json:"buildCount"`
+	BuildID     string                        `json:"buildID"`
+	BuildStatus TemplateWithBuildsBuildStatus `json:"buildStatus"`
+
+	// Builds Newest first, paged (X-Next-Token)
+	Builds   []TemplateBuild `json:"builds"`
+	CpuCount int             `json:"cpuCount"`
+
+	// CreatedAt Its first build's start (1970 for templates no build made)
+	CreatedAt time.Time `json:"createdAt"`
+
+	// CreatedBy Always null (E2B cloud users)
+	CreatedBy   *map[string]interface{} `json:"createdBy"`
+	DiskSizeMB  int                     `json:"diskSizeMB"`
+	EnvdVersion string                  `json:"envdVersion"`
+
+	// LastSpawnedAt Always null (E2B cloud accounting)
+	LastSpawnedAt *time.Time `json:"lastSpawnedAt"`
+	MemoryMB      int        `json:"memoryMB"`
+	Names         []string   `json:"names"`
+
+	// Public Always false (a node's templates are its own)
+	Public bool `json:"public"`
+
+	// SpawnCount Always 0 (E2B cloud accounting)
+	SpawnCount int       `json:"spawnCount"`
+	TemplateID string    `json:"templateID"`
+	UpdatedAt  time.Time `json:"updatedAt"`
+}
+
+// TemplateWithBuildsBuildStatus defines model for TemplateWithBuilds.BuildStatus.
+type TemplateWithBuildsBuildStatus string
 
 // Volume defines model for Volume.
 type Volume struct {

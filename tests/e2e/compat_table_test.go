@@ -337,17 +337,150 @@ func resolve(doc map[string]any, v map[string]any) map[string]any {
 // hasField reports whether schema describes the dotted field path (through
 // objects, and the items of arrays).
 func hasField(doc map[string]any, schema map[string]any, path []string) bool {
-	for _, name := range path {
-		schema = resolve(doc, schema)
-		if items, ok := schema["items"].(map[string]any); ok {
-			schema = resolve(doc, items)
-		}
-		props, _ := schema["properties"].(map[string]any)
-		next, ok := props[name].(map[string]any)
-		if !ok {
-			return false
-		}
-		schema = next
+	if len(path) == 0 {
+		return true
 	}
-	return true
+	schema = resolve(doc, schema)
+	if items, ok := schema["items"].(map[string]any); ok {
+		schema = resolve(doc, items)
+	}
+	if parts, ok := schema["allOf"].([]any); ok {
+		for _, p := range parts {
+			if ps, ok := p.(map[string]any); ok && hasField(doc, ps, path) {
+				return true
+			}
+		}
+		return false
+	}
+	props, _ := schema["properties"].(map[string]any)
+	next, ok := props[path[0]].(map[string]any)
+	return ok && hasField(doc, next, path[1:])
+}
+
+// TestSDKResponseFieldsAreDocumented reads the answers the pinned Python
+// SDK's generated client parses (each endpoint's 200/201 model and the
+// models nested in it) and fails for each field of a route the node
+// serves that the OpenAPI document's answer leaves out, unless
+// docs/COMPATIBILITY.md's "Answer fields not sent" section lists it (as
+// `Model.field`); a field listed there that the document now describes
+// fails too, so the list stays true.
+func TestSDKResponseFieldsAreDocumented(t *testing.T) {
+	python := os.Getenv("E2B_PYTHON")
+	if python == "" {
+		if os.Getenv("CI") == "true" {
+			t.Fatal("E2B_PYTHON is not set: scripts/test installs the pinned Python SDKs and sets it")
+		}
+		t.Skip("E2B_PYTHON is not set")
+	}
+	out, err := exec.Command(python, "-c", "import e2b, os; print(os.path.dirname(e2b.__file__))").Output()
+	if err != nil {
+		t.Fatalf("find the e2b package: %v", err)
+	}
+	pkg := strings.TrimSpace(string(out))
+	models := readPythonModels(t, filepath.Join(pkg, "api", "client", "models"))
+	var doc map[string]any
+	if err := yaml.Unmarshal(api.OpenAPISpec, &doc); err != nil {
+		t.Fatal(err)
+	}
+	docPaths := map[string]map[string]any{}
+	for p, ops := range doc["paths"].(map[string]any) {
+		docPaths[paramRE.ReplaceAllString(p, "{}")] = ops.(map[string]any)
+	}
+	notSent := notSentFields(t)
+	method := regexp.MustCompile(`"method": "([a-z]+)"`)
+	url := regexp.MustCompile(`"url": f?"([^"]+)"`)
+	parsed := regexp.MustCompile(`response_(20[01])(?:_item)? = (\w+)\.from_dict\(`)
+	checked, used := 0, map[string]bool{}
+	err = filepath.WalkDir(filepath.Join(pkg, "api", "client", "api"), func(p string, d os.DirEntry, err error) error {
+		if err != nil || d.IsDir() || !strings.HasSuffix(p, ".py") {
+			return err
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		m, u := method.FindSubmatch(b), url.FindSubmatch(b)
+		if m == nil || u == nil {
+			return nil
+		}
+		ops, ok := docPaths[paramRE.ReplaceAllString(string(u[1]), "{}")]
+		if !ok {
+			return nil
+		}
+		op, ok := ops[string(m[1])].(map[string]any)
+		if !ok {
+			return nil
+		}
+		route := strings.ToUpper(string(m[1])) + " " + string(u[1])
+		for _, pm := range parsed.FindAllSubmatch(b, -1) {
+			status, model := string(pm[1]), string(pm[2])
+			schema := responseSchema(doc, op, status)
+			if schema == nil {
+				t.Errorf("%s: the SDK parses a %s answer (%s) the document does not describe", route, status, model)
+				continue
+			}
+			if items, ok := schema["items"].(map[string]any); ok {
+				schema = resolve(doc, items)
+			}
+			for _, f := range models.fields(model, "", 1) {
+				checked++
+				key := model + "." + f
+				switch documented := hasField(doc, schema, strings.Split(f, ".")); {
+				case !documented && !notSent[key]:
+					t.Errorf("%s: the document's %s answer lacks %s (list it under \"Answer fields not sent\" if the node does not send it)", route, status, key)
+				case documented && notSent[key]:
+					t.Errorf("%s: docs/COMPATIBILITY.md lists %s as not sent, but the document describes it", route, key)
+				}
+				used[key] = true
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k := range notSent {
+		if !used[k] {
+			t.Errorf("docs/COMPATIBILITY.md lists %s as not sent, but no SDK answer of a served route has it", k)
+		}
+	}
+	if checked < 50 {
+		t.Fatalf("only %d answer fields checked: the extraction is broken", checked)
+	}
+	t.Logf("%d answer fields of the SDK checked", checked)
+}
+
+// notSentFields are the `Model.field` entries of COMPATIBILITY.md's
+// "Answer fields not sent" section.
+func notSentFields(t *testing.T) map[string]bool {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("..", "..", "docs", "COMPATIBILITY.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := string(b)
+	i := strings.Index(doc, "\n## Answer fields not sent")
+	if i < 0 {
+		t.Fatal(`docs/COMPATIBILITY.md has no "## Answer fields not sent" section`)
+	}
+	doc = doc[i+1:]
+	if j := strings.Index(doc[3:], "\n## "); j >= 0 {
+		doc = doc[:j+3]
+	}
+	out := map[string]bool{}
+	for _, m := range regexp.MustCompile("`([A-Z]\\w*\\.[\\w.]+)`").FindAllStringSubmatch(doc, -1) {
+		out[m[1]] = true
+	}
+	return out
+}
+
+// responseSchema is an operation's JSON answer schema for status.
+func responseSchema(doc map[string]any, op map[string]any, status string) map[string]any {
+	responses, _ := op["responses"].(map[string]any)
+	r, _ := responses[status].(map[string]any)
+	r = resolve(doc, r)
+	content, _ := r["content"].(map[string]any)
+	js, _ := content["application/json"].(map[string]any)
+	s, _ := js["schema"].(map[string]any)
+	return resolve(doc, s)
 }

@@ -162,3 +162,9 @@ def test_tags_name_builds():
     back = get_templates_template_id_builds_build_id_logs.sync_detailed(
         name, one.build_id, client=client, direction=LogsDirection.BACKWARD, limit=1, level=LogLevel.INFO)
     assert [e.message for e in back.parsed.logs] == [messages[-1]]
+    # And the template listing (its Template model requires every field).
+    from e2b.api.client.api.templates import get_templates
+    listing = get_templates.sync_detailed(client=client)
+    assert listing.status_code == 200, listing.content
+    mine = [t for t in listing.parsed if t.template_id == name]
+    assert len(mine) == 1 and str(mine[0].build_id) == two.build_id and mine[0].build_count == 2, listing.content
