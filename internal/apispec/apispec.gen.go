@@ -434,6 +434,13 @@ type NetworkUpdate struct {
 	// DnsServers IPv4 addresses opened (all traffic) when allowOut names a domain.
 	DnsServers *DNSServers `json:"dnsServers,omitempty"`
 
+	// EgressProxy Refused (400) when set: a SOCKS5 egress proxy is not supported
+	EgressProxy *struct {
+		Address  *string `json:"address,omitempty"`
+		Password *string `json:"password,omitempty"`
+		Username *string `json:"username,omitempty"`
+	} `json:"egressProxy,omitempty"`
+
 	// Rules Refused (400) when not empty: egress transforms (and the secrets they carry) are not supported
 	Rules *map[string]interface{} `json:"rules,omitempty"`
 }
@@ -491,6 +498,13 @@ type NewSandbox struct {
 		// DnsServers IPv4 addresses opened (all traffic) when allowOut names a domain.
 		DnsServers *DNSServers `json:"dnsServers,omitempty"`
 
+		// EgressProxy Refused (400) when set: a SOCKS5 egress proxy is not supported
+		EgressProxy *struct {
+			Address  *string `json:"address,omitempty"`
+			Password *string `json:"password,omitempty"`
+			Username *string `json:"username,omitempty"`
+		} `json:"egressProxy,omitempty"`
+
 		// HttpsPorts Not supported
 		HttpsPorts *[]int `json:"httpsPorts,omitempty"`
 
@@ -508,8 +522,11 @@ type NewSandbox struct {
 	// Timeout Seconds to live; 0 or absent: the node default (300)
 	Timeout *int `json:"timeout,omitempty"`
 
-	// VolumeMounts Must be empty
-	VolumeMounts *[]map[string]interface{} `json:"volumeMounts,omitempty"`
+	// VolumeMounts Refused (400) when not empty: mounting volumes into sandboxes is not served yet
+	VolumeMounts *[]struct {
+		Name *string `json:"name,omitempty"`
+		Path *string `json:"path,omitempty"`
+	} `json:"volumeMounts,omitempty"`
 }
 
 // Node A node of the cluster, as the gateway lists it
@@ -1028,12 +1045,15 @@ type GetSandboxLogsV2ParamsLevel string
 
 // StartTemplateBuildJSONBody defines parameters for StartTemplateBuild.
 type StartTemplateBuildJSONBody struct {
-	Force        *bool   `json:"force,omitempty"`
-	FromImage    *string `json:"fromImage,omitempty"`
-	FromTemplate *string `json:"fromTemplate,omitempty"`
-	ReadyCmd     *string `json:"readyCmd,omitempty"`
-	StartCmd     *string `json:"startCmd,omitempty"`
-	Steps        *[]struct {
+	Force     *bool   `json:"force,omitempty"`
+	FromImage *string `json:"fromImage,omitempty"`
+
+	// FromImageRegistry Accepted and not used: images come from the registry the node's own credentials (docker config.json) reach
+	FromImageRegistry interface{} `json:"fromImageRegistry,omitempty"`
+	FromTemplate      *string     `json:"fromTemplate,omitempty"`
+	ReadyCmd          *string     `json:"readyCmd,omitempty"`
+	StartCmd          *string     `json:"startCmd,omitempty"`
+	Steps             *[]struct {
 		Args      *[]string                            `json:"args,omitempty"`
 		FilesHash *string                              `json:"filesHash,omitempty"`
 		Force     *bool                                `json:"force,omitempty"`

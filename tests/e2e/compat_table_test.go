@@ -263,6 +263,7 @@ func readPythonModels(t *testing.T, dir string) pythonModels {
 	}
 	class := regexp.MustCompile(`(?m)^class (\w+)`)
 	pop := regexp.MustCompile(`_?(\w+) = d\.pop\("(\w+)"`)
+	key := regexp.MustCompile(`d\.pop\("(\w+)"`)
 	from := regexp.MustCompile(`(\w+) = (\w+)\.from_dict\(_?(\w+)\)`)
 	out := pythonModels{}
 	for _, f := range files {
@@ -282,7 +283,10 @@ func readPythonModels(t *testing.T, dir string) pythonModels {
 		byVar := map[string]string{}
 		for _, p := range pop.FindAllStringSubmatch(s, -1) {
 			byVar[p[1]] = p[2]
-			m.keys = append(m.keys, p[2])
+		}
+		// Every key read, also those read inside a call (a union's parser).
+		for _, k := range key.FindAllStringSubmatch(s, -1) {
+			m.keys = append(m.keys, k[1])
 		}
 		for _, n := range from.FindAllStringSubmatch(s, -1) {
 			if key, ok := byVar[n[3]]; ok {
@@ -483,4 +487,86 @@ func responseSchema(doc map[string]any, op map[string]any, status string) map[st
 	js, _ := content["application/json"].(map[string]any)
 	s, _ := js["schema"].(map[string]any)
 	return resolve(doc, s)
+}
+
+// TestOpenAPIDocumentsTheJSSDKFields is TestOpenAPIDocumentsTheSDKFields
+// for the pinned JS SDK: the request body schemas of its typed OpenAPI
+// paths (each field, and those of the schemas they name, one level down).
+func TestOpenAPIDocumentsTheJSSDKFields(t *testing.T) {
+	dir := installSDK(t)
+	b, err := os.ReadFile(filepath.Join(dir, "node_modules", "e2b", "dist", "index.d.ts"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := string(b)
+	var doc map[string]any
+	if err := yaml.Unmarshal(api.OpenAPISpec, &doc); err != nil {
+		t.Fatal(err)
+	}
+	docPaths := map[string]map[string]any{}
+	for p, ops := range doc["paths"].(map[string]any) {
+		docPaths[paramRE.ReplaceAllString(p, "{}")] = ops.(map[string]any)
+	}
+	pathKey := regexp.MustCompile(`\n  "(/[^"]*)": \{`)
+	methodKey := regexp.MustCompile(`\n    (get|put|post|delete|patch)\??: \{`)
+	bodyRef := regexp.MustCompile(`requestBody\??: \{\s*content: \{\s*"application/json": components\["schemas"\]\["(\w+)"\]`)
+	checked := 0
+	for _, start := range regexp.MustCompile(`interface paths\w* \{`).FindAllStringIndex(s, -1) {
+		block := braced(s, start[1])
+		for _, pm := range pathKey.FindAllStringSubmatchIndex(block, -1) {
+			path := block[pm[2]:pm[3]]
+			pathBlock := braced(block, pm[1])
+			for _, mm := range methodKey.FindAllStringSubmatchIndex(pathBlock, -1) {
+				method := pathBlock[mm[2]:mm[3]]
+				br := bodyRef.FindStringSubmatch(braced(pathBlock, mm[1]))
+				if br == nil {
+					continue
+				}
+				ops, ok := docPaths[paramRE.ReplaceAllString(path, "{}")]
+				if !ok {
+					continue
+				}
+				op, ok := ops[method].(map[string]any)
+				if !ok {
+					continue
+				}
+				schema := requestSchema(doc, op)
+				route := strings.ToUpper(method) + " " + path
+				if schema == nil {
+					t.Errorf("%s: the JS SDK sends a %s body, the document none", route, br[1])
+					continue
+				}
+				for _, f := range jsSchemaFields(s, br[1], "", 0) {
+					checked++
+					if !hasField(doc, schema, strings.Split(f, ".")) {
+						t.Errorf("%s: the document does not describe field %s (the JS SDK's %s)", route, f, br[1])
+					}
+				}
+			}
+		}
+	}
+	if checked < 30 {
+		t.Fatalf("only %d fields checked: the extraction is broken", checked)
+	}
+	t.Logf("%d request fields of the JS SDK checked", checked)
+}
+
+// jsSchemaFields are the fields of components.schemas[name] in a d.ts,
+// dotted for those of the schemas they name (one level down).
+func jsSchemaFields(s, name, prefix string, depth int) []string {
+	i := strings.Index(s, "\n    "+name+": {")
+	if i < 0 {
+		return nil
+	}
+	body := braced(s, i+len("\n    "+name+": {"))
+	field := regexp.MustCompile(`\n      (\w+)\??: ([^;\n]*)`)
+	ref := regexp.MustCompile(`^components\["schemas"\]\["(\w+)"\]`)
+	var out []string
+	for _, m := range field.FindAllStringSubmatch(body, -1) {
+		out = append(out, prefix+m[1])
+		if r := ref.FindStringSubmatch(m[2]); r != nil && depth < 1 {
+			out = append(out, jsSchemaFields(s, r[1], prefix+m[1]+".", depth+1)...)
+		}
+	}
+	return out
 }
