@@ -21,7 +21,7 @@ import (
 
 // needTools skips (fails under CI) where the host lacks what volumes run:
 // root, /dev/fuse and the programs.
-func needTools(t *testing.T) {
+func needTools(t testing.TB) {
 	t.Helper()
 	var missing []string
 	if os.Geteuid() != 0 {
@@ -44,7 +44,7 @@ func needTools(t *testing.T) {
 	t.Skipf("volumes need %v", missing)
 }
 
-func openStore(t *testing.T, dir string, mod func(*Config)) *Store {
+func openStore(t testing.TB, dir string, mod func(*Config)) *Store {
 	t.Helper()
 	db, err := statedb.Open(filepath.Join(dir, "state.db"))
 	if err != nil {
