@@ -130,15 +130,21 @@ func entryOf(root *os.Root, rel string, fi fs.FileInfo) Entry {
 	return e
 }
 
+// onPath runs fn on the path p names (relative to the root) in volume
+// id's filesystem, opened for the call.
+func (s *Store) onPath(ctx context.Context, id, p string, fn func(root *os.Root, rel string) error) error {
+	rel, err := clean(p)
+	if err != nil {
+		return err
+	}
+	return s.use(ctx, id, func(root *os.Root) error { return fn(root, rel) })
+}
+
 // Stat describes path p of volume id (a symbolic link itself, not what it
 // points to).
 func (s *Store) Stat(ctx context.Context, id, p string) (*Entry, error) {
-	rel, err := clean(p)
-	if err != nil {
-		return nil, err
-	}
 	var e Entry
-	err = s.use(ctx, id, func(root *os.Root) error {
+	err := s.onPath(ctx, id, p, func(root *os.Root, rel string) error {
 		fi, err := root.Lstat(rel)
 		if err != nil {
 			return pathError(rel, err)
@@ -152,15 +158,11 @@ func (s *Store) Stat(ctx context.Context, id, p string) (*Entry, error) {
 // ListDir lists directory p of volume id to depth levels (1: its
 // entries), by path.
 func (s *Store) ListDir(ctx context.Context, id, p string, depth int) ([]Entry, error) {
-	rel, err := clean(p)
-	if err != nil {
-		return nil, err
-	}
 	if depth < 1 || depth > MaxDepth {
 		return nil, fmt.Errorf("%w: depth %d (want 1-%d)", errkind.ErrInvalid, depth, MaxDepth)
 	}
 	var out []Entry
-	err = s.use(ctx, id, func(root *os.Root) error {
+	err := s.onPath(ctx, id, p, func(root *os.Root, rel string) error {
 		fi, err := root.Lstat(rel)
 		if err != nil {
 			return pathError(rel, err)
@@ -212,15 +214,11 @@ func walk(ctx context.Context, root *os.Root, dir string, depth int, out *[]Entr
 // MakeDir creates directory p of volume id; parents too with parents
 // set (then an existing directory is no error).
 func (s *Store) MakeDir(ctx context.Context, id, p string, o Owner, parents bool) (*Entry, error) {
-	rel, err := clean(p)
-	if err != nil {
-		return nil, err
-	}
 	if err := o.check(); err != nil {
 		return nil, err
 	}
 	var e Entry
-	err = s.use(ctx, id, func(root *os.Root) error {
+	err := s.onPath(ctx, id, p, func(root *os.Root, rel string) error {
 		mode := os.FileMode(0o755)
 		if o.Mode != nil {
 			mode = fs.FileMode(*o.Mode) & fs.ModePerm
@@ -330,11 +328,7 @@ func (o Owner) check() error {
 // ReadFile copies file p of volume id to w (size is called first with the
 // file's size).
 func (s *Store) ReadFile(ctx context.Context, id, p string, size func(int64), w io.Writer) error {
-	rel, err := clean(p)
-	if err != nil {
-		return err
-	}
-	return s.use(ctx, id, func(root *os.Root) error {
+	return s.onPath(ctx, id, p, func(root *os.Root, rel string) error {
 		f, err := root.Open(rel)
 		if err != nil {
 			return pathError(rel, err)
@@ -448,15 +442,11 @@ func randomSuffix() string {
 // SetMetadata changes the owner and mode of path p of volume id (fields
 // o leaves nil keep theirs).
 func (s *Store) SetMetadata(ctx context.Context, id, p string, o Owner) (*Entry, error) {
-	rel, err := clean(p)
-	if err != nil {
-		return nil, err
-	}
 	if err := o.check(); err != nil {
 		return nil, err
 	}
 	var e Entry
-	err = s.use(ctx, id, func(root *os.Root) error {
+	err := s.onPath(ctx, id, p, func(root *os.Root, rel string) error {
 		fi, err := root.Lstat(rel)
 		if err != nil {
 			return pathError(rel, err)

@@ -14,6 +14,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/storage"
 	"golang.org/x/sys/unix"
 )
 
@@ -68,22 +69,13 @@ func makeDisk(ctx context.Context, t Tools, dir string, size int64, uid, gid int
 	if err := run(ctx, t.QEMUImg, "convert", "-O", "qcow2", raw, tmp); err != nil {
 		return err
 	}
-	if err := syncFile(tmp); err != nil {
+	if err := storage.SyncFile(tmp); err != nil {
 		return err
 	}
 	if err := os.Rename(tmp, filepath.Join(dir, diskName)); err != nil {
 		return err
 	}
-	return syncFile(dir)
-}
-
-func syncFile(path string) error {
-	f, err := os.Open(path)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	return f.Sync()
+	return storage.SyncDir(dir)
 }
 
 // run runs a tool; its failure carries the last of its output.

@@ -65,6 +65,19 @@ func openStore(t testing.TB, dir string, mod func(*Config)) *Store {
 
 func ptr[T any](v T) *T { return &v }
 
+// newVolume is a store of its own (Config changed by mod) with one volume
+// in it, named name.
+func newVolume(t *testing.T, name string, mod func(*Config)) (*Store, *Volume) {
+	t.Helper()
+	needTools(t)
+	s := openStore(t, t.TempDir(), mod)
+	v, err := s.Create(context.Background(), name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s, v
+}
+
 func TestVolumesRecords(t *testing.T) {
 	needTools(t)
 	ctx := context.Background()
@@ -128,13 +141,8 @@ func TestCreateFaults(t *testing.T) {
 }
 
 func TestContent(t *testing.T) {
-	needTools(t)
 	ctx := context.Background()
-	s := openStore(t, t.TempDir(), nil)
-	v, err := s.Create(ctx, "data")
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, v := newVolume(t, "data", nil)
 	root, err := s.Stat(ctx, v.ID, "/")
 	if err != nil || root.Type != "directory" || root.UID != 1000 || root.Path != "/" {
 		t.Fatalf("root %+v %v", root, err)
@@ -237,13 +245,8 @@ func paths(l []Entry) string {
 // A symbolic link a guest made cannot lead a content request outside the
 // volume, to the host's files.
 func TestSymlinkEscape(t *testing.T) {
-	needTools(t)
 	ctx := context.Background()
-	s := openStore(t, t.TempDir(), nil)
-	v, err := s.Create(ctx, "data")
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, v := newVolume(t, "data", nil)
 	secret := filepath.Join(t.TempDir(), "secret")
 	if err := os.WriteFile(secret, []byte("host"), 0o600); err != nil {
 		t.Fatal(err)
@@ -367,14 +370,9 @@ func TestPersistence(t *testing.T) {
 // A volume that is full refuses the write (413), keeps what it had, and
 // leaves no partial file.
 func TestFull(t *testing.T) {
-	needTools(t)
 	ctx := context.Background()
-	s := openStore(t, t.TempDir(), func(c *Config) { c.Size = 32 << 20 })
-	v, err := s.Create(ctx, "small")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = s.WriteFile(ctx, v.ID, "/big", Owner{}, false, io.LimitReader(zeros{}, 64<<20))
+	s, v := newVolume(t, "small", func(c *Config) { c.Size = 32 << 20 })
+	_, err := s.WriteFile(ctx, v.ID, "/big", Owner{}, false, io.LimitReader(zeros{}, 64<<20))
 	if !errors.Is(err, errkind.ErrTooLarge) {
 		t.Fatalf("write 64 MiB to 32: %v", err)
 	}
@@ -398,13 +396,8 @@ func (zeros) Read(p []byte) (int, error) {
 
 // Deleting a volume while a content request reads it waits for the read.
 func TestDeleteWaitsForReaders(t *testing.T) {
-	needTools(t)
 	ctx := context.Background()
-	s := openStore(t, t.TempDir(), nil)
-	v, err := s.Create(ctx, "data")
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, v := newVolume(t, "data", nil)
 	if _, err := s.WriteFile(ctx, v.ID, "/f", Owner{}, false, strings.NewReader("content")); err != nil {
 		t.Fatal(err)
 	}
@@ -441,13 +434,8 @@ func TestDeleteWaitsForReaders(t *testing.T) {
 // A write whose body breaks off (a client that goes away at any point)
 // leaves the file as it was and nothing half-written.
 func TestWriteCutShort(t *testing.T) {
-	needTools(t)
 	ctx := context.Background()
-	s := openStore(t, t.TempDir(), nil)
-	v, err := s.Create(ctx, "data")
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, v := newVolume(t, "data", nil)
 	if _, err := s.WriteFile(ctx, v.ID, "/f", Owner{}, false, strings.NewReader("original")); err != nil {
 		t.Fatal(err)
 	}

@@ -90,18 +90,7 @@ func tableRoutes(t *testing.T) map[string]bool {
 // SDK (E2B_PYTHON's e2b package).
 func pythonSDKRoutes(t *testing.T) map[string]bool {
 	t.Helper()
-	python := os.Getenv("E2B_PYTHON")
-	if python == "" {
-		if os.Getenv("CI") == "true" {
-			t.Fatal("E2B_PYTHON is not set: scripts/test installs the pinned Python SDKs and sets it")
-		}
-		t.Skip("E2B_PYTHON is not set")
-	}
-	out, err := exec.Command(python, "-c", "import e2b, os; print(os.path.dirname(e2b.__file__))").Output()
-	if err != nil {
-		t.Fatalf("find the e2b package: %v", err)
-	}
-	pkg := strings.TrimSpace(string(out))
+	pkg := pythonSDKPackage(t)
 	method := regexp.MustCompile(`"method": "([a-z]+)"`)
 	url := regexp.MustCompile(`"url": f?"([^"]+)"`)
 	routes := map[string]bool{}
@@ -180,32 +169,14 @@ func braced(s string, i int) string {
 // server to, says what happens to every field an SDK may send (served,
 // or refused with the reason in its description).
 func TestOpenAPIDocumentsTheSDKFields(t *testing.T) {
-	python := os.Getenv("E2B_PYTHON")
-	if python == "" {
-		if os.Getenv("CI") == "true" {
-			t.Fatal("E2B_PYTHON is not set: scripts/test installs the pinned Python SDKs and sets it")
-		}
-		t.Skip("E2B_PYTHON is not set")
-	}
-	out, err := exec.Command(python, "-c", "import e2b, os; print(os.path.dirname(e2b.__file__))").Output()
-	if err != nil {
-		t.Fatalf("find the e2b package: %v", err)
-	}
-	pkg := strings.TrimSpace(string(out))
+	pkg := pythonSDKPackage(t)
 	models := readPythonModels(t, filepath.Join(pkg, "api", "client", "models"))
-	var doc map[string]any
-	if err := yaml.Unmarshal(api.OpenAPISpec, &doc); err != nil {
-		t.Fatal(err)
-	}
-	docPaths := map[string]map[string]any{} // normalized path → its operations
-	for p, ops := range doc["paths"].(map[string]any) {
-		docPaths[paramRE.ReplaceAllString(p, "{}")] = ops.(map[string]any)
-	}
+	doc, docPaths := openAPIDocument(t)
 	method := regexp.MustCompile(`"method": "([a-z]+)"`)
 	url := regexp.MustCompile(`"url": f?"([^"]+)"`)
 	body := regexp.MustCompile(`\bbody: (\w+)`)
 	checked := 0
-	err = filepath.WalkDir(filepath.Join(pkg, "api", "client", "api"), func(p string, d os.DirEntry, err error) error {
+	err := filepath.WalkDir(filepath.Join(pkg, "api", "client", "api"), func(p string, d os.DirEntry, err error) error {
 		if err != nil || d.IsDir() || !strings.HasSuffix(p, ".py") {
 			return err
 		}
@@ -369,33 +340,15 @@ func hasField(doc map[string]any, schema map[string]any, path []string) bool {
 // `Model.field`); a field listed there that the document now describes
 // fails too, so the list stays true.
 func TestSDKResponseFieldsAreDocumented(t *testing.T) {
-	python := os.Getenv("E2B_PYTHON")
-	if python == "" {
-		if os.Getenv("CI") == "true" {
-			t.Fatal("E2B_PYTHON is not set: scripts/test installs the pinned Python SDKs and sets it")
-		}
-		t.Skip("E2B_PYTHON is not set")
-	}
-	out, err := exec.Command(python, "-c", "import e2b, os; print(os.path.dirname(e2b.__file__))").Output()
-	if err != nil {
-		t.Fatalf("find the e2b package: %v", err)
-	}
-	pkg := strings.TrimSpace(string(out))
+	pkg := pythonSDKPackage(t)
 	models := readPythonModels(t, filepath.Join(pkg, "api", "client", "models"))
-	var doc map[string]any
-	if err := yaml.Unmarshal(api.OpenAPISpec, &doc); err != nil {
-		t.Fatal(err)
-	}
-	docPaths := map[string]map[string]any{}
-	for p, ops := range doc["paths"].(map[string]any) {
-		docPaths[paramRE.ReplaceAllString(p, "{}")] = ops.(map[string]any)
-	}
+	doc, docPaths := openAPIDocument(t)
 	notSent := notSentFields(t)
 	method := regexp.MustCompile(`"method": "([a-z]+)"`)
 	url := regexp.MustCompile(`"url": f?"([^"]+)"`)
 	parsed := regexp.MustCompile(`response_(20[01])(?:_item)? = (\w+)\.from_dict\(`)
 	checked, used := 0, map[string]bool{}
-	err = filepath.WalkDir(filepath.Join(pkg, "api", "client", "api"), func(p string, d os.DirEntry, err error) error {
+	err := filepath.WalkDir(filepath.Join(pkg, "api", "client", "api"), func(p string, d os.DirEntry, err error) error {
 		if err != nil || d.IsDir() || !strings.HasSuffix(p, ".py") {
 			return err
 		}
@@ -499,14 +452,7 @@ func TestOpenAPIDocumentsTheJSSDKFields(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := string(b)
-	var doc map[string]any
-	if err := yaml.Unmarshal(api.OpenAPISpec, &doc); err != nil {
-		t.Fatal(err)
-	}
-	docPaths := map[string]map[string]any{}
-	for p, ops := range doc["paths"].(map[string]any) {
-		docPaths[paramRE.ReplaceAllString(p, "{}")] = ops.(map[string]any)
-	}
+	doc, docPaths := openAPIDocument(t)
 	pathKey := regexp.MustCompile(`\n  "(/[^"]*)": \{`)
 	methodKey := regexp.MustCompile(`\n    (get|put|post|delete|patch)\??: \{`)
 	bodyRef := regexp.MustCompile(`requestBody\??: \{\s*content: \{\s*"application/json": components\["schemas"\]\["(\w+)"\]`)
@@ -569,4 +515,37 @@ func jsSchemaFields(s, name, prefix string, depth int) []string {
 		}
 	}
 	return out
+}
+
+// pythonSDKPackage is the directory of the pinned Python SDK's e2b
+// package (E2B_PYTHON's).
+func pythonSDKPackage(t *testing.T) string {
+	t.Helper()
+	python := os.Getenv("E2B_PYTHON")
+	if python == "" {
+		if os.Getenv("CI") == "true" {
+			t.Fatal("E2B_PYTHON is not set: scripts/test installs the pinned Python SDKs and sets it")
+		}
+		t.Skip("E2B_PYTHON is not set")
+	}
+	out, err := exec.Command(python, "-c", "import e2b, os; print(os.path.dirname(e2b.__file__))").Output()
+	if err != nil {
+		t.Fatalf("find the e2b package: %v", err)
+	}
+	return strings.TrimSpace(string(out))
+}
+
+// openAPIDocument is the node's OpenAPI document, and its paths'
+// operations by path with the parameters unnamed.
+func openAPIDocument(t *testing.T) (map[string]any, map[string]map[string]any) {
+	t.Helper()
+	var doc map[string]any
+	if err := yaml.Unmarshal(api.OpenAPISpec, &doc); err != nil {
+		t.Fatal(err)
+	}
+	paths := map[string]map[string]any{}
+	for p, ops := range doc["paths"].(map[string]any) {
+		paths[paramRE.ReplaceAllString(p, "{}")] = ops.(map[string]any)
+	}
+	return doc, paths
 }
