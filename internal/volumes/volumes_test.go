@@ -414,10 +414,22 @@ func TestDeleteWaitsForReaders(t *testing.T) {
 	}
 	deleted := make(chan error, 1)
 	go func() { deleted <- s.Delete(ctx, v.ID) }()
+	// The deletion holds the volume (however long it takes to get there)
+	// and then waits for the reader.
+	for held := ""; held == ""; {
+		select {
+		case err := <-deleted:
+			t.Fatalf("delete did not wait for the reader: %v", err)
+		case <-time.After(10 * time.Millisecond):
+		}
+		s.mu.Lock()
+		held = s.usage[v.ID].held
+		s.mu.Unlock()
+	}
 	select {
 	case err := <-deleted:
 		t.Fatalf("delete did not wait for the reader: %v", err)
-	case <-time.After(200 * time.Millisecond):
+	case <-time.After(100 * time.Millisecond):
 	}
 	if _, err := s.Stat(ctx, v.ID, "/f"); !errors.Is(err, errkind.ErrConflict) {
 		t.Fatalf("a request while deleting: %v", err)
