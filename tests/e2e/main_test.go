@@ -58,7 +58,20 @@ var (
 	tmpRoot string
 )
 
+// runLock is the machine-wide lock of this package's run (see TestMain).
+var runLock *os.File
+
 func TestMain(m *testing.M) {
+	// The package's servers use fixed instance names and network ranges
+	// (they clean up after a run that crashed): two runs on one machine
+	// would tear down each other's sandbox networks. The second waits.
+	if lock, err := os.OpenFile(filepath.Join(os.TempDir(), "aenv-e2e.lock"), os.O_CREATE|os.O_RDWR, 0o600); err == nil {
+		if syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) != nil {
+			fmt.Fprintln(os.Stderr, "another tests/e2e run is going on this machine (it holds", lock.Name()+"); waiting for it to end")
+			_ = syscall.Flock(int(lock.Fd()), syscall.LOCK_EX)
+		}
+		runLock = lock // held (kept from the collector) until the process exits
+	}
 	code := m.Run()
 	if srv != nil {
 		srv.stop()
