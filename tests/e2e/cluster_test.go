@@ -145,7 +145,7 @@ func startCluster(t *testing.T, bin string) *cluster {
 	c.sched.start(t, bin)
 	for i := 1; i <= 3; i++ {
 		dataDir := filepath.Join(root, fmt.Sprintf("node%d", i))
-		if err := prepareDataDir(testData, dataDir); err != nil {
+		if err := prepareDataDir(testData, dataDir, false); err != nil {
 			t.Fatal(err)
 		}
 		addr := freeAddr(t)

@@ -26,7 +26,7 @@ func TestCrashRecovery(t *testing.T) {
 	testData := os.Getenv("AENV_TEST_DATA_DIR")
 	root := t.TempDir()
 	dataDir := filepath.Join(root, "data")
-	if err := prepareDataDir(testData, dataDir); err != nil {
+	if err := prepareDataDir(testData, dataDir, false); err != nil {
 		t.Fatal(err)
 	}
 	addr := freeAddr(t)

@@ -126,7 +126,7 @@ func startServer() (*server, string, error) {
 	if err := os.MkdirAll(dataDir, 0o700); err != nil {
 		return nil, "", err
 	}
-	if err := prepareDataDir(testData, dataDir); err != nil {
+	if err := prepareDataDir(testData, dataDir, true); err != nil {
 		return nil, "", err
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -168,9 +168,11 @@ func startServer() (*server, string, error) {
 // prepareDataDir gives a node's data dir the kernel and initramfs of the
 // prepared test data dir (linked) and its templates base and minimal
 // (exported as template directories, their layers hard-linked, which the
-// node adopts when it starts): templates the tests build stay in this
-// data dir.
-func prepareDataDir(testData, dataDir string) error {
+// node adopts when it starts), and with codeInterpreter the
+// code-interpreter template: templates the tests build stay in this data
+// dir. (A node snapshots each template at start: the code-interpreter's
+// takes minutes under TCG, so only the package's server gets it.)
+func prepareDataDir(testData, dataDir string, codeInterpreter bool) error {
 	if err := os.MkdirAll(dataDir, 0o700); err != nil {
 		return err
 	}
@@ -190,7 +192,7 @@ func prepareDataDir(testData, dataDir string) error {
 	// The code-interpreter template, when the test data dir has it
 	// (scripts/test builds it; the tests that need it fail under CI
 	// without it).
-	if _, err := cat.Get(context.Background(), codeinterpreter.TemplateName); err == nil {
+	if _, err := cat.Get(context.Background(), codeinterpreter.TemplateName); err == nil && codeInterpreter {
 		if err := cat.Export(context.Background(), codeinterpreter.TemplateName, filepath.Join(dataDir, templates.LegacyDir, codeinterpreter.TemplateName)); err != nil {
 			return err
 		}
