@@ -57,19 +57,7 @@ func normRoute(method, path string) string {
 // `METHOD[/METHOD…] /path` in a row's first cell.
 func tableRoutes(t *testing.T) map[string]bool {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join("..", "..", "docs", "COMPATIBILITY.md"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	doc := string(b)
-	i := strings.Index(doc, "\n## Routes")
-	if i < 0 {
-		t.Fatal("docs/COMPATIBILITY.md has no ## Routes section")
-	}
-	doc = doc[i+1:]
-	if j := strings.Index(doc[3:], "\n## "); j >= 0 {
-		doc = doc[:j+3]
-	}
+	doc := compatSection(t, "Routes")
 	span := regexp.MustCompile("`((?:GET|POST|PUT|PATCH|DELETE)(?:/(?:GET|POST|PUT|PATCH|DELETE))*) (/[^` ]*)`")
 	out := map[string]bool{}
 	for _, line := range strings.Split(doc, "\n") {
@@ -411,19 +399,7 @@ func TestSDKResponseFieldsAreDocumented(t *testing.T) {
 // "Answer fields not sent" section.
 func notSentFields(t *testing.T) map[string]bool {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join("..", "..", "docs", "COMPATIBILITY.md"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	doc := string(b)
-	i := strings.Index(doc, "\n## Answer fields not sent")
-	if i < 0 {
-		t.Fatal(`docs/COMPATIBILITY.md has no "## Answer fields not sent" section`)
-	}
-	doc = doc[i+1:]
-	if j := strings.Index(doc[3:], "\n## "); j >= 0 {
-		doc = doc[:j+3]
-	}
+	doc := compatSection(t, "Answer fields not sent")
 	out := map[string]bool{}
 	for _, m := range regexp.MustCompile("`([A-Z]\\w*\\.[\\w.]+)`").FindAllStringSubmatch(doc, -1) {
 		out[m[1]] = true
@@ -548,4 +524,24 @@ func openAPIDocument(t *testing.T) (map[string]any, map[string]map[string]any) {
 		paths[paramRE.ReplaceAllString(p, "{}")] = ops.(map[string]any)
 	}
 	return doc, paths
+}
+
+// compatSection is the text of docs/COMPATIBILITY.md's "## heading"
+// section.
+func compatSection(t *testing.T, heading string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("..", "..", "docs", "COMPATIBILITY.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := string(b)
+	i := strings.Index(doc, "\n## "+heading+"\n")
+	if i < 0 {
+		t.Fatalf("docs/COMPATIBILITY.md has no ## %s section", heading)
+	}
+	doc = doc[i+1:]
+	if j := strings.Index(doc[3:], "\n## "); j >= 0 {
+		doc = doc[:j+3]
+	}
+	return doc
 }
