@@ -130,6 +130,15 @@ func entryOf(root *os.Root, rel string, fi fs.FileInfo) Entry {
 	return e
 }
 
+// describe is the entry at rel (a symbolic link itself).
+func describe(root *os.Root, rel string) (Entry, error) {
+	fi, err := root.Lstat(rel)
+	if err != nil {
+		return Entry{}, pathError(rel, err)
+	}
+	return entryOf(root, rel, fi), nil
+}
+
 // onPath runs fn on the path p names (relative to the root) in volume
 // id's filesystem, opened for the call.
 func (s *Store) onPath(ctx context.Context, id, p string, fn func(root *os.Root, rel string) error) error {
@@ -144,13 +153,9 @@ func (s *Store) onPath(ctx context.Context, id, p string, fn func(root *os.Root,
 // points to).
 func (s *Store) Stat(ctx context.Context, id, p string) (*Entry, error) {
 	var e Entry
-	err := s.onPath(ctx, id, p, func(root *os.Root, rel string) error {
-		fi, err := root.Lstat(rel)
-		if err != nil {
-			return pathError(rel, err)
-		}
-		e = entryOf(root, rel, fi)
-		return nil
+	err := s.onPath(ctx, id, p, func(root *os.Root, rel string) (err error) {
+		e, err = describe(root, rel)
+		return err
 	})
 	return &e, err
 }
@@ -240,12 +245,8 @@ func (s *Store) MakeDir(ctx context.Context, id, p string, o Owner, parents bool
 				return err
 			}
 		}
-		fi, err := root.Lstat(rel)
-		if err != nil {
-			return pathError(rel, err)
-		}
-		e = entryOf(root, rel, fi)
-		return nil
+		e, err = describe(root, rel)
+		return err
 	})
 	return &e, err
 }
@@ -421,12 +422,8 @@ func (s *Store) WriteFile(ctx context.Context, id, p string, o Owner, replace bo
 			return pathError(rel, err)
 		}
 		done = true
-		fi, err := root.Lstat(rel)
-		if err != nil {
-			return pathError(rel, err)
-		}
-		e = entryOf(root, rel, fi)
-		return nil
+		e, err = describe(root, rel)
+		return err
 	})
 	return &e, err
 }
@@ -474,11 +471,8 @@ func (s *Store) SetMetadata(ctx context.Context, id, p string, o Owner) (*Entry,
 				return pathError(rel, err)
 			}
 		}
-		if fi, err = root.Lstat(rel); err != nil {
-			return pathError(rel, err)
-		}
-		e = entryOf(root, rel, fi)
-		return nil
+		e, err = describe(root, rel)
+		return err
 	})
 	return &e, err
 }
