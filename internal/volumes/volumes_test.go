@@ -478,3 +478,50 @@ func TestWriteCutShort(t *testing.T) {
 type failingReader struct{}
 
 func (failingReader) Read([]byte) (int, error) { return 0, errors.New("client went away") }
+
+// A deletion that fails before its record goes leaves the volume as it
+// was, usable; one that fails removing the disk has deleted the volume
+// (the record is gone) and the next start removes the disk.
+func TestDeleteFaults(t *testing.T) {
+	needTools(t)
+	ctx := context.Background()
+	dir := t.TempDir()
+	s := openStore(t, dir, nil)
+	for _, step := range []string{"close", "record"} {
+		v, err := s.Create(ctx, "d-"+step)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.WriteFile(ctx, v.ID, "/kept", Owner{}, false, strings.NewReader(step)); err != nil {
+			t.Fatal(err)
+		}
+		inj := faults.NewInjector("volume-delete/" + step)
+		if err := s.Delete(faults.With(ctx, inj), v.ID); !errors.Is(err, faults.ErrInjected) {
+			t.Fatalf("%s: %v", step, err)
+		}
+		var buf bytes.Buffer
+		if err := s.ReadFile(ctx, v.ID, "/kept", func(int64) {}, &buf); err != nil || buf.String() != step {
+			t.Fatalf("%s: after the failed delete the volume reads %q (%v)", step, buf.String(), err)
+		}
+	}
+	v, err := s.Create(ctx, "d-disk")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Delete(faults.With(ctx, faults.NewInjector("volume-delete/disk")), v.ID); err != nil {
+		t.Fatalf("a delete whose disk removal failed: %v", err)
+	}
+	if _, err := s.Get(ctx, v.ID); !errors.Is(err, errkind.ErrNotFound) {
+		t.Fatalf("deleted volume: %v", err)
+	}
+	if _, err := os.Stat(s.dir(v.ID)); err != nil {
+		t.Fatalf("the disk the failed step left: %v", err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	openStore(t, dir, nil) // the next start
+	if _, err := os.Stat(s.dir(v.ID)); !os.IsNotExist(err) {
+		t.Fatalf("the next start left the deleted volume's disk: %v", err)
+	}
+}
