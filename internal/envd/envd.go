@@ -94,6 +94,7 @@ func NewServer(cfg Config) (*Server, error) {
 	mux.HandleFunc("/envs", s.handleEnvs)
 	mux.HandleFunc("/files", s.handleFiles)
 	mux.HandleFunc("/files/compose", s.handleCompose)
+	mux.HandleFunc("/aenv/mounts", s.handleMounts)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeJSONError(w, http.StatusNotFound, "not found: "+r.URL.Path)
 	})

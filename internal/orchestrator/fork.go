@@ -212,6 +212,9 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 	if s.State != sandboxes.Running {
 		return nil, fmt.Errorf("%w: sandbox %s is %s; only running sandboxes can be forked or snapshotted (resume it first)", ErrConflict, id, s.State)
 	}
+	if err := refuseWithVolumes(s, opName); err != nil {
+		return nil, err
+	}
 	unlock := n.lockOp(id)
 	defer unlock()
 	o := operation.Start(ctx, opName, n.cfg.OperationTimeout, n.log)

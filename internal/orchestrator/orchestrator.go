@@ -129,7 +129,10 @@ type Config struct {
 	// NoFreePageReporting turns off the balloon's free page reporting (for
 	// measuring what it saves; see vmm.Config).
 	NoFreePageReporting bool
-	Logger              *slog.Logger
+	// Volumes lends the node's volumes to the sandboxes that mount them
+	// (nil: creates with volume mounts are refused).
+	Volumes VolumeLender
+	Logger  *slog.Logger
 }
 
 func (c *Config) setDefaults() {

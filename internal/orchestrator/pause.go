@@ -600,7 +600,10 @@ func (n *Node) rebootPaused(o *operation.Op, s *sandboxes.Sandbox) error {
 		if err := waitEnvd(bctx, m, ep.GuestAddr(EnvdPort)); err != nil {
 			return fmt.Errorf("%w%s", err, consoleTail(dir))
 		}
-		return initEnvd(bctx, ep.GuestAddr(EnvdPort), s)
+		if err := initEnvd(bctx, ep.GuestAddr(EnvdPort), s); err != nil {
+			return err
+		}
+		return n.mountVolumes(bctx, s) // a booted guest mounts them afresh
 	}); err != nil {
 		return err
 	}
@@ -688,6 +691,8 @@ func (n *Node) vmConfig(s *sandboxes.Sandbox, tap *os.File, incoming bool) vmm.C
 		Cgroup:              n.qemuCgroup(s.ID),
 		Limits:              n.limits(s),
 		Jail:                n.jail(dir),
+		VolumeSlots:         s.VolumeSlots,
+		Volumes:             n.volumeDisks(s),
 	}
 	return cfg
 }

@@ -89,7 +89,8 @@ func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) 
 	s := &sandboxes.Sandbox{
 		ID: NewSandboxID(), TemplateID: t.Name, State: sandboxes.Pooled, VCPUs: ts.VCPUs, MemoryMiB: ts.MemoryMiB,
 		DiskMiB: t.DiskMiB, AllowInternet: true, PublicTraffic: true, DefaultUser: t.DefaultUser, DefaultWorkdir: t.DefaultWorkdir, SnapshotID: ts.SnapshotID,
-		CreatedAt: now, StartedAt: now, EndAt: now,
+		VolumeSlots: ts.VolumeSlots,
+		CreatedAt:   now, StartedAt: now, EndAt: now,
 	}
 	if err := n.records.InsertNew(ctx, s); err != nil {
 		return nil, err

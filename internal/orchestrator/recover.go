@@ -30,6 +30,9 @@ func (n *Node) recover(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// The volumes the sandboxes hold stay theirs (those of sandboxes
+	// removed below are given back with them).
+	n.holdRecordedVolumes(ctx, all)
 	known := map[string]bool{}
 	slots := map[string]bool{}
 	for _, s := range all {

@@ -46,6 +46,8 @@ type CreateRequest struct {
 	Egress   *network.Egress
 	Metadata map[string]string
 	EnvVars  map[string]string
+	// Volumes are mounted in the sandbox, each in a slot of its machine.
+	Volumes []VolumeMount
 	// noSnapshot forces a cold boot even when a template snapshot exists.
 	noSnapshot bool
 	// template, when set, is booted instead of the template TemplateID
@@ -137,9 +139,12 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 	}
 	now := time.Now().UTC().Truncate(time.Millisecond) // the precision stored
 	s := &sandboxes.Sandbox{
-		ID:                  NewSandboxID(),
-		TemplateID:          t.Name,
-		State:               sandboxes.Creating,
+		ID:         NewSandboxID(),
+		TemplateID: t.Name,
+		State:      sandboxes.Creating,
+		// None until the record takes one: a create refused before that
+		// must not tear down the network of the sandbox in slot 0.
+		Slot:                -1,
 		VCPUs:               req.VCPUs,
 		MemoryMiB:           req.MemoryMiB,
 		DiskMiB:             max(req.DiskMiB, t.DiskMiB),
@@ -171,18 +176,21 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 		ts.VCPUs == s.VCPUs && ts.MemoryMiB == s.MemoryMiB && s.DiskMiB == t.DiskMiB
 	switch {
 	case named != nil:
-		s.SnapshotID = named.SnapshotID
+		s.SnapshotID, s.VolumeSlots = named.SnapshotID, named.VolumeSlots
 	case fromTemplateSnapshot:
-		s.SnapshotID = ts.SnapshotID
+		s.SnapshotID, s.VolumeSlots = ts.SnapshotID, ts.VolumeSlots
 	default:
-		s.BaseLayer = t.Layer
+		s.BaseLayer, s.VolumeSlots = t.Layer, VolumeSlots
+	}
+	if err := n.validateMounts(req.Volumes, s.VolumeSlots); err != nil {
+		return nil, err
 	}
 
 	o := operation.Start(ctx, "create", n.cfg.BootTimeout+n.cfg.OperationTimeout, n.log)
 	// A pre-started sandbox of the template snapshot, if one waits, becomes
 	// this sandbox: it keeps its id and network slot, takes everything else.
 	var pooled *pooledSandbox
-	if fromTemplateSnapshot {
+	if fromTemplateSnapshot && len(req.Volumes) == 0 { // a pooled machine's slots are empty
 		if p, ok := n.pool.Take(poolKey(t, ts), s.VCPUs, s.MemoryMiB); ok {
 			pooled = p
 			s.ID, s.Slot, s.PID = pooled.s.ID, pooled.s.Slot, pooled.s.PID
@@ -201,6 +209,11 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 		n.destroy(ctx, s)
 		return nil
 	})
+	// Borrowed before the record holds them; the removal on failure gives
+	// back what was borrowed.
+	if err := o.Do("lend volumes", func(ctx context.Context) error { return n.lendVolumes(ctx, s, req.Volumes) }); err != nil {
+		return nil, o.Finish(err)
+	}
 	if err := o.Do("record", func(ctx context.Context) error {
 		if pooled != nil {
 			if err := n.records.Move(ctx, s.ID, sandboxes.Pooled, sandboxes.Creating, ""); err != nil {
@@ -245,6 +258,9 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 	}
 	if err != nil {
 		n.log.Warn("create failed, cleaning up", "sandbox", s.ID, "err", err)
+		return nil, o.Finish(err)
+	}
+	if err := o.Do("mount volumes", func(ctx context.Context) error { return n.mountVolumes(ctx, s) }); err != nil {
 		return nil, o.Finish(err)
 	}
 	faults.Point(faults.CreateStarted)
@@ -490,6 +506,7 @@ func (n *Node) Kill(ctx context.Context, id string) error {
 	}
 	// QEMU stops: from here the kill only goes forward (every step below
 	// tolerates what is gone already, and a kill retried finishes it).
+	n.flushVolumes(octx, s)
 	if err := o.Do("stop-qemu", func(context.Context) error { return n.stopMachine(id) }); err != nil {
 		return o.Finish(err)
 	}
@@ -532,8 +549,11 @@ func (n *Node) destroy(ctx context.Context, s *sandboxes.Sandbox) {
 		n.log.Error("remove sandbox files", "sandbox", s.ID, "err", err)
 	}
 	if err := n.records.Delete(ctx, s.ID); err != nil {
+		// Its volumes stay held with the record; the next start finishes.
 		n.log.Error("forget sandbox", "sandbox", s.ID, "err", err)
+		return
 	}
+	n.returnVolumes(s)
 }
 
 // ConsoleLog returns up to the last maxBytes of a sandbox's guest console

@@ -89,6 +89,9 @@ func (n *Node) ramID(s *sandboxes.Sandbox) (string, error) {
 
 // sharePaused uploads a paused sandbox (its op lock held).
 func (n *Node) sharePaused(ctx context.Context, s *sandboxes.Sandbox) error {
+	if len(s.Volumes) > 0 {
+		return fmt.Errorf("it has volumes mounted (%s), whose disks are this node's", s.Volumes[0].Name)
+	}
 	dir := n.sandboxDir(s.ID)
 	rec, err := readPauseRecord(dir)
 	if err != nil {

@@ -52,6 +52,8 @@ type NamedSnapshot struct {
 	// gives rules of its own.
 	NoInternet bool           `json:"noInternet,omitempty"`
 	Egress     network.Egress `json:"egress,omitzero"`
+	// VolumeSlots is the snapshotted machine's number of volume slots.
+	VolumeSlots int `json:"volumeSlots,omitempty"`
 }
 
 // setNamedSnapshot points label ns.Name at snapshot ns.SnapshotID, in tx;
@@ -123,7 +125,7 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 	defer c.lease.Drop(context.WithoutCancel(ctx)) // once the label below holds it
 	ns := &NamedSnapshot{
 		Name: name, SnapshotID: c.snapID, SandboxID: id, TemplateID: templateID, VCPUs: s.VCPUs,
-		MemoryMiB: s.MemoryMiB, DiskMiB: s.DiskMiB, DefaultUser: defaultUser, DefaultWorkdir: s.DefaultWorkdir,
+		MemoryMiB: s.MemoryMiB, DiskMiB: s.DiskMiB, DefaultUser: defaultUser, DefaultWorkdir: s.DefaultWorkdir, VolumeSlots: s.VolumeSlots,
 		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), AccessToken: s.AccessToken,
 		NoInternet: !s.AllowInternet, Egress: s.Egress,
 	}

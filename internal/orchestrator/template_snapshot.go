@@ -39,6 +39,9 @@ type templateSnapshot struct {
 	// rebuilt template (its label moved to another layer) makes the
 	// snapshot stale.
 	Layer string `json:"layer"`
+	// VolumeSlots is the frozen machine's number of volume slots; one
+	// with another number than new machines have is stale.
+	VolumeSlots int `json:"volumeSlots,omitempty"`
 }
 
 func (n *Node) currentTemplateSnapshot(t *Template) (*templateSnapshot, error) {
@@ -51,7 +54,7 @@ func (n *Node) currentTemplateSnapshot(t *Template) (*templateSnapshot, error) {
 		return nil, fmt.Errorf("%w: template %s snapshot record: %v", ErrCorrupt, t.Name, err)
 	}
 	ts.SnapshotID = l.Object
-	if ts.Initrd != n.initrdSum || ts.Kernel != n.cfg.Kernel || ts.Layer != t.Layer {
+	if ts.Initrd != n.initrdSum || ts.Kernel != n.cfg.Kernel || ts.Layer != t.Layer || ts.VolumeSlots != VolumeSlots {
 		return nil, fmt.Errorf("template %s snapshot is stale (built with other boot files or another build)", t.Name)
 	}
 	sdir := n.snapshotDir(ts.SnapshotID)
@@ -99,7 +102,8 @@ func (n *Node) PrepareTemplateSnapshot(ctx context.Context, name string) error {
 		return o.Finish(fmt.Errorf("freeze template %s: %w", name, err))
 	}
 	defer lease.Drop(context.WithoutCancel(ctx))
-	ref := templateSnapshot{VCPUs: s.VCPUs, MemoryMiB: s.MemoryMiB, Initrd: n.initrdSum, Kernel: n.cfg.Kernel, Layer: t.Layer}
+	ref := templateSnapshot{VCPUs: s.VCPUs, MemoryMiB: s.MemoryMiB, Initrd: n.initrdSum, Kernel: n.cfg.Kernel, Layer: t.Layer,
+		VolumeSlots: s.VolumeSlots}
 	b, _ := json.Marshal(ref)
 	if err := n.store.Tx(o.Context(), func(tx *sql.Tx) error {
 		return store.SetLabel(tx, templateSnapshotLabel, name, snapID, string(b))

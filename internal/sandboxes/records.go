@@ -45,9 +45,17 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 	base_layer     TEXT NOT NULL DEFAULT '',
 	egress         TEXT NOT NULL DEFAULT '',
 	default_workdir TEXT NOT NULL DEFAULT '',
-	auto_pause_fs  INTEGER NOT NULL DEFAULT 0
+	auto_pause_fs  INTEGER NOT NULL DEFAULT 0,
+	volume_slots   INTEGER NOT NULL DEFAULT 0,
+	volumes        TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+-- A volume is mounted in one sandbox at most (its filesystem has one
+-- writer): the sandbox's record holds it, written in the same transaction.
+CREATE TABLE IF NOT EXISTS sandbox_volumes (
+	volume_id  TEXT PRIMARY KEY,
+	sandbox_id TEXT NOT NULL
+);
 `
 
 // Records is the sandboxes table of a node's database.
@@ -96,6 +104,8 @@ var laterColumns = []struct{ name, decl string }{
 	{"egress", "TEXT NOT NULL DEFAULT ''"},
 	{"default_workdir", "TEXT NOT NULL DEFAULT ''"},
 	{"auto_pause_fs", "INTEGER NOT NULL DEFAULT 0"},
+	{"volume_slots", "INTEGER NOT NULL DEFAULT 0"},
+	{"volumes", "TEXT NOT NULL DEFAULT ''"},
 }
 
 func addMissingColumns(db *sql.DB) error {
@@ -115,17 +125,24 @@ func addMissingColumns(db *sql.DB) error {
 
 const sandboxColumns = `id, template_id, state, vcpus, memory_mib, disk_mib, slot, pid, allow_internet, secure,
 	auto_pause, access_token, traffic_token, default_user, metadata, env_vars, created_at, started_at, end_at,
-	mem_file, mem_private, snapshot_id, auto_resume, public_traffic, base_layer, egress, default_workdir, auto_pause_fs`
+	mem_file, mem_private, snapshot_id, auto_resume, public_traffic, base_layer, egress, default_workdir, auto_pause_fs,
+	volume_slots, volumes`
 
 func scanSandbox(row interface{ Scan(...any) error }) (*Sandbox, error) {
 	var s Sandbox
-	var meta, env, egress string
+	var meta, env, egress, volumes string
 	var created, started, end int64
 	if err := row.Scan(&s.ID, &s.TemplateID, &s.State, &s.VCPUs, &s.MemoryMiB, &s.DiskMiB, &s.Slot, &s.PID,
 		&s.AllowInternet, &s.Secure, &s.AutoPause, &s.AccessToken, &s.TrafficToken, &s.DefaultUser,
 		&meta, &env, &created, &started, &end, &s.MemFile, &s.MemPrivate, &s.SnapshotID,
-		&s.AutoResume, &s.PublicTraffic, &s.BaseLayer, &egress, &s.DefaultWorkdir, &s.AutoPauseFilesystem); err != nil {
+		&s.AutoResume, &s.PublicTraffic, &s.BaseLayer, &egress, &s.DefaultWorkdir, &s.AutoPauseFilesystem,
+		&s.VolumeSlots, &volumes); err != nil {
 		return nil, err
+	}
+	if volumes != "" {
+		if err := json.Unmarshal([]byte(volumes), &s.Volumes); err != nil {
+			return nil, fmt.Errorf("sandbox %s volumes: %w", s.ID, err)
+		}
 	}
 	if egress != "" {
 		if err := json.Unmarshal([]byte(egress), &s.Egress); err != nil {
@@ -153,11 +170,15 @@ func (r *Records) Insert(ctx context.Context, s *Sandbox) error {
 	env, _ := json.Marshal(nonNil(s.EnvVars))
 	err := r.st.Tx(ctx, func(tx *sql.Tx) error {
 		if _, err := tx.ExecContext(ctx, `INSERT INTO sandboxes (`+sandboxColumns+`, updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
 			s.ID, s.TemplateID, s.State, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure,
 			s.AutoPause, s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env),
 			s.CreatedAt.UnixMilli(), s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID,
-			s.AutoResume, s.PublicTraffic, s.BaseLayer, egressJSON(s.Egress), s.DefaultWorkdir, s.AutoPauseFilesystem, time.Now().UnixMilli()); err != nil {
+			s.AutoResume, s.PublicTraffic, s.BaseLayer, egressJSON(s.Egress), s.DefaultWorkdir, s.AutoPauseFilesystem,
+			s.VolumeSlots, volumesJSON(s.Volumes), time.Now().UnixMilli()); err != nil {
+			return err
+		}
+		if err := holdVolumes(ctx, tx, s); err != nil {
 			return err
 		}
 		return store.SetRefs(tx, Holder(s.ID), r.refs(s)...)
@@ -182,18 +203,72 @@ func (r *Records) SaveTx(ctx context.Context, tx *sql.Tx, s *Sandbox) error {
 		disk_mib = ?, slot = ?, pid = ?, allow_internet = ?, secure = ?, auto_pause = ?, access_token = ?,
 		traffic_token = ?, default_user = ?, metadata = ?, env_vars = ?, created_at = ?, started_at = ?, end_at = ?,
 		mem_file = ?, mem_private = ?, snapshot_id = ?, auto_resume = ?, public_traffic = ?, base_layer = ?, egress = ?,
-		default_workdir = ?, auto_pause_fs = ?, updated_at = ? WHERE id = ?`,
+		default_workdir = ?, auto_pause_fs = ?, volume_slots = ?, volumes = ?, updated_at = ? WHERE id = ?`,
 		s.TemplateID, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure, s.AutoPause,
 		s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env), s.CreatedAt.UnixMilli(),
 		s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID, s.AutoResume, s.PublicTraffic,
-		s.BaseLayer, egressJSON(s.Egress), s.DefaultWorkdir, s.AutoPauseFilesystem, time.Now().UnixMilli(), s.ID)
+		s.BaseLayer, egressJSON(s.Egress), s.DefaultWorkdir, s.AutoPauseFilesystem, s.VolumeSlots, volumesJSON(s.Volumes),
+		time.Now().UnixMilli(), s.ID)
 	if err != nil {
+		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
+	}
+	if err := holdVolumes(ctx, tx, s); err != nil {
 		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
 	}
 	if err := store.SetRefs(tx, Holder(s.ID), r.refs(s)...); err != nil {
 		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
 	}
 	return nil
+}
+
+// volumesJSON is the recorded form of a sandbox's volume mounts ("" for
+// none).
+func volumesJSON(v []VolumeMount) string {
+	if len(v) == 0 {
+		return ""
+	}
+	b, _ := json.Marshal(v)
+	return string(b)
+}
+
+// holdVolumes records, within tx, that s holds the volumes it mounts (and
+// no others): a volume another sandbox holds is errkind.ErrConflict.
+func holdVolumes(ctx context.Context, tx *sql.Tx, s *Sandbox) error {
+	if _, err := tx.ExecContext(ctx, `DELETE FROM sandbox_volumes WHERE sandbox_id = ?`, s.ID); err != nil {
+		return err
+	}
+	for _, v := range s.Volumes {
+		var other string
+		err := tx.QueryRowContext(ctx, `SELECT sandbox_id FROM sandbox_volumes WHERE volume_id = ?`, v.VolumeID).Scan(&other)
+		if err == nil {
+			return fmt.Errorf("%w: volume %s is mounted in sandbox %s", errkind.ErrConflict, v.Name, other)
+		}
+		if !errors.Is(err, sql.ErrNoRows) {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, `INSERT INTO sandbox_volumes (volume_id, sandbox_id) VALUES (?, ?)`, v.VolumeID, s.ID); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// VolumeHolders maps each volume a sandbox mounts to that sandbox.
+func (r *Records) VolumeHolders(ctx context.Context) (map[string]string, error) {
+	rows, err := r.db.QueryContext(ctx, `SELECT volume_id, sandbox_id FROM sandbox_volumes`)
+	if err != nil {
+		return nil, fmt.Errorf("list mounted volumes: %w", err)
+	}
+	defer rows.Close()
+	out := map[string]string{}
+	for rows.Next() {
+		var v, s string
+		if err := rows.Scan(&v, &s); err != nil {
+			return nil, err
+		}
+		out[v] = s
+	}
+	return out, rows.Err()
 }
 
 // egressJSON is the recorded form of a sandbox's egress rules ("" for
@@ -278,6 +353,9 @@ func (r *Records) Set(ctx context.Context, id string, set string, args ...any) e
 func (r *Records) Delete(ctx context.Context, id string) error {
 	err := r.st.Tx(ctx, func(tx *sql.Tx) error {
 		if _, err := tx.ExecContext(ctx, `DELETE FROM sandboxes WHERE id = ?`, id); err != nil {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, `DELETE FROM sandbox_volumes WHERE sandbox_id = ?`, id); err != nil {
 			return err
 		}
 		return store.DropRefs(tx, Holder(id))

@@ -300,3 +300,45 @@ func TestMigratesOldDatabase(t *testing.T) {
 		t.Fatalf("unreferenced: %v, %v", bare, err)
 	}
 }
+
+// A volume is held by one sandbox record at most: a second record naming
+// it is refused and leaves nothing; Save and Delete move the hold with
+// the record.
+func TestRecordsHoldVolumes(t *testing.T) {
+	r, _ := openRecords(t, 8)
+	ctx := t.Context()
+	s1 := newSandbox("s1", Running)
+	s1.VolumeSlots = 4
+	s1.Volumes = []VolumeMount{{VolumeID: "v1", Name: "data", Path: "/mnt/data", Slot: 0}}
+	if err := r.InsertNew(ctx, s1); err != nil {
+		t.Fatal(err)
+	}
+	got, err := r.Get(ctx, "s1")
+	if err != nil || got.VolumeSlots != 4 || !slices.Equal(got.Volumes, s1.Volumes) {
+		t.Fatalf("read back %+v %v", got, err)
+	}
+	s2 := newSandbox("s2", Running)
+	s2.Volumes = []VolumeMount{{VolumeID: "v1", Name: "data", Path: "/data"}}
+	if err := r.InsertNew(ctx, s2); !errors.Is(err, errkind.ErrConflict) || !strings.Contains(err.Error(), "s1") {
+		t.Fatalf("a second sandbox holding v1 = %v, want a conflict naming s1", err)
+	}
+	if _, err := r.Get(ctx, "s2"); !errors.Is(err, errkind.ErrNotFound) {
+		t.Fatalf("the refused insert left a record: %v", err)
+	}
+	s1.Volumes = []VolumeMount{{VolumeID: "v2", Name: "other", Path: "/mnt/other"}}
+	if err := r.Save(ctx, s1); err != nil {
+		t.Fatal(err)
+	}
+	if h, _ := r.VolumeHolders(ctx); len(h) != 1 || h["v2"] != "s1" {
+		t.Fatalf("holders after Save: %v", h)
+	}
+	if err := r.InsertNew(ctx, s2); err != nil {
+		t.Fatalf("v1, no longer held: %v", err)
+	}
+	if err := r.Delete(ctx, "s1"); err != nil {
+		t.Fatal(err)
+	}
+	if h, _ := r.VolumeHolders(ctx); len(h) != 1 || h["v1"] != "s2" {
+		t.Fatalf("holders after Delete: %v", h)
+	}
+}

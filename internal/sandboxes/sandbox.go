@@ -60,6 +60,11 @@ type Sandbox struct {
 	// template's root layer when it was created; the template may have
 	// been rebuilt since). Empty when SnapshotID is set.
 	BaseLayer string
+	// VolumeSlots is how many volume slots the sandbox's machine has (part
+	// of its layout: the number of the saved state it runs on), and
+	// Volumes the volumes mounted in them.
+	VolumeSlots int
+	Volumes     []VolumeMount
 	// EnvdAddr is host:port where the node reaches the sandbox's envd, and
 	// EnvdVersion the version of that envd (the one the node's initramfs
 	// carries; not persisted).
@@ -68,6 +73,16 @@ type Sandbox struct {
 	// Phases times the steps of the operation that produced this value
 	// (set by a create; not persisted).
 	Phases []Phase
+}
+
+// VolumeMount is a volume mounted in a sandbox.
+type VolumeMount struct {
+	VolumeID string `json:"volumeID"`
+	Name     string `json:"name"`
+	// Path is where the guest mounts it.
+	Path string `json:"path"`
+	// Slot is the machine's volume slot holding its disk.
+	Slot int `json:"slot"`
 }
 
 // Phase is one timed step of an operation.

@@ -74,7 +74,37 @@ type Config struct {
 	// own that shows only Jail.Keep of Jail.Hide.
 	Jail Jail
 
-	rootDiskFD int // set by Start: the disk is inherited (see User)
+	// VolumeSlots is the number of disk slots for volumes the machine has
+	// beside its root disk: virtio-blk devices with serial VolumeSerial(i),
+	// each holding Volumes[i] or, when that is empty or missing, nothing:
+	// SlotCapacity bytes that read as zeros and drop what is written (no
+	// host file a guest could fill). A guest sees a slot's capacity as
+	// it was when it booted, so a volume fits a slot that booted empty;
+	// the number is part of the machine's layout (saved state loads only
+	// into a machine with as many slots).
+	VolumeSlots int
+	// Volumes are the qcow2 disks of the filled slots, by slot.
+	Volumes []string
+
+	// diskFiles are set by Start: the disks are inherited (see User).
+	rootDiskFD int
+	slotFDs    []int
+}
+
+// SlotCapacity is the size of an empty volume slot: a volume's filesystem
+// may be at most this large.
+const SlotCapacity = 1 << 40
+
+// VolumeSerial is the serial number a guest reads from the disk in volume
+// slot i (/sys/block/vdX/serial).
+func VolumeSerial(i int) string { return "aenv-vol" + strconv.Itoa(i) }
+
+// volume is the disk in volume slot i ("": none).
+func (c *Config) volume(i int) string {
+	if i < len(c.Volumes) {
+		return c.Volumes[i]
+	}
+	return ""
 }
 
 // Paths inside RunDir.
@@ -98,6 +128,9 @@ func (c *Config) validate() error {
 	}
 	if len(missing) > 0 {
 		return fmt.Errorf("vm files missing: %s", strings.Join(missing, ", "))
+	}
+	if len(c.Volumes) > c.VolumeSlots {
+		return fmt.Errorf("%d volumes for %d volume slots", len(c.Volumes), c.VolumeSlots)
 	}
 	if c.VCPUs < 1 || c.MemoryMiB < 64 {
 		return fmt.Errorf("invalid vm size: %d vCPUs, %d MiB", c.VCPUs, c.MemoryMiB)
@@ -176,6 +209,21 @@ func (c *Config) Args() []string {
 			nic += ",mac=" + c.MAC
 		}
 		args = append(args, "-netdev", "tap,id=net0,fd=3", "-device", nic)
+	}
+	// The slots come last, so a machine without any has the layout
+	// machines had before slots existed.
+	for i := 0; i < c.VolumeSlots; i++ {
+		id := "vol" + strconv.Itoa(i)
+		disk := "driver=null-co,size=" + strconv.FormatInt(SlotCapacity, 10) + ",read-zeroes=on"
+		if f := c.volume(i); f != "" {
+			if i < len(c.slotFDs) && c.slotFDs[i] > 0 {
+				f = "/proc/self/fd/" + strconv.Itoa(c.slotFDs[i])
+			}
+			disk = "file=" + f + ",format=qcow2"
+		}
+		args = append(args,
+			"-drive", "id="+id+","+disk+",if=none,cache=writeback,discard=unmap",
+			"-device", "virtio-blk-device,drive="+id+",serial="+VolumeSerial(i))
 	}
 	return args
 }
@@ -258,6 +306,26 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 			return nil, err
 		}
 		cfg.rootDiskFD = 3 + len(extra)
+		extra = append(extra, disk)
+	}
+	// Volumes' disks live outside what a jailed QEMU sees: it inherits
+	// them too (owning them while it runs, when it drops to a user).
+	cfg.slotFDs = make([]int, len(cfg.Volumes))
+	for i, p := range cfg.Volumes {
+		if p == "" {
+			continue
+		}
+		disk, err := os.OpenFile(p, os.O_RDWR, 0)
+		if err != nil {
+			return nil, fmt.Errorf("volume slot %d: %w", i, err)
+		}
+		defer disk.Close()
+		if uid >= 0 {
+			if err := disk.Chown(uid, gid); err != nil {
+				return nil, fmt.Errorf("volume slot %d: %w", i, err)
+			}
+		}
+		cfg.slotFDs[i] = 3 + len(extra)
 		extra = append(extra, disk)
 	}
 	// The cgroup exists, with its limits, before QEMU does: the jail step

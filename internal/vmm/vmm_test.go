@@ -63,6 +63,27 @@ func TestArgs(t *testing.T) {
 			t.Errorf("args lack %q:\n%s", want, args)
 		}
 	}
+	if strings.Contains(args, "virtio-blk-device,drive=vol") {
+		t.Errorf("a machine without volume slots has some: %s", args)
+	}
+	// Volume slots come last (a machine without any keeps the layout of
+	// those made before slots); a filled one holds its qcow2 disk, an
+	// empty one nothing a guest could write to the host.
+	c.VolumeSlots, c.Volumes = 3, []string{"", "/v/disk.qcow2"}
+	args = strings.Join(c.Args(), " ")
+	for _, want := range []string{
+		"-drive id=vol0,driver=null-co,size=1099511627776,read-zeroes=on,if=none,cache=writeback,discard=unmap -device virtio-blk-device,drive=vol0,serial=aenv-vol0",
+		"-drive id=vol1,file=/v/disk.qcow2,format=qcow2,if=none,cache=writeback,discard=unmap -device virtio-blk-device,drive=vol1,serial=aenv-vol1",
+		"-device virtio-blk-device,drive=vol2,serial=aenv-vol2",
+	} {
+		if !strings.Contains(args, want) {
+			t.Errorf("args lack %q:\n%s", want, args)
+		}
+	}
+	if !strings.HasSuffix(args, "serial=aenv-vol2") {
+		t.Errorf("the slots are not last: %s", args)
+	}
+	c.VolumeSlots, c.Volumes = 0, nil
 	c.Tap = nil
 	c.Accel = AccelKVM
 	args = strings.Join(c.Args(), " ")

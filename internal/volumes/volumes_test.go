@@ -525,3 +525,39 @@ func TestDeleteFaults(t *testing.T) {
 		t.Fatalf("the next start left the deleted volume's disk: %v", err)
 	}
 }
+
+// A lent volume is the borrower's: content requests and deletions are
+// refused (a refused deletion once dropped the loan, opening the disk to
+// the host while a guest had it mounted) until it is returned.
+func TestLend(t *testing.T) {
+	ctx := context.Background()
+	s, v := newVolume(t, "data", nil)
+	if _, err := s.WriteFile(ctx, v.ID, "/f", Owner{}, false, strings.NewReader("content")); err != nil {
+		t.Fatal(err)
+	}
+	disk, err := s.Lend(ctx, v.ID, "sbx1")
+	if err != nil || disk != s.Disk(v.ID) {
+		t.Fatalf("lend = %q, %v", disk, err)
+	}
+	if mounted(filepath.Join(s.dir(v.ID), mountName)) {
+		t.Fatal("the host still has the lent volume mounted")
+	}
+	for i := 0; i < 2; i++ { // the second time after a refused deletion
+		if _, err := s.Stat(ctx, v.ID, "/f"); !errors.Is(err, errkind.ErrConflict) || !strings.Contains(err.Error(), "sbx1") {
+			t.Fatalf("stat of a lent volume = %v, want a conflict naming the sandbox", err)
+		}
+		if err := s.Delete(ctx, v.ID); !errors.Is(err, errkind.ErrConflict) {
+			t.Fatalf("delete of a lent volume = %v", err)
+		}
+	}
+	if _, err := s.Lend(ctx, v.ID, "sbx2"); !errors.Is(err, errkind.ErrConflict) {
+		t.Fatalf("a second loan = %v", err)
+	}
+	if _, err := s.Lend(ctx, "nope", "sbx2"); !errors.Is(err, errkind.ErrNotFound) {
+		t.Fatalf("lending a volume that does not exist = %v", err)
+	}
+	s.Return(v.ID)
+	if e, err := s.Stat(ctx, v.ID, "/f"); err != nil || e.Size != 7 {
+		t.Fatalf("after the return: %+v %v", e, err)
+	}
+}

@@ -1,0 +1,211 @@
+package orchestrator
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"path"
+	"strings"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/guestexec"
+	"github.com/agentenv/agentenv/internal/sandboxes"
+	"github.com/agentenv/agentenv/internal/vmm"
+)
+
+// Volumes in sandboxes: every machine has VolumeSlots disk slots beside its
+// root disk (empty ones hold nothing a guest could fill). A sandbox created
+// with volume mounts borrows each volume from the node's volume store (the
+// host closes it: its filesystem has one writer), gets its disk in a slot,
+// and has its envd mount it; the sandbox's record holds the volumes, in the
+// same transaction as the rest of it, until it is gone. A paused sandbox
+// keeps them (its memory has them mounted); forks and snapshots of a
+// sandbox with volumes are refused until their disks can be frozen with it.
+
+// VolumeSlots is how many volume slots a new machine has.
+const VolumeSlots = 4
+
+// VolumeLender lends volumes' disks to sandboxes (package volumes' Store).
+type VolumeLender interface {
+	// Lend holds volume id for sandbox and returns its disk.
+	Lend(ctx context.Context, id, sandbox string) (string, error)
+	// Return ends a loan.
+	Return(id string)
+	// Disk is the disk of volume id.
+	Disk(id string) string
+}
+
+// VolumeMount asks for a volume in a new sandbox.
+type VolumeMount struct {
+	VolumeID, Name string
+	// Path is where the guest mounts it.
+	Path string
+}
+
+// forbiddenMountRoots are guest directories no volume may cover.
+var forbiddenMountRoots = []string{"/proc", "/sys", "/dev", "/run", "/boot", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/usr"}
+
+// validateMounts checks the volume mounts of a create against each other,
+// the node and the machine the sandbox gets (slots of its saved state).
+func (n *Node) validateMounts(mounts []VolumeMount, slots int) error {
+	if len(mounts) == 0 {
+		return nil
+	}
+	if n.cfg.Volumes == nil {
+		return fmt.Errorf("%w: this node has no volumes", ErrInvalid)
+	}
+	if len(mounts) > slots {
+		if slots == 0 {
+			return fmt.Errorf("%w: volumeMounts: the sandbox's machine was saved without volume slots (a template snapshot or snapshot made before volumes could be mounted); rebuild the template", ErrInvalid)
+		}
+		return fmt.Errorf("%w: volumeMounts: %d volumes, a sandbox mounts at most %d", ErrInvalid, len(mounts), slots)
+	}
+	paths, ids := map[string]bool{}, map[string]bool{}
+	for _, m := range mounts {
+		if err := checkMountPath(m.Path); err != nil {
+			return err
+		}
+		if ids[m.VolumeID] {
+			return fmt.Errorf("%w: volumeMounts: volume %s is named twice", ErrInvalid, m.Name)
+		}
+		for p := range paths {
+			if strings.HasPrefix(m.Path+"/", p+"/") || strings.HasPrefix(p+"/", m.Path+"/") {
+				return fmt.Errorf("%w: volumeMounts: %s and %s overlap", ErrInvalid, p, m.Path)
+			}
+		}
+		paths[m.Path], ids[m.VolumeID] = true, true
+	}
+	return nil
+}
+
+// checkMountPath refuses paths a volume may not be mounted at.
+func checkMountPath(p string) error {
+	if !path.IsAbs(p) || path.Clean(p) != p || p == "/" || len(p) > 1024 || strings.ContainsAny(p, "\x00\n") {
+		return fmt.Errorf("%w: volumeMounts: path %q must be a clean absolute path other than /", ErrInvalid, p)
+	}
+	for _, root := range forbiddenMountRoots {
+		if p == root || strings.HasPrefix(p, root+"/") {
+			return fmt.Errorf("%w: volumeMounts: path %q is inside %s, which belongs to the system", ErrInvalid, p, root)
+		}
+	}
+	return nil
+}
+
+// lendVolumes borrows the volumes of mounts for s, in slot order,
+// recording in s.Volumes each one borrowed (destroy gives those back).
+func (n *Node) lendVolumes(ctx context.Context, s *sandboxes.Sandbox, mounts []VolumeMount) error {
+	for i, m := range mounts {
+		if _, err := n.cfg.Volumes.Lend(ctx, m.VolumeID, s.ID); err != nil {
+			return err
+		}
+		s.Volumes = append(s.Volumes, sandboxes.VolumeMount{VolumeID: m.VolumeID, Name: m.Name, Path: m.Path, Slot: i})
+	}
+	return nil
+}
+
+// returnVolumes gives back the volumes of a sandbox that is gone.
+func (n *Node) returnVolumes(s *sandboxes.Sandbox) {
+	for _, v := range s.Volumes {
+		n.cfg.Volumes.Return(v.VolumeID)
+	}
+}
+
+// volumeDisks are the disks of s's volume slots, by slot ("": empty; a
+// slot out of range is left for vmm to refuse).
+func (n *Node) volumeDisks(s *sandboxes.Sandbox) []string {
+	var disks []string
+	for _, v := range s.Volumes {
+		for len(disks) <= v.Slot {
+			disks = append(disks, "")
+		}
+		disks[v.Slot] = n.cfg.Volumes.Disk(v.VolumeID)
+	}
+	return disks
+}
+
+// mountVolumes has s's envd mount its volumes (those mounted already, as
+// in a resumed sandbox, stay).
+func (n *Node) mountVolumes(ctx context.Context, s *sandboxes.Sandbox) error {
+	if len(s.Volumes) == 0 {
+		return nil
+	}
+	type mount struct {
+		Serial string `json:"serial"`
+		Path   string `json:"path"`
+	}
+	var body struct {
+		Mounts []mount `json:"mounts"`
+	}
+	for _, v := range s.Volumes {
+		body.Mounts = append(body.Mounts, mount{Serial: vmm.VolumeSerial(v.Slot), Path: v.Path})
+	}
+	b, _ := json.Marshal(body)
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+n.withAddr(s).EnvdAddr+"/aenv/mounts", bytes.NewReader(b))
+	req.Header.Set("Content-Type", "application/json")
+	if s.AccessToken != "" {
+		req.Header.Set("X-Access-Token", s.AccessToken)
+	}
+	resp, err := envdHTTP.Do(req)
+	if err != nil {
+		return fmt.Errorf("mount volumes: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode/100 != 2 {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+		return fmt.Errorf("mount volumes: envd answered %d: %s", resp.StatusCode, strings.TrimSpace(string(msg)))
+	}
+	return nil
+}
+
+// volumeFlushTimeout bounds the guest's sync before a sandbox with volumes
+// is killed.
+const volumeFlushTimeout = 10 * time.Second
+
+// flushVolumes makes what a running sandbox wrote to its volumes durable
+// before its machine is killed: the guest syncs its filesystems (best
+// effort: a guest that does not answer loses what it had not written, as
+// a machine losing power does), then the machine stops, which writes out
+// everything QEMU holds of its disks.
+func (n *Node) flushVolumes(ctx context.Context, s *sandboxes.Sandbox) {
+	m := n.machines.get(s.ID)
+	if len(s.Volumes) == 0 || !alive(m) {
+		return
+	}
+	if s.State == sandboxes.Running || s.State == sandboxes.Killing {
+		sctx, cancel := context.WithTimeout(ctx, volumeFlushTimeout)
+		code, err := guestexec.Run(sctx, guestexec.Target{Addr: n.withAddr(s).EnvdAddr, Token: s.AccessToken}, guestexec.Command{User: "root", Script: "sync"})
+		cancel()
+		if err != nil || code != 0 {
+			n.log.Warn("the guest did not sync its volumes before its end", "sandbox", s.ID, "exit", code, "err", err)
+		}
+	}
+	if err := m.Pause(ctx); err != nil {
+		n.log.Warn("stopping the machine to write out its volumes", "sandbox", s.ID, "err", err)
+	}
+}
+
+// holdRecordedVolumes borrows again, at start, the volumes the recorded
+// sandboxes hold.
+func (n *Node) holdRecordedVolumes(ctx context.Context, all []*sandboxes.Sandbox) {
+	if n.cfg.Volumes == nil {
+		return
+	}
+	for _, s := range all {
+		for _, v := range s.Volumes {
+			if _, err := n.cfg.Volumes.Lend(ctx, v.VolumeID, s.ID); err != nil {
+				n.log.Error("a sandbox's volume could not be held", "sandbox", s.ID, "volume", v.Name, "err", err)
+			}
+		}
+	}
+}
+
+// refuseWithVolumes refuses op on a sandbox that has volumes mounted.
+func refuseWithVolumes(s *sandboxes.Sandbox, op string) error {
+	if len(s.Volumes) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: sandbox %s has volumes mounted (%s); %s of a sandbox with volumes is not served yet", ErrInvalid, s.ID, s.Volumes[0].Name, op)
+}
