@@ -17,9 +17,11 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/apispec"
+	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/sandboxes"
+	"github.com/agentenv/agentenv/internal/volumes"
 )
 
 var (
@@ -143,6 +145,13 @@ func listedBody(sb *sandboxes.Sandbox) apispec.ListedSandbox {
 	if sb.AutoPause {
 		out.Lifecycle.OnTimeout = "pause"
 	}
+	if len(sb.Volumes) > 0 {
+		mounts := make([]apispec.SandboxVolumeMount, len(sb.Volumes))
+		for i, v := range sb.Volumes {
+			mounts[i] = apispec.SandboxVolumeMount{Name: v.Name, Path: v.Path}
+		}
+		out.VolumeMounts = &mounts
+	}
 	return out
 }
 
@@ -155,7 +164,7 @@ func (s *Server) detailBody(sb *sandboxes.Sandbox) apispec.SandboxDetail {
 		StartedAt: l.StartedAt, EndAt: l.EndAt, CpuCount: l.CpuCount, MemoryMB: l.MemoryMB, DiskSizeMB: l.DiskSizeMB,
 		EnvdVersion: l.EnvdVersion, State: apispec.SandboxDetailState(l.State), Metadata: l.Metadata,
 		AllowInternetAccess: l.AllowInternetAccess, Network: l.Network, Lifecycle: l.Lifecycle,
-		Domain: s.domainPtr(),
+		VolumeMounts: l.VolumeMounts, Domain: s.domainPtr(),
 	}
 	if sb.AccessToken != "" {
 		t := sb.AccessToken
@@ -208,8 +217,13 @@ func (req *createSandboxRequest) toCreateRequest(secureDefault bool) (orchestrat
 	if len(req.MCP) > 0 {
 		return cr, errors.New("mcp is not supported on this node")
 	}
-	if len(req.VolumeMounts) > 0 {
-		return cr, errors.New("volumeMounts: mounting volumes into sandboxes is not supported yet; a volume's files are read and written through the volume content API")
+	for i, m := range req.VolumeMounts {
+		if err := volumes.ValidName(m.Name); err != nil {
+			return cr, fmt.Errorf("volumeMounts[%d].name: %v", i, err)
+		}
+		if m.Path == "" {
+			return cr, fmt.Errorf("volumeMounts[%d].path is required", i)
+		}
 	}
 	if req.IAM != nil && len(req.IAM.Tokens) > 0 {
 		return cr, errors.New("iam tokens are not supported on this node")
@@ -374,6 +388,10 @@ func (s *Server) createSandbox(secureDefault bool) func(http.ResponseWriter, *ht
 			writeError(w, http.StatusBadRequest, err.Error())
 			return
 		}
+		if cr.Volumes, err = s.volumeMounts(r.Context(), req.VolumeMounts); err != nil {
+			s.writeNodeError(w, err)
+			return
+		}
 		sb, err := s.node.Create(r.Context(), cr)
 		if err != nil {
 			s.writeNodeError(w, err)
@@ -381,6 +399,28 @@ func (s *Server) createSandbox(secureDefault bool) func(http.ResponseWriter, *ht
 		}
 		writeJSON(w, http.StatusCreated, s.sandboxBody(sb))
 	}
+}
+
+// volumeMounts names the volumes a create mounts by their ids.
+func (s *Server) volumeMounts(ctx context.Context, mounts []volumeMountJSON) ([]orchestrator.VolumeMount, error) {
+	if len(mounts) == 0 {
+		return nil, nil
+	}
+	if s.cfg.Volumes == nil {
+		return nil, fmt.Errorf("%w: volumeMounts: this server has no volumes", errkind.ErrInvalid)
+	}
+	out := make([]orchestrator.VolumeMount, 0, len(mounts))
+	for i, m := range mounts {
+		v, err := s.cfg.Volumes.ByName(ctx, m.Name)
+		if errors.Is(err, errkind.ErrNotFound) {
+			return nil, fmt.Errorf("%w: volumeMounts[%d]: there is no volume %q", errkind.ErrInvalid, i, m.Name)
+		}
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, orchestrator.VolumeMount{VolumeID: v.ID, Name: v.Name, Path: m.Path})
+	}
+	return out, nil
 }
 
 func (s *Server) sandboxID(w http.ResponseWriter, r *http.Request) (string, bool) {

@@ -400,11 +400,12 @@ type ListedSandbox struct {
 	Metadata            map[string]string `json:"metadata"`
 
 	// Network The sandbox's egress rules (denyOut holds 0.0.0.0/0 when internet access is off)
-	Network    *SandboxNetwork    `json:"network,omitempty"`
-	SandboxID  string             `json:"sandboxID"`
-	StartedAt  time.Time          `json:"startedAt"`
-	State      ListedSandboxState `json:"state"`
-	TemplateID string             `json:"templateID"`
+	Network      *SandboxNetwork       `json:"network,omitempty"`
+	SandboxID    string                `json:"sandboxID"`
+	StartedAt    time.Time             `json:"startedAt"`
+	State        ListedSandboxState    `json:"state"`
+	TemplateID   string                `json:"templateID"`
+	VolumeMounts *[]SandboxVolumeMount `json:"volumeMounts,omitempty"`
 }
 
 // ListedSandboxState defines model for ListedSandbox.State.
@@ -522,11 +523,8 @@ type NewSandbox struct {
 	// Timeout Seconds to live; 0 or absent: the node default (300)
 	Timeout *int `json:"timeout,omitempty"`
 
-	// VolumeMounts Refused (400) when not empty: mounting volumes into sandboxes is not served yet
-	VolumeMounts *[]struct {
-		Name *string `json:"name,omitempty"`
-		Path *string `json:"path,omitempty"`
-	} `json:"volumeMounts,omitempty"`
+	// VolumeMounts Volumes (by name) mounted at absolute paths in the guest, at most 4; a volume is mounted in one sandbox at a time (409 otherwise), and an unknown volume or a path inside a system directory is 400.
+	VolumeMounts *[]SandboxVolumeMount `json:"volumeMounts,omitempty"`
 }
 
 // Node A node of the cluster, as the gateway lists it
@@ -579,11 +577,12 @@ type SandboxDetail struct {
 	Metadata            map[string]string `json:"metadata"`
 
 	// Network The sandbox's egress rules (denyOut holds 0.0.0.0/0 when internet access is off)
-	Network    *SandboxNetwork    `json:"network,omitempty"`
-	SandboxID  string             `json:"sandboxID"`
-	StartedAt  time.Time          `json:"startedAt"`
-	State      SandboxDetailState `json:"state"`
-	TemplateID string             `json:"templateID"`
+	Network      *SandboxNetwork       `json:"network,omitempty"`
+	SandboxID    string                `json:"sandboxID"`
+	StartedAt    time.Time             `json:"startedAt"`
+	State        SandboxDetailState    `json:"state"`
+	TemplateID   string                `json:"templateID"`
+	VolumeMounts *[]SandboxVolumeMount `json:"volumeMounts,omitempty"`
 }
 
 // SandboxDetailState defines model for SandboxDetail.State.
@@ -646,6 +645,15 @@ type SandboxNetwork struct {
 	AllowOut   []string  `json:"allowOut"`
 	DenyOut    []string  `json:"denyOut"`
 	DnsServers *[]string `json:"dnsServers,omitempty"`
+}
+
+// SandboxVolumeMount defines model for SandboxVolumeMount.
+type SandboxVolumeMount struct {
+	// Name The volume's name
+	Name string `json:"name"`
+
+	// Path Where the guest has it mounted
+	Path string `json:"path"`
 }
 
 // Snapshot defines model for Snapshot.

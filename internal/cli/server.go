@@ -206,6 +206,28 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 	if cluster != nil {
 		repoSecret = []byte(cluster.nodeToken) // the nodes share the repository and this
 	}
+	// The node's database also holds the client API keys (beside its
+	// records; `aenv key` manages them through the admin socket while the
+	// node runs) and the volumes.
+	keysDB, err := statedb.Open(filepath.Join(o.dataDir, statedb.FileName))
+	if err != nil {
+		return err
+	}
+	defer keysDB.Close()
+	// The volumes (disks in the data dir, owned by the sandboxes' default
+	// user), which the node lends to the sandboxes that mount them: open
+	// before the node, whose start holds again those its sandboxes have.
+	if o.volumeSizeGiB < 1 || int64(o.volumeSizeGiB)<<30 > vmm.SlotCapacity {
+		return fmt.Errorf("--volume-size-gib %d: want 1..%d", o.volumeSizeGiB, vmm.SlotCapacity>>30)
+	}
+	vols, err := volumes.Open(ctx, keysDB, volumes.Config{
+		Dir: filepath.Join(o.dataDir, "volumes"), Size: int64(o.volumeSizeGiB) << 30,
+		UID: guest.DefaultUID, GID: guest.DefaultUID, Logger: log,
+	})
+	if err != nil {
+		return err
+	}
+	defer vols.Close()
 	node, err := orchestrator.Open(ctx, orchestrator.Config{
 		DataDir:           o.dataDir,
 		Kernel:            k.BootImage(),
@@ -227,19 +249,13 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		PeerToken:         peerToken,
 		Repository:        repo,
 		RepositorySecret:  repoSecret,
+		Volumes:           vols,
 		Logger:            log,
 	})
 	if err != nil {
 		return err
 	}
 	defer node.Close()
-	// The client API keys (in the node's database, beside its records);
-	// `aenv key` manages them through the admin socket while the node runs.
-	keysDB, err := statedb.Open(filepath.Join(o.dataDir, statedb.FileName))
-	if err != nil {
-		return err
-	}
-	defer keysDB.Close()
 	keys, err := apikeys.Open(keysDB)
 	if err != nil {
 		return err
@@ -259,16 +275,6 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 	adminSrv := &http.Server{Handler: keys.Handler(log), ReadHeaderTimeout: 10 * time.Second}
 	go adminSrv.Serve(admin)
 	defer adminSrv.Close()
-	// The volumes (records in the same database, disks in the data dir),
-	// owned by the sandboxes' default user.
-	vols, err := volumes.Open(ctx, keysDB, volumes.Config{
-		Dir: filepath.Join(o.dataDir, "volumes"), Size: int64(o.volumeSizeGiB) << 30,
-		UID: guest.DefaultUID, GID: guest.DefaultUID, Logger: log,
-	})
-	if err != nil {
-		return err
-	}
-	defer vols.Close()
 	px := proxy.New(api.Resolver{Node: node}, o.domain, orchestrator.EnvdPort, log)
 	acfg := api.Config{Keys: keys, APIKeySHA256: envKey, Domain: o.domain, SandboxProxy: px, PeerChunks: node.PeerChunks(), Volumes: vols, Logger: log}
 	if cluster != nil {

@@ -426,6 +426,25 @@ func (g *Gateway) toFirstNode(w http.ResponseWriter, r *http.Request) {
 	g.proxyTo(w, r, nodes[0].Url)
 }
 
+// createOnFirstNode sends a create to the node that holds the volumes.
+func (g *Gateway) createOnFirstNode(w http.ResponseWriter, r *http.Request, body []byte) {
+	nodes, err := g.readyNodes(r.Context())
+	if err != nil || len(nodes) == 0 {
+		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "no ready node for a sandbox with volumes", err)
+		return
+	}
+	n := nodes[0]
+	status, hdr, out, err := g.call(r, n.Url, body)
+	if err != nil {
+		httperr.Internal(w, g.log, http.StatusBadGateway, "the node holding the volumes did not answer", err)
+		return
+	}
+	if status/100 == 2 {
+		g.learn(out, route{nodeID: n.NodeId, url: n.Url})
+	}
+	copyResponse(w, status, hdr, out)
+}
+
 // maxBody bounds the request bodies the gateway reads itself.
 const maxBody = 1 << 20
 
@@ -517,9 +536,10 @@ func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	var req struct {
-		TemplateID string `json:"templateID"`
-		CPUCount   int32  `json:"cpuCount"`
-		MemoryMB   int64  `json:"memoryMB"`
+		TemplateID   string            `json:"templateID"`
+		CPUCount     int32             `json:"cpuCount"`
+		MemoryMB     int64             `json:"memoryMB"`
+		VolumeMounts []json.RawMessage `json:"volumeMounts"`
 	}
 	if err := json.Unmarshal(body, &req); err != nil {
 		httperr.Write(w, http.StatusBadRequest, "invalid JSON body: "+err.Error())
@@ -527,6 +547,12 @@ func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
 	}
 	if req.TemplateID == "" {
 		httperr.Write(w, http.StatusBadRequest, "templateID is required")
+		return
+	}
+	if len(req.VolumeMounts) > 0 {
+		// The volumes' disks are the first node's (see toFirstNode): a
+		// sandbox mounting them runs there.
+		g.createOnFirstNode(w, r, body)
 		return
 	}
 	mem := req.MemoryMB << 20

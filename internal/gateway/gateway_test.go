@@ -98,6 +98,11 @@ func standInNode(t *testing.T, sandboxes []listedSandbox, failing *bool) *httpte
 		}
 		httperr.Write(w, http.StatusNotFound, "not found")
 	})
+	// A create answers a new sandbox named after the node's first one.
+	mux.HandleFunc("POST /v2/sandboxes", func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusCreated)
+		json.NewEncoder(w).Encode(map[string]string{"sandboxID": "new" + sandboxes[0].SandboxID, "clientID": "aenv"})
+	})
 	// Volumes: the REST routes see the node credential; the content routes
 	// the client's own bearer token (the volume's), and no node credential.
 	mux.HandleFunc("GET /volumes", func(w http.ResponseWriter, r *http.Request) {
@@ -330,6 +335,25 @@ func TestNamedKeys(t *testing.T) {
 			t.Fatal("a revoked key is still accepted")
 		}
 		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// A create with volume mounts goes to the node with the volumes' disks
+// (the first), whichever node the scheduler would choose.
+func TestCreateWithVolumesOnFirstNode(t *testing.T) {
+	h := newHarness(t, 1, nil)
+	for i := 0; i < 4; i++ {
+		req, _ := http.NewRequest("POST", h.gw.URL+"/v2/sandboxes", strings.NewReader(`{"templateID":"base","volumeMounts":[{"name":"data","path":"/mnt/data"}]}`))
+		req.Header.Set("X-API-Key", key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 201 || !strings.Contains(string(body), `"newn0s00"`) {
+			t.Fatalf("create with volumes: %d %s, want it made on n0", resp.StatusCode, body)
+		}
 	}
 }
 

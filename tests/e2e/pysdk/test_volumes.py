@@ -9,6 +9,8 @@ import pytest
 from e2b import AsyncVolume, Volume
 from e2b.exceptions import AuthenticationException, NotFoundException, VolumeException
 
+from conftest import TEMPLATE
+
 
 def name():
     return "pyvol-" + uuid.uuid4().hex[:10]
@@ -88,3 +90,77 @@ async def test_async_volume():
         assert any(v.volume_id == vol.volume_id for v in await AsyncVolume.list())
     finally:
         assert await AsyncVolume.destroy(vol.volume_id)
+
+
+def test_volume_mounted_in_sandboxes():
+    """A volume mounted at create (by Volume and by name): the guest reads
+    what the SDK wrote and writes as its user; while mounted the volume's
+    content routes and its deletion are refused (one writer), a second
+    sandbox cannot mount it; it survives pause and resume, and what the
+    guest wrote is in the volume after the kill and in the next sandbox."""
+    from e2b import Sandbox
+    from e2b.exceptions import SandboxException
+
+    vol = Volume.create(name())
+    try:
+        vol.write_file("/seed.txt", "from the sdk\n")
+        sbx = Sandbox.create(TEMPLATE, timeout=300, volume_mounts={"/mnt/data": vol})
+        try:
+            r = sbx.commands.run("cat /mnt/data/seed.txt && id -u && echo guest > /mnt/data/out.txt && stat -c %u /mnt/data/out.txt")
+            assert r.stdout == "from the sdk\n1000\n1000\n"
+            info = sbx.get_info()
+            assert info.volume_mounts == [{"name": vol.name, "path": "/mnt/data"}]
+            with pytest.raises(VolumeException):
+                vol.read_file("/seed.txt")
+            with pytest.raises(Exception):
+                Volume.destroy(vol.volume_id)
+            with pytest.raises(SandboxException):
+                Sandbox.create(TEMPLATE, timeout=60, volume_mounts={"/other": vol.name})
+
+            assert sbx.pause() is True
+            sbx = Sandbox.connect(sbx.sandbox_id, timeout=300)
+            sbx.commands.run("echo after resume >> /mnt/data/out.txt")
+        finally:
+            sbx.kill()
+        assert vol.read_file("/out.txt") == "guest\nafter resume\n"
+
+        again = Sandbox.create(TEMPLATE, timeout=120, volume_mounts={"/home/user/v": vol.name})
+        try:
+            assert again.commands.run("cat /home/user/v/out.txt").stdout == "guest\nafter resume\n"
+        finally:
+            again.kill()
+    finally:
+        assert Volume.destroy(vol.volume_id)
+
+
+def test_volume_mount_bad_input():
+    from e2b import Sandbox
+    from e2b.exceptions import InvalidArgumentException, SandboxException
+
+    with pytest.raises((InvalidArgumentException, SandboxException), match="no volume"):
+        Sandbox.create(TEMPLATE, timeout=60, volume_mounts={"/mnt/x": "no-such-volume"})
+    vol = Volume.create(name())
+    try:
+        for path in ("relative", "/proc/x", "/"):
+            with pytest.raises((InvalidArgumentException, SandboxException)):
+                Sandbox.create(TEMPLATE, timeout=60, volume_mounts={path: vol})
+        # Nothing held: the volume's files are reachable.
+        assert not vol.exists("/anything")
+    finally:
+        Volume.destroy(vol.volume_id)
+
+
+@pytest.mark.asyncio
+async def test_async_volume_mounted():
+    from e2b import AsyncSandbox
+
+    vol = await AsyncVolume.create(name())
+    try:
+        sbx = await AsyncSandbox.create(TEMPLATE, timeout=300, volume_mounts={"/data": vol})
+        try:
+            await sbx.commands.run("echo async > /data/a.txt")
+        finally:
+            await sbx.kill()
+        assert await vol.read_file("/a.txt") == "async\n"
+    finally:
+        await AsyncVolume.destroy(vol.volume_id)

@@ -5,7 +5,7 @@
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const crypto = require('node:crypto');
-const { e2b } = require('./helpers.cjs');
+const { e2b, template } = require('./helpers.cjs');
 
 const { Volume, VolumePathNotFoundError } = e2b;
 
@@ -44,4 +44,24 @@ test('Volume: create, files, metadata, list, connect, destroy', async (t) => {
 
   assert.equal(await Volume.destroy(vol.volumeId), true);
   assert.equal(await Volume.destroy(vol.volumeId), false);
+});
+
+test('Volume mounted in a sandbox: the guest reads and writes it, the host may not meanwhile, the data stays after the kill', async (t) => {
+  const vol = await Volume.create('jsvol-' + crypto.randomBytes(5).toString('hex'));
+  t.after(async () => {
+    await Volume.destroy(vol.volumeId).catch(() => {});
+  });
+  await vol.writeFile('/seed.txt', 'from js\n');
+  const sbx = await e2b.Sandbox.create(template, { timeoutMs: 300_000, volumeMounts: { '/mnt/vol': vol } });
+  try {
+    const r = await sbx.commands.run('cat /mnt/vol/seed.txt && echo guest > /mnt/vol/out.txt');
+    assert.equal(r.stdout, 'from js\n');
+    assert.deepEqual((await sbx.getInfo()).volumeMounts, [{ name: vol.name, path: '/mnt/vol' }]);
+    await assert.rejects(vol.readFile('/seed.txt'), /mounted in sandbox/);
+    await assert.rejects(e2b.Sandbox.create(template, { timeoutMs: 60_000, volumeMounts: { '/x': vol.name } }), /mounted in sandbox/);
+  } finally {
+    await sbx.kill();
+  }
+  assert.equal(await vol.readFile('/out.txt'), 'guest\n');
+  await assert.rejects(e2b.Sandbox.create(template, { timeoutMs: 60_000, volumeMounts: { '/mnt/x': 'no-such-volume' } }), /no volume/);
 });
