@@ -73,6 +73,15 @@ func (n *Node) exportSnapshot(ctx context.Context, ns *NamedSnapshot) error {
 	if err != nil {
 		return fmt.Errorf("export snapshot %s: flatten disk: %v: %s", ns.Name, err, strings.TrimSpace(string(out)))
 	}
+	// The volumes' copies, each one standalone qcow2 (a fork child's copy
+	// is an overlay of its parent's).
+	for _, v := range ns.Volumes {
+		name := volumeCopyName(v.Slot)
+		out, err := exec.CommandContext(ctx, "qemu-img", "convert", "-q", "-O", "qcow2", filepath.Join(sdir, name), filepath.Join(stage, name)).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("export snapshot %s: volume %s: %v: %s", ns.Name, v.Name, err, strings.TrimSpace(string(out)))
+		}
+	}
 	rec := *ns
 	rec.TemplateLayer, rec.StateHasRAM = t.Layer, hasRAM
 	rec.AccessToken = n.tokens.Seal(ns.AccessToken) // never in plaintext in shared storage
@@ -149,6 +158,11 @@ func (n *Node) importSnapshot(ctx context.Context, name string) (*NamedSnapshot,
 		return nil, err
 	}
 	os.Remove(filepath.Join(stage, exportRecordName))
+	for _, v := range rec.Volumes {
+		if err := os.Chmod(filepath.Join(stage, volumeCopyName(v.Slot)), 0o400); err != nil {
+			return nil, fmt.Errorf("%w: snapshot %q: volume %s: %v", ErrCorrupt, name, v.Name, err)
+		}
+	}
 	sum, err := store.FileSHA256(filepath.Join(stage, snapStateName))
 	if err != nil {
 		return nil, err

@@ -212,9 +212,6 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 	if s.State != sandboxes.Running {
 		return nil, fmt.Errorf("%w: sandbox %s is %s; only running sandboxes can be forked or snapshotted (resume it first)", ErrConflict, id, s.State)
 	}
-	if err := refuseWithVolumes(s, opName); err != nil {
-		return nil, err
-	}
 	unlock := n.lockOp(id)
 	defer unlock()
 	o := operation.Start(ctx, opName, n.cfg.OperationTimeout, n.log)
@@ -467,6 +464,10 @@ func (n *Node) finishFreeze(o *operation.Op, s *sandboxes.Sandbox, snapID string
 	if err := o.Do("sync", func(context.Context) error { return storage.SyncFile(moves[0][0]) }); err != nil {
 		return err
 	}
+	// The volumes as the saved state has them mounted, for the children.
+	if err := o.Do("copy-volumes", func(context.Context) error { return n.copyVolumes(s, sdir) }); err != nil {
+		return err
+	}
 	if err := o.Do("move-files", func(context.Context) error {
 		for _, mv := range moves {
 			if err := os.Rename(mv[0], mv[1]); err != nil {
@@ -620,6 +621,9 @@ func (n *Node) startIncoming(ctx context.Context, s *sandboxes.Sandbox, snapID s
 	if err := storage.CreateOverlay(ctx, filepath.Join(n.snapshotDir(snapID), snapDiskName), overlay, 0); err != nil {
 		return nil, err
 	}
+	if err := n.volumeOverlays(ctx, s, snapID); err != nil {
+		return nil, err
+	}
 	ep, err := n.endpoint(s)
 	if err != nil {
 		return nil, err
@@ -692,6 +696,7 @@ func (n *Node) forkChild(o *operation.Op, parent *sandboxes.Sandbox, snapID stri
 		return ForkResult{Err: err}
 	}
 	c.SnapshotID, c.BaseLayer, c.MemFile, c.MemPrivate = snapID, "", image, true
+	c.Volumes = asCopies(parent.Volumes) // the parent keeps the volumes
 	unlock := n.lockOp(c.ID)
 	defer unlock()
 	if err := o.Do("record-child", func(ctx context.Context) error { return n.records.InsertNew(ctx, &c) }); err != nil {

@@ -95,6 +95,9 @@ func (n *Node) snapshotLive(o *operation.Op, s *sandboxes.Sandbox) (string, *sto
 		return "", nil, err
 	}
 	phase("copy disk overlay")
+	if err := o.Do("copy-volumes", func(context.Context) error { return n.copyVolumes(s, stage) }); err != nil {
+		return "", nil, err
+	}
 	if err := o.Do("resume-vcpus", func(ctx context.Context) error { return m.Resume(ctx) }); err != nil {
 		return "", nil, err
 	}

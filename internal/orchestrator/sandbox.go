@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -177,12 +178,13 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 	switch {
 	case named != nil:
 		s.SnapshotID, s.VolumeSlots = named.SnapshotID, named.VolumeSlots
+		s.Volumes = slices.Clone(named.Volumes) // copies: its memory has them mounted
 	case fromTemplateSnapshot:
 		s.SnapshotID, s.VolumeSlots = ts.SnapshotID, ts.VolumeSlots
 	default:
 		s.BaseLayer, s.VolumeSlots = t.Layer, VolumeSlots
 	}
-	if err := n.validateMounts(req.Volumes, s.VolumeSlots); err != nil {
+	if err := n.validateMounts(req.Volumes, s.VolumeSlots, s.Volumes); err != nil {
 		return nil, err
 	}
 

@@ -52,8 +52,11 @@ type NamedSnapshot struct {
 	// gives rules of its own.
 	NoInternet bool           `json:"noInternet,omitempty"`
 	Egress     network.Egress `json:"egress,omitzero"`
-	// VolumeSlots is the snapshotted machine's number of volume slots.
-	VolumeSlots int `json:"volumeSlots,omitempty"`
+	// VolumeSlots is the snapshotted machine's number of volume slots, and
+	// Volumes the volumes it had mounted, whose disks as they were are in
+	// the snapshot (sandboxes made from it mount copy-on-write copies).
+	VolumeSlots int                     `json:"volumeSlots,omitempty"`
+	Volumes     []sandboxes.VolumeMount `json:"volumes,omitempty"`
 }
 
 // setNamedSnapshot points label ns.Name at snapshot ns.SnapshotID, in tx;
@@ -127,7 +130,7 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 		Name: name, SnapshotID: c.snapID, SandboxID: id, TemplateID: templateID, VCPUs: s.VCPUs,
 		MemoryMiB: s.MemoryMiB, DiskMiB: s.DiskMiB, DefaultUser: defaultUser, DefaultWorkdir: s.DefaultWorkdir, VolumeSlots: s.VolumeSlots,
 		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), AccessToken: s.AccessToken,
-		NoInternet: !s.AllowInternet, Egress: s.Egress,
+		NoInternet: !s.AllowInternet, Egress: s.Egress, Volumes: asCopies(s.Volumes),
 	}
 	if werr := n.store.Tx(context.WithoutCancel(ctx), func(tx *sql.Tx) error { return setNamedSnapshot(tx, ns) }); werr != nil {
 		return nil, werr

@@ -14,6 +14,7 @@ import (
 	"github.com/agentenv/agentenv/internal/guest"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/statedb"
+	"github.com/agentenv/agentenv/internal/storage/repository"
 	"github.com/agentenv/agentenv/internal/volumes"
 )
 
@@ -21,7 +22,12 @@ import (
 func testVolumes(t *testing.T) *volumes.Store {
 	t.Helper()
 	testData(t) // root and the prepared data dir, or skip
-	dir := t.TempDir()
+	return openVolumes(t, t.TempDir())
+}
+
+// openVolumes opens the volume store in dir.
+func openVolumes(t *testing.T, dir string) *volumes.Store {
+	t.Helper()
 	db, err := statedb.Open(filepath.Join(dir, "volumes.db"))
 	if err != nil {
 		t.Fatal(err)
@@ -96,9 +102,36 @@ func TestVolumeInSandbox(t *testing.T) {
 	if after, _ := n.records.List(ctx, ""); len(after) != len(before) {
 		t.Fatalf("the refused create left records: %d, then %d", len(before), len(after))
 	}
-	if _, err := n.Fork(ctx, s.ID, 1, time.Minute); !errors.Is(err, ErrInvalid) {
-		t.Fatalf("fork of a sandbox with volumes = %v, want invalid", err)
+	// A named snapshot keeps the volume as it was: a sandbox made from it
+	// mounts its own copy (and may mount another volume beside it).
+	guestRun(t, s, "", "echo snapshotted > /mnt/data/snap.txt")
+	if _, err := n.Snapshot(ctx, s.ID, "with-volume"); err != nil {
+		t.Fatal(err)
 	}
+	guestRun(t, s, "", "echo after > /mnt/data/snap.txt")
+	other, err := vols.Create(ctx, "other")
+	if err != nil {
+		t.Fatal(err)
+	}
+	fromSnap := create(t, n, CreateRequest{TemplateID: "with-volume", Volumes: []VolumeMount{{VolumeID: other.ID, Name: other.Name, Path: "/mnt/other"}}})
+	if got := guestRun(t, fromSnap, "", "cat /mnt/data/snap.txt; echo mine > /mnt/data/snap.txt; echo o > /mnt/other/o.txt"); got != "snapshotted\n" {
+		t.Fatalf("the sandbox from the snapshot reads %q", got)
+	}
+	if len(fromSnap.Volumes) != 2 || !fromSnap.Volumes[0].Copy || fromSnap.Volumes[1].Copy || fromSnap.Volumes[1].Slot != 1 {
+		t.Fatalf("the snapshot's sandbox has volumes %+v", fromSnap.Volumes)
+	}
+	if got := guestRun(t, s, "", "cat /mnt/data/snap.txt; rm /mnt/data/snap.txt"); got != "after\n" {
+		t.Fatalf("the snapshot's sandbox wrote into the parent's volume: %q", got)
+	}
+	if err := n.Kill(ctx, fromSnap.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := readVolumeFile(t, vols, other.ID, "/o.txt"); err != nil || got != "o\n" {
+		t.Fatalf("the second volume: %q %v", got, err)
+	}
+	// A fork (this parent has a RAM file of its own: it is frozen and
+	// restored): the child has its own copy of the volume as it was.
+	forkAndCompare(t, n, s, "/mnt/data")
 
 	// Through a pause with memory, the volume stays mounted and writable.
 	if _, err := n.Pause(ctx, s.ID); err != nil {
@@ -113,11 +146,34 @@ func TestVolumeInSandbox(t *testing.T) {
 		t.Fatal(err)
 	}
 	guestRun(t, s, "", "cat /mnt/data/from-guest.txt >/dev/null && echo after pause >> /mnt/data/from-guest.txt")
+	// Through a pause without memory (the guest boots again and mounts it).
+	if _, err := n.PauseFilesystem(ctx, s.ID); err != nil {
+		t.Fatal(err)
+	}
+	if s, err = n.Resume(ctx, s.ID, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if got := guestRun(t, s, "", "cat /mnt/data/from-guest.txt"); got != "guest\nafter pause\n" {
+		t.Fatalf("after a pause without memory the guest reads %q", got)
+	}
 	if err := n.Kill(ctx, s.ID); err != nil {
 		t.Fatal(err)
 	}
 	if got, err := readVolumeFile(t, vols, v.ID, "/from-guest.txt"); err != nil || got != "guest\nafter pause\n" {
 		t.Fatalf("after the kill the volume has %q, %v", got, err)
+	}
+
+	// A create whose mount fails in the guest (the path is a file) fails,
+	// leaves nothing and gives the volume back.
+	before, _ = n.records.List(ctx, "")
+	if _, err := n.Create(ctx, CreateRequest{TemplateID: "base", Volumes: []VolumeMount{{VolumeID: v.ID, Name: v.Name, Path: "/home/user/.bashrc"}}}); err == nil || !strings.Contains(err.Error(), "mount") {
+		t.Fatalf("a create mounting over a file = %v", err)
+	}
+	if after, _ := n.records.List(ctx, ""); len(after) != len(before) {
+		t.Fatalf("the failed create left records: %d, then %d", len(before), len(after))
+	}
+	if _, err := readVolumeFile(t, vols, v.ID, "/from-guest.txt"); err != nil {
+		t.Fatalf("the volume after a failed create: %v", err)
 	}
 
 	// A sandbox restored from the template snapshot mounts it too.
@@ -131,13 +187,139 @@ func TestVolumeInSandbox(t *testing.T) {
 	if got := guestRun(t, s, "", "cat /home/user/vol/from-guest.txt && rm /home/user/vol/from-host.txt"); got != "guest\nafter pause\n" {
 		t.Fatalf("the restored sandbox sees %q", got)
 	}
+	// A fork of a copy-on-write sandbox (captured without a restart).
+	forkAndCompare(t, n, s, "/home/user/vol")
 	if err := n.Kill(ctx, s.ID); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := readVolumeFile(t, vols, v.ID, "/from-host.txt"); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("a file the guest removed reads %v, want not found", err)
 	}
+	for _, f := range []string{"/parent.txt", "/child.txt"} {
+		got, err := readVolumeFile(t, vols, v.ID, f)
+		if f == "/parent.txt" && (err != nil || got != "parent\nparent\n") {
+			t.Fatalf("the parents' writes: %q %v", got, err)
+		}
+		if f == "/child.txt" && !errors.Is(err, ErrNotFound) {
+			t.Fatalf("a child's write reached the volume: %q %v", got, err)
+		}
+	}
 	if err := vols.Delete(ctx, v.ID); err != nil {
 		t.Fatalf("deleting the volume once no sandbox holds it: %v", err)
+	}
+}
+
+// forkAndCompare forks s (which mounts a volume at mnt) into one child:
+// the child reads what the parent wrote before, and what either writes
+// after is its own; the child goes, and the volume stays the parent's.
+func forkAndCompare(t *testing.T, n *Node, s *sandboxes.Sandbox, mnt string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	before := guestRun(t, s, "", "echo before > "+mnt+"/before-fork.txt; cat "+mnt+"/parent.txt 2>/dev/null; true")
+	res, err := n.Fork(ctx, s.ID, 1, time.Minute)
+	if err != nil || len(res) != 1 || res[0].Err != nil {
+		t.Fatalf("fork: %v %+v", err, res)
+	}
+	child := res[0].Sandbox
+	if len(child.Volumes) != 1 || !child.Volumes[0].Copy {
+		t.Fatalf("the child's volumes: %+v", child.Volumes)
+	}
+	if got := guestRun(t, child, "", "cat "+mnt+"/before-fork.txt; echo child > "+mnt+"/child.txt"); got != "before\n" {
+		t.Fatalf("the child reads %q", got)
+	}
+	guestRun(t, s, "", "echo parent >> "+mnt+"/parent.txt; rm "+mnt+"/before-fork.txt")
+	if got := guestRun(t, s, "", "ls "+mnt); strings.Contains(got, "child.txt") {
+		t.Fatalf("the parent sees the child's file: %q", got)
+	}
+	if got := guestRun(t, child, "", "cat "+mnt+"/before-fork.txt "+mnt+"/parent.txt 2>/dev/null; true"); got != "before\n"+before {
+		t.Fatalf("the child sees the parent's changes: %q", got)
+	}
+	if err := n.Kill(ctx, child.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got := guestRun(t, s, "", "cat "+mnt+"/parent.txt"); !strings.HasSuffix(got, "parent\n") {
+		t.Fatalf("the parent, after its child went: %q", got)
+	}
+}
+
+// TestVolumeSnapshotThroughRepository snapshots a fork's child (whose
+// volume is a copy-on-write copy over its fork's) into a repository, loses
+// every local copy, and creates a sandbox from the repository's: the
+// volume's copy went with the snapshot, whole.
+func TestVolumeSnapshotThroughRepository(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
+	defer cancel()
+	repo, err := repository.OpenPosixFS(filepath.Join(t.TempDir(), "repo"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	vols := testVolumes(t)
+	n := testNode(t, func(c *Config) { c.Volumes, c.Repository = vols, repo })
+	v, err := vols.Create(ctx, "data")
+	if err != nil {
+		t.Fatal(err)
+	}
+	parent := create(t, n, CreateRequest{TemplateID: "base", Volumes: []VolumeMount{{VolumeID: v.ID, Name: v.Name, Path: "/mnt/v"}}})
+	guestRun(t, parent, "", "echo parent > /mnt/v/p.txt")
+	res, err := n.Fork(ctx, parent.ID, 1, time.Minute)
+	if err != nil || res[0].Err != nil {
+		t.Fatalf("fork: %v %+v", err, res)
+	}
+	child := res[0].Sandbox
+	guestRun(t, child, "", "echo child >> /mnt/v/p.txt")
+	ns, err := n.Snapshot(ctx, child.ID, "vol-durable")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []*sandboxes.Sandbox{child, parent} {
+		if err := n.Kill(ctx, s.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	n.gc(ctx)
+	os.RemoveAll(n.snapshotDir(ns.SnapshotID))
+	s := create(t, n, CreateRequest{TemplateID: "vol-durable"})
+	if got := guestRun(t, s, "", "cat /mnt/v/p.txt"); got != "parent\nchild\n" {
+		t.Fatalf("the sandbox from the repository's snapshot reads %q", got)
+	}
+	if got, err := readVolumeFile(t, vols, v.ID, "/p.txt"); err != nil || got != "parent\n" {
+		t.Fatalf("the volume itself: %q %v", got, err)
+	}
+}
+
+// TestVolumeHeldAcrossRestart: a node restarted (and its volume store with
+// it) while a sandbox has a volume mounted holds it again for the sandbox
+// it re-adopts, and gives it back with that sandbox's kill.
+func TestVolumeHeldAcrossRestart(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	testData(t)
+	vdir, dir := t.TempDir(), newTestDataDir(t)
+	slot := takeTestSlot()
+	defer releaseTestSlot(slot)
+	vols := openVolumes(t, vdir)
+	n := openTestNodeIn(t, dir, slot, func(c *Config) { c.Volumes = vols })
+	v, err := vols.Create(ctx, "data")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := create(t, n, CreateRequest{TemplateID: "minimal", Volumes: []VolumeMount{{VolumeID: v.ID, Name: v.Name, Path: "/mnt/v"}}})
+	guestRun(t, s, "", "echo before restart > /mnt/v/f")
+	n.Close()
+	vols.Close()
+
+	vols = openVolumes(t, vdir)
+	n = openTestNodeIn(t, dir, slot, func(c *Config) { c.Volumes = vols })
+	defer n.Close()
+	if _, err := readVolumeFile(t, vols, v.ID, "/f"); !errors.Is(err, ErrConflict) {
+		t.Fatalf("after the restart the host reads the mounted volume: %v", err)
+	}
+	guestRun(t, s, "", "echo after restart >> /mnt/v/f")
+	if err := n.Kill(ctx, s.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := readVolumeFile(t, vols, v.ID, "/f"); err != nil || got != "before restart\nafter restart\n" {
+		t.Fatalf("after the kill: %q %v", got, err)
 	}
 }

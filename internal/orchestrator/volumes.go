@@ -7,12 +7,16 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"path"
+	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/guestexec"
 	"github.com/agentenv/agentenv/internal/sandboxes"
+	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
@@ -22,8 +26,12 @@ import (
 // host closes it: its filesystem has one writer), gets its disk in a slot,
 // and has its envd mount it; the sandbox's record holds the volumes, in the
 // same transaction as the rest of it, until it is gone. A paused sandbox
-// keeps them (its memory has them mounted); forks and snapshots of a
-// sandbox with volumes are refused until their disks can be frozen with it.
+// keeps them (its memory has them mounted). A fork copies each volume's
+// disk into the snapshot while the parent is stopped (reflinked where the
+// filesystem can); every child mounts its own copy-on-write overlay of
+// that copy (its writes are its own and go with it), the parent the volume.
+// A named snapshot keeps such copies too (and takes them to the
+// repository): each sandbox made from it mounts its own overlay of them.
 
 // VolumeSlots is how many volume slots a new machine has.
 const VolumeSlots = 4
@@ -50,20 +58,23 @@ var forbiddenMountRoots = []string{"/proc", "/sys", "/dev", "/run", "/boot", "/e
 
 // validateMounts checks the volume mounts of a create against each other,
 // the node and the machine the sandbox gets (slots of its saved state).
-func (n *Node) validateMounts(mounts []VolumeMount, slots int) error {
+func (n *Node) validateMounts(mounts []VolumeMount, slots int, have []sandboxes.VolumeMount) error {
 	if len(mounts) == 0 {
 		return nil
 	}
 	if n.cfg.Volumes == nil {
 		return fmt.Errorf("%w: this node has no volumes", ErrInvalid)
 	}
-	if len(mounts) > slots {
-		if slots == 0 {
-			return fmt.Errorf("%w: volumeMounts: the sandbox's machine was saved without volume slots (a template snapshot or snapshot made before volumes could be mounted); rebuild the template", ErrInvalid)
-		}
-		return fmt.Errorf("%w: volumeMounts: %d volumes, a sandbox mounts at most %d", ErrInvalid, len(mounts), slots)
+	switch free := slots - len(have); {
+	case slots == 0:
+		return fmt.Errorf("%w: volumeMounts: the sandbox's machine was saved without volume slots (a template snapshot or snapshot made before volumes could be mounted); rebuild the template", ErrInvalid)
+	case len(mounts) > free:
+		return fmt.Errorf("%w: volumeMounts: %d volumes, the sandbox has room for %d (of %d)", ErrInvalid, len(mounts), free, slots)
 	}
 	paths, ids := map[string]bool{}, map[string]bool{}
+	for _, v := range have { // a snapshot's copies
+		paths[v.Path] = true
+	}
 	for _, m := range mounts {
 		if err := checkMountPath(m.Path); err != nil {
 			return err
@@ -94,14 +105,24 @@ func checkMountPath(p string) error {
 	return nil
 }
 
-// lendVolumes borrows the volumes of mounts for s, in slot order,
-// recording in s.Volumes each one borrowed (destroy gives those back).
+// lendVolumes borrows the volumes of mounts for s, each into the next slot
+// s's volumes (a snapshot's copies) leave free, recording in s.Volumes each
+// one borrowed (destroy gives those back).
 func (n *Node) lendVolumes(ctx context.Context, s *sandboxes.Sandbox, mounts []VolumeMount) error {
-	for i, m := range mounts {
+	used := map[int]bool{}
+	for _, v := range s.Volumes {
+		used[v.Slot] = true
+	}
+	slot := 0
+	for _, m := range mounts {
+		for used[slot] {
+			slot++
+		}
 		if _, err := n.cfg.Volumes.Lend(ctx, m.VolumeID, s.ID); err != nil {
 			return err
 		}
-		s.Volumes = append(s.Volumes, sandboxes.VolumeMount{VolumeID: m.VolumeID, Name: m.Name, Path: m.Path, Slot: i})
+		s.Volumes = append(s.Volumes, sandboxes.VolumeMount{VolumeID: m.VolumeID, Name: m.Name, Path: m.Path, Slot: slot})
+		used[slot] = true
 	}
 	return nil
 }
@@ -109,8 +130,68 @@ func (n *Node) lendVolumes(ctx context.Context, s *sandboxes.Sandbox, mounts []V
 // returnVolumes gives back the volumes of a sandbox that is gone.
 func (n *Node) returnVolumes(s *sandboxes.Sandbox) {
 	for _, v := range s.Volumes {
-		n.cfg.Volumes.Return(v.VolumeID)
+		if !v.Copy {
+			n.cfg.Volumes.Return(v.VolumeID)
+		}
 	}
+}
+
+// volumeCopyName is the file of a copy of the volume in slot i (in a
+// snapshot, and a child's overlay of it in the child's directory).
+func volumeCopyName(slot int) string { return fmt.Sprintf("volume-%d.qcow2", slot) }
+
+// copyVolumes copies the disks of a stopped sandbox's volume slots into
+// dir (a snapshot being made), read-only.
+func (n *Node) copyVolumes(s *sandboxes.Sandbox, dir string) error {
+	for slot, disk := range n.volumeDisks(s) {
+		if disk == "" {
+			continue
+		}
+		dst := filepath.Join(dir, volumeCopyName(slot))
+		tmp := dst + ".tmp"
+		if _, err := storage.CloneFile(disk, tmp); err != nil {
+			os.Remove(tmp)
+			return fmt.Errorf("copy volume slot %d: %w", slot, err)
+		}
+		if err := storage.SyncFile(tmp); err != nil {
+			return err
+		}
+		if err := os.Chmod(tmp, 0o400); err != nil {
+			return err
+		}
+		if err := os.Rename(tmp, dst); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// volumeOverlays gives a sandbox restored from snapshot snapID its own
+// overlays of the snapshot's copies of the volumes it has copies of.
+func (n *Node) volumeOverlays(ctx context.Context, s *sandboxes.Sandbox, snapID string) error {
+	for _, v := range s.Volumes {
+		if !v.Copy {
+			continue
+		}
+		overlay := filepath.Join(n.sandboxDir(s.ID), volumeCopyName(v.Slot))
+		_ = os.Remove(overlay)
+		if err := storage.CreateOverlay(ctx, filepath.Join(n.snapshotDir(snapID), volumeCopyName(v.Slot)), overlay, 0); err != nil {
+			return fmt.Errorf("volume %s: %w", v.Name, err)
+		}
+	}
+	return nil
+}
+
+// asCopies are the volume mounts of a child of a sandbox mounting vols.
+func asCopies(vols []sandboxes.VolumeMount) []sandboxes.VolumeMount {
+	if len(vols) == 0 {
+		return nil
+	}
+	out := slices.Clone(vols)
+	for i := range out {
+		out[i].Copy = true
+	}
+	return out
 }
 
 // volumeDisks are the disks of s's volume slots, by slot ("": empty; a
@@ -121,7 +202,11 @@ func (n *Node) volumeDisks(s *sandboxes.Sandbox) []string {
 		for len(disks) <= v.Slot {
 			disks = append(disks, "")
 		}
-		disks[v.Slot] = n.cfg.Volumes.Disk(v.VolumeID)
+		if v.Copy {
+			disks[v.Slot] = filepath.Join(n.sandboxDir(s.ID), volumeCopyName(v.Slot))
+		} else {
+			disks[v.Slot] = n.cfg.Volumes.Disk(v.VolumeID)
+		}
 	}
 	return disks
 }
@@ -171,8 +256,8 @@ const volumeFlushTimeout = 10 * time.Second
 // everything QEMU holds of its disks.
 func (n *Node) flushVolumes(ctx context.Context, s *sandboxes.Sandbox) {
 	m := n.machines.get(s.ID)
-	if len(s.Volumes) == 0 || !alive(m) {
-		return
+	if !slices.ContainsFunc(s.Volumes, func(v sandboxes.VolumeMount) bool { return !v.Copy }) || !alive(m) {
+		return // (a copy goes with the sandbox)
 	}
 	if s.State == sandboxes.Running || s.State == sandboxes.Killing {
 		sctx, cancel := context.WithTimeout(ctx, volumeFlushTimeout)
@@ -195,17 +280,12 @@ func (n *Node) holdRecordedVolumes(ctx context.Context, all []*sandboxes.Sandbox
 	}
 	for _, s := range all {
 		for _, v := range s.Volumes {
+			if v.Copy {
+				continue
+			}
 			if _, err := n.cfg.Volumes.Lend(ctx, v.VolumeID, s.ID); err != nil {
 				n.log.Error("a sandbox's volume could not be held", "sandbox", s.ID, "volume", v.Name, "err", err)
 			}
 		}
 	}
-}
-
-// refuseWithVolumes refuses op on a sandbox that has volumes mounted.
-func refuseWithVolumes(s *sandboxes.Sandbox, op string) error {
-	if len(s.Volumes) == 0 {
-		return nil
-	}
-	return fmt.Errorf("%w: sandbox %s has volumes mounted (%s); %s of a sandbox with volumes is not served yet", ErrInvalid, s.ID, s.Volumes[0].Name, op)
 }

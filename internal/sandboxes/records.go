@@ -232,12 +232,16 @@ func volumesJSON(v []VolumeMount) string {
 }
 
 // holdVolumes records, within tx, that s holds the volumes it mounts (and
-// no others): a volume another sandbox holds is errkind.ErrConflict.
+// no others; copies of a volume hold nothing): a volume another sandbox
+// holds is errkind.ErrConflict.
 func holdVolumes(ctx context.Context, tx *sql.Tx, s *Sandbox) error {
 	if _, err := tx.ExecContext(ctx, `DELETE FROM sandbox_volumes WHERE sandbox_id = ?`, s.ID); err != nil {
 		return err
 	}
 	for _, v := range s.Volumes {
+		if v.Copy {
+			continue
+		}
 		var other string
 		err := tx.QueryRowContext(ctx, `SELECT sandbox_id FROM sandbox_volumes WHERE volume_id = ?`, v.VolumeID).Scan(&other)
 		if err == nil {

@@ -83,6 +83,10 @@ type VolumeMount struct {
 	Path string `json:"path"`
 	// Slot is the machine's volume slot holding its disk.
 	Slot int `json:"slot"`
+	// Copy: the slot holds the sandbox's own copy-on-write copy of the
+	// volume as it was when the sandbox was forked from its parent, not
+	// the volume (which the sandbox then does not hold).
+	Copy bool `json:"copy,omitempty"`
 }
 
 // Phase is one timed step of an operation.

@@ -164,3 +164,64 @@ async def test_async_volume_mounted():
         assert await vol.read_file("/a.txt") == "async\n"
     finally:
         await AsyncVolume.destroy(vol.volume_id)
+
+
+def test_fork_of_a_sandbox_with_a_volume():
+    """Children of a fork each get a copy-on-write copy of the volume as the
+    parent had it; their writes stay theirs, the volume stays the parent's."""
+    from e2b import Sandbox
+
+    vol = Volume.create(name())
+    try:
+        parent = Sandbox.create(TEMPLATE, timeout=300, volume_mounts={"/mnt/v": vol})
+        children = []
+        try:
+            parent.commands.run("echo parent > /mnt/v/p.txt")
+            results = parent.fork(count=2, timeout=120)
+            children = [r for r in results if not isinstance(r, Exception)]
+            assert len(children) == 2, results
+            for i, c in enumerate(children):
+                assert c.commands.run("cat /mnt/v/p.txt").stdout == "parent\n"
+                c.commands.run(f"echo child {i} > /mnt/v/c.txt")
+                assert c.get_info().volume_mounts == [{"name": vol.name, "path": "/mnt/v"}]
+            assert [c.commands.run("cat /mnt/v/c.txt").stdout for c in children] == ["child 0\n", "child 1\n"]
+            assert parent.commands.run("ls /mnt/v").stdout.split() == ["lost+found", "p.txt"]
+            parent.commands.run("echo more >> /mnt/v/p.txt")
+            assert children[0].commands.run("cat /mnt/v/p.txt").stdout == "parent\n"
+        finally:
+            for c in children:
+                c.kill()
+            parent.kill()
+        assert vol.read_file("/p.txt") == "parent\nmore\n"
+        assert not vol.exists("/c.txt")
+    finally:
+        Volume.destroy(vol.volume_id)
+
+
+def test_snapshot_of_a_sandbox_with_a_volume():
+    """A snapshot keeps the volume as it was; a sandbox made from it mounts
+    its own copy, and the volume goes on as its sandbox writes it."""
+    from e2b import Sandbox
+
+    vol = Volume.create(name())
+    snap = None
+    try:
+        sbx = Sandbox.create(TEMPLATE, timeout=300, volume_mounts={"/mnt/v": vol})
+        try:
+            sbx.commands.run("echo at snapshot > /mnt/v/s.txt")
+            snap = sbx.create_snapshot().snapshot_id
+            sbx.commands.run("echo later > /mnt/v/s.txt")
+            restored = Sandbox.create(snap, timeout=120)
+            try:
+                assert restored.commands.run("cat /mnt/v/s.txt").stdout == "at snapshot\n"
+                restored.commands.run("echo restored > /mnt/v/s.txt")
+            finally:
+                restored.kill()
+            assert sbx.commands.run("cat /mnt/v/s.txt").stdout == "later\n"
+        finally:
+            sbx.kill()
+        assert vol.read_file("/s.txt") == "later\n"
+    finally:
+        if snap:
+            Sandbox.delete_snapshot(snap)
+        Volume.destroy(vol.volume_id)
