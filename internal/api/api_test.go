@@ -374,15 +374,19 @@ func TestPauseResumeConnect(t *testing.T) {
 		body   string
 		status int
 		state  string
+		// mode is the detail's pauseMode ("": absent).
+		mode string
 	}{
-		{"pause", "/sandboxes/" + id + "/pause", `{"memory":true}`, 204, "paused"},
-		{"pause again conflicts", "/sandboxes/" + id + "/pause", ``, 409, "paused"},
-		{"timeout of a paused sandbox conflicts", "/sandboxes/" + id + "/timeout", `{"timeout":10}`, 409, "paused"},
-		{"connect resumes", "/v2/sandboxes/" + id + "/connect", `{"timeout":500}`, 201, "running"},
-		{"connect running", "/v2/sandboxes/" + id + "/connect", `{}`, 200, "running"},
-		{"pause for resume", "/sandboxes/" + id + "/pause", ``, 204, "paused"},
-		{"resume", "/sandboxes/" + id + "/resume", `{"timeout":30}`, 201, "running"},
-		{"resume running conflicts", "/sandboxes/" + id + "/resume", `{}`, 409, "running"},
+		{"pause", "/sandboxes/" + id + "/pause", `{"memory":true}`, 204, "paused", "full"},
+		{"pause again conflicts", "/sandboxes/" + id + "/pause", ``, 409, "paused", "full"},
+		{"timeout of a paused sandbox conflicts", "/sandboxes/" + id + "/timeout", `{"timeout":10}`, 409, "paused", "full"},
+		{"connect resumes", "/v2/sandboxes/" + id + "/connect", `{"timeout":500}`, 201, "running", ""},
+		{"connect running", "/v2/sandboxes/" + id + "/connect", `{}`, 200, "running", ""},
+		{"pause without memory", "/sandboxes/" + id + "/pause", `{"memory":false}`, 204, "paused", "filesystem"},
+		{"connect boots it", "/v2/sandboxes/" + id + "/connect", `{"timeout":500}`, 201, "running", ""},
+		{"pause for resume", "/sandboxes/" + id + "/pause", ``, 204, "paused", "full"},
+		{"resume", "/sandboxes/" + id + "/resume", `{"timeout":30}`, 201, "running", ""},
+		{"resume running conflicts", "/sandboxes/" + id + "/resume", `{}`, 409, "running", ""},
 	}
 	for _, st := range steps {
 		t.Run(st.name, func(t *testing.T) {
@@ -401,6 +405,11 @@ func TestPauseResumeConnect(t *testing.T) {
 			}
 			if got := state(); got != st.state {
 				t.Fatalf("state %s, want %s", got, st.state)
+			}
+			var detail map[string]any
+			_ = json.Unmarshal(a.do("GET", "/sandboxes/"+id, "").Body.Bytes(), &detail)
+			if mode, _ := detail["pauseMode"].(string); mode != st.mode {
+				t.Fatalf("pauseMode %q, want %q", mode, st.mode)
 			}
 		})
 	}

@@ -147,15 +147,23 @@ func (f *fakeNode) Pause(ctx context.Context, id string) (*sandboxes.Sandbox, er
 	if sb.State != sandboxes.Running {
 		return nil, fmt.Errorf("%w: sandbox %s is %s", orchestrator.ErrConflict, id, sb.State)
 	}
-	sb.State = sandboxes.Paused
+	sb.State, sb.PauseMode = sandboxes.Paused, sandboxes.PauseFull
 	f.mutations++
 	cp := *sb
 	return &cp, nil
 }
 
-// PauseFilesystem pauses as Pause does (the fake keeps no memory anyway).
+// PauseFilesystem pauses as Pause does (the fake keeps no memory anyway)
+// but for the mode it reports.
 func (f *fakeNode) PauseFilesystem(ctx context.Context, id string) (*sandboxes.Sandbox, error) {
-	return f.Pause(ctx, id)
+	sb, err := f.Pause(ctx, id)
+	if err == nil {
+		f.mu.Lock()
+		f.sandboxes[id].PauseMode = sandboxes.PauseFilesystem
+		sb.PauseMode = sandboxes.PauseFilesystem
+		f.mu.Unlock()
+	}
+	return sb, err
 }
 
 func (f *fakeNode) ResumeWith(ctx context.Context, id string, opts orchestrator.ResumeOptions) (*sandboxes.Sandbox, error) {
@@ -172,7 +180,7 @@ func (f *fakeNode) ResumeWith(ctx context.Context, id string, opts orchestrator.
 	if timeout == 0 {
 		timeout = 5 * time.Minute
 	}
-	sb.State = sandboxes.Running
+	sb.State, sb.PauseMode = sandboxes.Running, ""
 	sb.EndAt = time.Now().Add(timeout).UTC()
 	f.mutations++
 	cp := *sb

@@ -170,6 +170,10 @@ func (s *Server) detailBody(sb *sandboxes.Sandbox) apispec.SandboxDetail {
 		t := sb.AccessToken
 		out.EnvdAccessToken = &t
 	}
+	if sb.State == sandboxes.Paused && sb.PauseMode != "" {
+		m := apispec.SandboxDetailPauseMode(sb.PauseMode)
+		out.PauseMode = &m
+	}
 	return out
 }
 

@@ -43,6 +43,24 @@ func (e NodeStatus) Valid() bool {
 	}
 }
 
+// Defines values for SandboxDetailPauseMode.
+const (
+	Filesystem SandboxDetailPauseMode = "filesystem"
+	Full       SandboxDetailPauseMode = "full"
+)
+
+// Valid indicates whether the value is a known member of the SandboxDetailPauseMode enum.
+func (e SandboxDetailPauseMode) Valid() bool {
+	switch e {
+	case Filesystem:
+		return true
+	case Full:
+		return true
+	default:
+		return false
+	}
+}
+
 // Defines values for SandboxDetailState.
 const (
 	SandboxDetailStatePaused  SandboxDetailState = "paused"
@@ -577,13 +595,19 @@ type SandboxDetail struct {
 	Metadata            map[string]string `json:"metadata"`
 
 	// Network The sandbox's egress rules (denyOut holds 0.0.0.0/0 when internet access is off)
-	Network      *SandboxNetwork       `json:"network,omitempty"`
-	SandboxID    string                `json:"sandboxID"`
-	StartedAt    time.Time             `json:"startedAt"`
-	State        SandboxDetailState    `json:"state"`
-	TemplateID   string                `json:"templateID"`
-	VolumeMounts *[]SandboxVolumeMount `json:"volumeMounts,omitempty"`
+	Network *SandboxNetwork `json:"network,omitempty"`
+
+	// PauseMode What a paused sandbox's pause kept: full (memory and disk; a resume goes on where it stopped) or filesystem (the disk; a resume boots it). Sent for paused sandboxes once their pause has finished.
+	PauseMode    *SandboxDetailPauseMode `json:"pauseMode,omitempty"`
+	SandboxID    string                  `json:"sandboxID"`
+	StartedAt    time.Time               `json:"startedAt"`
+	State        SandboxDetailState      `json:"state"`
+	TemplateID   string                  `json:"templateID"`
+	VolumeMounts *[]SandboxVolumeMount   `json:"volumeMounts,omitempty"`
 }
+
+// SandboxDetailPauseMode What a paused sandbox's pause kept: full (memory and disk; a resume goes on where it stopped) or filesystem (the disk; a resume boots it). Sent for paused sandboxes once their pause has finished.
+type SandboxDetailPauseMode string
 
 // SandboxDetailState defines model for SandboxDetail.State.
 type SandboxDetailState string

@@ -377,6 +377,14 @@ func (n *Node) Get(ctx context.Context, id string) (*sandboxes.Sandbox, error) {
 	if s.State == sandboxes.Pooled {
 		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
 	}
+	if s.State == sandboxes.Paused {
+		if rec, err := readPauseRecord(n.sandboxDir(id)); err == nil {
+			s.PauseMode = sandboxes.PauseFull
+			if rec.FilesystemOnly {
+				s.PauseMode = sandboxes.PauseFilesystem
+			}
+		}
+	}
 	return n.withAddr(s), nil
 }
 

@@ -34,7 +34,7 @@ func TestPauseResume(t *testing.T) {
 	}
 	t.Logf("pause phases: %v", p.Phases)
 	got, _ := n.Get(ctx, s.ID)
-	if got.State != sandboxes.Paused || got.PID != 0 {
+	if got.State != sandboxes.Paused || got.PID != 0 || got.PauseMode != sandboxes.PauseFull {
 		t.Fatalf("after pause: %+v", got)
 	}
 	if err := unixKill0(s.PID); err == nil {
@@ -167,7 +167,7 @@ func TestPauseWithoutMemory(t *testing.T) {
 		t.Fatal(err)
 	}
 	got, _ := n.Get(ctx, s.ID)
-	if got.State != sandboxes.Paused || got.PID != 0 || got.MemFile != "" || got.MemPrivate {
+	if got.State != sandboxes.Paused || got.PID != 0 || got.MemFile != "" || got.MemPrivate || got.PauseMode != sandboxes.PauseFilesystem {
 		t.Fatalf("after the pause: %+v", got)
 	}
 	sdir := n.sandboxDir(s.ID)

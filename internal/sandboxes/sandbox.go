@@ -65,6 +65,10 @@ type Sandbox struct {
 	// Volumes the volumes mounted in them.
 	VolumeSlots int
 	Volumes     []VolumeMount
+	// PauseMode is what a paused sandbox's pause kept: PauseFull (memory
+	// and disk) or PauseFilesystem; "" while unknown (set from the pause's
+	// own record by the node; not a column).
+	PauseMode string
 	// EnvdAddr is host:port where the node reaches the sandbox's envd, and
 	// EnvdVersion the version of that envd (the one the node's initramfs
 	// carries; not persisted).
@@ -74,6 +78,12 @@ type Sandbox struct {
 	// (set by a create; not persisted).
 	Phases []Phase
 }
+
+// Pause modes (E2B's SandboxPauseMode).
+const (
+	PauseFull       = "full"
+	PauseFilesystem = "filesystem"
+)
 
 // VolumeMount is a volume mounted in a sandbox.
 type VolumeMount struct {
