@@ -55,6 +55,8 @@ type Node interface {
 	// SetNetwork replaces what a sandbox's guest may reach.
 	SetNetwork(ctx context.Context, id string, internet bool, egress network.Egress) (*sandboxes.Sandbox, error)
 	Snapshot(ctx context.Context, id, name string) (*orchestrator.NamedSnapshot, error)
+	// SnapshotFilesystem snapshots a running sandbox's filesystem alone.
+	SnapshotFilesystem(ctx context.Context, id, name string) (*orchestrator.NamedSnapshot, error)
 	Snapshots() ([]*orchestrator.NamedSnapshot, error)
 	DeleteSnapshot(ctx context.Context, name string) error
 	// ConsoleLog returns at most the last maxBytes of a sandbox's guest

@@ -234,6 +234,17 @@ var _ Node = (*orchestrator.Node)(nil)
 func (f *fakeNode) Snapshot(ctx context.Context, id, name string) (*orchestrator.NamedSnapshot, error) {
 	return nil, fmt.Errorf("%w: the fake node keeps no snapshots", orchestrator.ErrConflict)
 }
+func (f *fakeNode) SnapshotFilesystem(ctx context.Context, id, name string) (*orchestrator.NamedSnapshot, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, ok := f.sandboxes[id]; !ok {
+		return nil, fmt.Errorf("%w: sandbox %s", orchestrator.ErrNotFound, id)
+	}
+	ns := &orchestrator.NamedSnapshot{Name: name, SnapshotID: "snap-fs-" + name, SandboxID: id, FilesystemOnly: true, CreatedAt: time.Now().UTC()}
+	f.snaps = append(f.snaps, ns)
+	f.mutations++
+	return ns, nil
+}
 func (f *fakeNode) Snapshots() ([]*orchestrator.NamedSnapshot, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()

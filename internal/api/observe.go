@@ -224,17 +224,17 @@ func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	if body.Memory != nil && !*body.Memory {
-		writeError(w, http.StatusBadRequest, "memory: false (a snapshot of the filesystem only) is not supported yet; snapshots keep the sandbox's memory")
-		return
-	}
 	name := "snap-" + id
 	if body.Name != nil {
 		name = *body.Name
 	} else {
 		name += "-" + strconv.FormatInt(time.Now().UnixMilli(), 36)
 	}
-	ns, err := s.node.Snapshot(r.Context(), id, name)
+	snapshot := s.node.Snapshot
+	if body.Memory != nil && !*body.Memory { // E2B's mode "filesystem"
+		snapshot = s.node.SnapshotFilesystem
+	}
+	ns, err := snapshot(r.Context(), id, name)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return

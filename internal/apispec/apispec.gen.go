@@ -947,7 +947,7 @@ type ResumeSandboxJSONBody struct {
 
 // SnapshotSandboxJSONBody defines parameters for SnapshotSandbox.
 type SnapshotSandboxJSONBody struct {
-	// Memory false (a snapshot of the filesystem only, SDK mode filesystem) is refused (400) for now
+	// Memory false snapshots the filesystem only (SDK mode filesystem): the guest syncs, its disk and volumes are copied while its vCPUs stop briefly, and it runs on; sandboxes made from the snapshot boot from that disk (no processes or memory of the source), in any size. Default true.
 	Memory *bool `json:"memory,omitempty"`
 
 	// Name Default: snap-<sandboxID>-<time>

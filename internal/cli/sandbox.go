@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/apispec"
+	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/spf13/cobra"
 )
 
@@ -38,7 +39,7 @@ func createCmd() *cobra.Command {
 		conn                 connection
 		timeout              time.Duration
 		cpu, memMB           int
-		env, meta            []string
+		env, meta, volumes   []string
 		noAutoPause, noInet  bool
 		secure, printJSONOut bool
 	)
@@ -47,7 +48,8 @@ func createCmd() *cobra.Command {
 		Short: "Create a sandbox and print its id",
 		Example: `  aenv create base
   id=$(aenv create base --timeout 1h --env API_URL=http://x --metadata job=42)
-  aenv create base --cpu 2 --memory 1024 --no-auto-pause -o json`,
+  aenv create base --cpu 2 --memory 1024 --no-auto-pause -o json
+  aenv create base --volume data:/mnt/data`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := conn.client()
@@ -78,6 +80,17 @@ func createCmd() *cobra.Command {
 			if noInet {
 				body["allow_internet_access"] = false
 			}
+			if len(volumes) > 0 {
+				mounts := make([]apispec.SandboxVolumeMount, 0, len(volumes))
+				for _, v := range volumes {
+					name, path, ok := strings.Cut(v, ":")
+					if !ok || name == "" || path == "" {
+						return fmt.Errorf("%w: --volume %q: want NAME:PATH", errkind.ErrInvalid, v)
+					}
+					mounts = append(mounts, apispec.SandboxVolumeMount{Name: name, Path: path})
+				}
+				body["volumeMounts"] = mounts
+			}
 			var sb apispec.Sandbox
 			if err := c.do(cmd.Context(), "POST", "/sandboxes", body, &sb); err != nil {
 				return err
@@ -97,6 +110,7 @@ func createCmd() *cobra.Command {
 	cmd.Flags().StringArrayVar(&meta, "metadata", nil, "metadata KEY=VALUE (repeatable; `aenv ls --metadata` filters by it)")
 	cmd.Flags().BoolVar(&noAutoPause, "no-auto-pause", false, "kill the sandbox when its time runs out instead of pausing it")
 	cmd.Flags().BoolVar(&noInet, "no-internet", false, "block all egress from the sandbox")
+	cmd.Flags().StringArrayVar(&volumes, "volume", nil, "mount volume NAME at PATH in the guest, as NAME:PATH (repeatable, up to 4)")
 	cmd.Flags().BoolVar(&secure, "secure", true, "require the sandbox's access token for envd traffic")
 	jsonFlag(cmd, &printJSONOut)
 	return cmd

@@ -48,12 +48,16 @@ func (n *Node) exportSnapshot(ctx context.Context, ns *NamedSnapshot) error {
 		return err
 	}
 	defer os.RemoveAll(stage)
-	// An incremental snapshot goes with the RAM image it is relative to.
+	// An incremental snapshot goes with the RAM image it is relative to (a
+	// filesystem snapshot has neither RAM nor state).
 	image, hasRAM, err := n.snapshotRAM(ns.SnapshotID)
 	if err != nil {
 		return err
 	}
 	for _, f := range [][2]string{{image, snapMemName}, {filepath.Join(sdir, snapStateName), snapStateName}} {
+		if ns.FilesystemOnly {
+			break
+		}
 		if err := os.Link(f[0], filepath.Join(stage, f[1])); err != nil {
 			return fmt.Errorf("export snapshot %s: %w", ns.Name, err)
 		}
@@ -163,13 +167,16 @@ func (n *Node) importSnapshot(ctx context.Context, name string) (*NamedSnapshot,
 			return nil, fmt.Errorf("%w: snapshot %q: volume %s: %v", ErrCorrupt, name, v.Name, err)
 		}
 	}
-	sum, err := store.FileSHA256(filepath.Join(stage, snapStateName))
-	if err != nil {
-		return nil, err
+	sum := ""
+	if !rec.FilesystemOnly {
+		if sum, err = store.FileSHA256(filepath.Join(stage, snapStateName)); err != nil {
+			return nil, err
+		}
 	}
 	if err := storage.WriteJSONAtomic(filepath.Join(stage, snapManifestName), snapshotManifest{
 		ID: snapID, SandboxID: rec.SandboxID, TemplateID: rec.TemplateID, ParentLayer: t.RootDisk,
 		MemoryMiB: rec.MemoryMiB, StateSHA256: sum, CreatedAt: time.Now().UTC(), StateHasRAM: rec.StateHasRAM,
+		FilesystemOnly: rec.FilesystemOnly,
 	}, 0o600); err != nil {
 		return nil, err
 	}

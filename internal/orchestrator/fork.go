@@ -57,6 +57,9 @@ type snapshotManifest struct {
 	StateHasRAM bool `json:"stateHasRAM,omitempty"`
 	// DiffPages is how many pages of RAM an incremental snapshot wrote.
 	DiffPages int64 `json:"diffPages,omitempty"`
+	// FilesystemOnly: the snapshot is a disk (and volumes) alone, with no
+	// memory or device state.
+	FilesystemOnly bool `json:"filesystemOnly,omitempty"`
 }
 
 func (n *Node) snapshotDir(id string) string { return filepath.Join(n.cfg.DataDir, snapshotsDir, id) }

@@ -103,26 +103,31 @@ func (n *Node) snapshotLive(o *operation.Op, s *sandboxes.Sandbox) (string, *sto
 	}
 	phase("resume vcpus")
 	// (The state file was synced as it was written.)
-	if err := o.Do("commit", func(ctx context.Context) error {
-		disk := filepath.Join(stage, snapDiskName)
-		if err := storage.SyncFile(disk); err != nil {
-			return err
-		}
-		if err := os.Chmod(disk, 0o400); err != nil {
-			return err
-		}
-		if err := storage.WriteJSONAtomic(filepath.Join(stage, snapManifestName), man, 0o600); err != nil {
-			return err
-		}
-		if err := os.Rename(stage, sdir); err != nil {
-			return err
-		}
-		return storage.SyncDir(filepath.Dir(sdir))
-	}); err != nil {
+	if err := o.Do("commit", func(context.Context) error { return commitStage(stage, sdir, man) }); err != nil {
 		return "", nil, err
 	}
 	phase("commit")
 	o.Settle()
 	n.log.Info("incremental snapshot", "sandbox", s.ID, "snapshot", snapID, "pages", pages, "of", sent, "phases", s.Phases)
 	return snapID, lease, nil
+}
+
+// commitStage publishes a snapshot assembled in stage as sdir: its disk
+// made durable and read-only, its manifest written last, the directory
+// renamed into place.
+func commitStage(stage, sdir string, man snapshotManifest) error {
+	disk := filepath.Join(stage, snapDiskName)
+	if err := storage.SyncFile(disk); err != nil {
+		return err
+	}
+	if err := os.Chmod(disk, 0o400); err != nil {
+		return err
+	}
+	if err := storage.WriteJSONAtomic(filepath.Join(stage, snapManifestName), man, 0o600); err != nil {
+		return err
+	}
+	if err := os.Rename(stage, sdir); err != nil {
+		return err
+	}
+	return storage.SyncDir(filepath.Dir(sdir))
 }

@@ -108,7 +108,10 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 			named, err = ns, nil
 			t = &Template{Name: ns.Name, VCPUs: ns.VCPUs, MemoryMiB: ns.MemoryMiB, DiskMiB: ns.DiskMiB, DefaultUser: ns.DefaultUser,
 				DefaultWorkdir: ns.DefaultWorkdir}
-			if (req.VCPUs != 0 && req.VCPUs != ns.VCPUs) || (req.MemoryMiB != 0 && req.MemoryMiB != ns.MemoryMiB) {
+			if ns.FilesystemOnly {
+				// Booted from the snapshot's disk: any size will do.
+				t.RootDisk = filepath.Join(n.snapshotDir(ns.SnapshotID), snapDiskName)
+			} else if (req.VCPUs != 0 && req.VCPUs != ns.VCPUs) || (req.MemoryMiB != 0 && req.MemoryMiB != ns.MemoryMiB) {
 				return nil, fmt.Errorf("%w: snapshot %s has %d vCPUs and %d MiB; its size cannot change", ErrInvalid, ns.Name, ns.VCPUs, ns.MemoryMiB)
 			}
 		}
@@ -176,6 +179,9 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 	fromTemplateSnapshot := named == nil && !req.noSnapshot && tsErr == nil &&
 		ts.VCPUs == s.VCPUs && ts.MemoryMiB == s.MemoryMiB && s.DiskMiB == t.DiskMiB
 	switch {
+	case named != nil && named.FilesystemOnly:
+		s.SnapshotID, s.VolumeSlots = named.SnapshotID, VolumeSlots
+		s.Volumes = slices.Clone(named.Volumes) // copies, mounted once it booted
 	case named != nil:
 		s.SnapshotID, s.VolumeSlots = named.SnapshotID, named.VolumeSlots
 		s.Volumes = slices.Clone(named.Volumes) // copies: its memory has them mounted
@@ -236,6 +242,9 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 	case pooled != nil:
 		how = "pre-started template snapshot"
 		err = o.Do("claim-pooled", func(ctx context.Context) error { return n.claimPooled(ctx, s) })
+	case named != nil && named.FilesystemOnly:
+		how = "filesystem snapshot " + named.Name
+		err = o.Do("boot", func(ctx context.Context) error { return n.boot(ctx, s, t) })
 	case named != nil:
 		how = "snapshot " + named.Name
 		// The sandbox maps the snapshot's RAM image copy-on-write, sharing
@@ -285,6 +294,9 @@ func (n *Node) boot(ctx context.Context, s *sandboxes.Sandbox, t *Template) erro
 	phase := s.PhaseTimer()
 	overlay := filepath.Join(dir, overlayName)
 	if err := storage.CreateOverlay(ctx, t.RootDisk, overlay, s.DiskMiB); err != nil {
+		return err
+	}
+	if err := n.volumeOverlays(ctx, s, s.SnapshotID); err != nil { // a filesystem snapshot's copies
 		return err
 	}
 	phase("disk overlay")
@@ -404,20 +416,26 @@ func initEnvdAs(ctx context.Context, addr string, s *sandboxes.Sandbox, authToke
 	if s.DefaultWorkdir != "" { // the template's last WORKDIR
 		body["defaultWorkdir"] = s.DefaultWorkdir
 	}
+	return postEnvd(ctx, addr, "/init", authToken, body)
+}
+
+// postEnvd POSTs body as JSON to path of the envd at addr (with token, if
+// any) and fails unless it answers 2xx.
+func postEnvd(ctx context.Context, addr, path, token string, body any) error {
 	b, _ := json.Marshal(body)
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr+"/init", bytes.NewReader(b))
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr+path, bytes.NewReader(b))
 	req.Header.Set("Content-Type", "application/json")
-	if authToken != "" {
-		req.Header.Set("X-Access-Token", authToken)
+	if token != "" {
+		req.Header.Set("X-Access-Token", token)
 	}
 	resp, err := envdHTTP.Do(req)
 	if err != nil {
-		return fmt.Errorf("envd /init: %w", err)
+		return fmt.Errorf("envd %s: %w", path, err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode/100 != 2 {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
-		return fmt.Errorf("envd /init answered %d: %s", resp.StatusCode, strings.TrimSpace(string(msg)))
+		return fmt.Errorf("envd %s answered %d: %s", path, resp.StatusCode, strings.TrimSpace(string(msg)))
 	}
 	return nil
 }

@@ -52,6 +52,9 @@ type NamedSnapshot struct {
 	// gives rules of its own.
 	NoInternet bool           `json:"noInternet,omitempty"`
 	Egress     network.Egress `json:"egress,omitzero"`
+	// FilesystemOnly: the snapshot is the sandbox's disk (and volumes)
+	// alone; sandboxes made from it boot.
+	FilesystemOnly bool `json:"filesystemOnly,omitempty"`
 	// VolumeSlots is the snapshotted machine's number of volume slots, and
 	// Volumes the volumes it had mounted, whose disks as they were are in
 	// the snapshot (sandboxes made from it mount copy-on-write copies).
@@ -88,6 +91,18 @@ func (n *Node) forgetSnapshotName(ctx context.Context, name string) error {
 // caller does; when the sandbox cannot run on afterwards, the snapshot is
 // kept and the sandbox rests paused at it.
 func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, error) {
+	return n.snapshot(ctx, id, name, true)
+}
+
+// SnapshotFilesystem snapshots only a running sandbox's filesystem under
+// name (E2B's snapshot mode "filesystem"): its guest syncs, its vCPUs stop
+// while its disk and volumes are copied, and it runs on. Sandboxes made
+// from the snapshot boot from that disk, of any size.
+func (n *Node) SnapshotFilesystem(ctx context.Context, id, name string) (*NamedSnapshot, error) {
+	return n.snapshot(ctx, id, name, false)
+}
+
+func (n *Node) snapshot(ctx context.Context, id, name string, memory bool) (*NamedSnapshot, error) {
 	if !templateNameRE.MatchString(name) {
 		return nil, fmt.Errorf("%w: snapshot name %q must match %s", ErrInvalid, name, templateNameRE)
 	}
@@ -121,13 +136,20 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 	if err == nil && defaultUser == "" {
 		defaultUser = t.DefaultUser
 	}
-	c, err := n.capture(ctx, "snapshot", id, 0, 0, sandboxes.Snapshotting)
-	if c == nil || c.snapID == "" {
+	var snapID string
+	var lease *store.Lease
+	if memory {
+		c, cerr := n.capture(ctx, "snapshot", id, 0, 0, sandboxes.Snapshotting)
+		if c == nil || c.snapID == "" {
+			return nil, cerr
+		}
+		snapID, lease, err = c.snapID, c.lease, cerr
+	} else if snapID, lease, err = n.captureFilesystem(ctx, id); err != nil {
 		return nil, err
 	}
-	defer c.lease.Drop(context.WithoutCancel(ctx)) // once the label below holds it
+	defer lease.Drop(context.WithoutCancel(ctx)) // once the label below holds it
 	ns := &NamedSnapshot{
-		Name: name, SnapshotID: c.snapID, SandboxID: id, TemplateID: templateID, VCPUs: s.VCPUs,
+		Name: name, SnapshotID: snapID, SandboxID: id, FilesystemOnly: !memory, TemplateID: templateID, VCPUs: s.VCPUs,
 		MemoryMiB: s.MemoryMiB, DiskMiB: s.DiskMiB, DefaultUser: defaultUser, DefaultWorkdir: s.DefaultWorkdir, VolumeSlots: s.VolumeSlots,
 		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), AccessToken: s.AccessToken,
 		NoInternet: !s.AllowInternet, Egress: s.Egress, Volumes: asCopies(s.Volumes),
@@ -157,7 +179,11 @@ func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, e
 func (n *Node) lookupSnapshot(ctx context.Context, name string) (*NamedSnapshot, error) {
 	ns, err := n.namedSnapshot(name)
 	if err == nil {
-		if _, serr := os.Stat(filepath.Join(n.snapshotDir(ns.SnapshotID), snapStateName)); serr == nil || n.cfg.Repository == nil {
+		whole := snapStateName
+		if ns.FilesystemOnly {
+			whole = snapDiskName
+		}
+		if _, serr := os.Stat(filepath.Join(n.snapshotDir(ns.SnapshotID), whole)); serr == nil || n.cfg.Repository == nil {
 			return ns, nil
 		}
 		n.log.Warn("local copy of snapshot lost; fetching it from the repository", "snapshot", name)

@@ -1,12 +1,8 @@
 package orchestrator
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
-	"io"
-	"net/http"
 	"os"
 	"path"
 	"path/filepath"
@@ -227,20 +223,8 @@ func (n *Node) mountVolumes(ctx context.Context, s *sandboxes.Sandbox) error {
 	for _, v := range s.Volumes {
 		body.Mounts = append(body.Mounts, mount{Serial: vmm.VolumeSerial(v.Slot), Path: v.Path})
 	}
-	b, _ := json.Marshal(body)
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+n.withAddr(s).EnvdAddr+"/aenv/mounts", bytes.NewReader(b))
-	req.Header.Set("Content-Type", "application/json")
-	if s.AccessToken != "" {
-		req.Header.Set("X-Access-Token", s.AccessToken)
-	}
-	resp, err := envdHTTP.Do(req)
-	if err != nil {
+	if err := postEnvd(ctx, n.withAddr(s).EnvdAddr, "/aenv/mounts", s.AccessToken, body); err != nil {
 		return fmt.Errorf("mount volumes: %w", err)
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode/100 != 2 {
-		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
-		return fmt.Errorf("mount volumes: envd answered %d: %s", resp.StatusCode, strings.TrimSpace(string(msg)))
 	}
 	return nil
 }

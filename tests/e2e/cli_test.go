@@ -361,6 +361,19 @@ func TestCLIVolumes(t *testing.T) {
 	if r := aenvCLI(t, s, home, "", "volume", "mkdir", name, "/x/y"); r.code != 3 {
 		t.Fatalf("mkdir without its parent: %+v", r)
 	}
+	// Mounted in a sandbox (aenv create --volume): the guest sees the
+	// files, and the volume is the sandbox's until it goes.
+	sbx := strings.TrimSpace(mustCLI(t, s, home, "create", "base", "--volume", name+":/mnt/vol", "--timeout", "120"))
+	if out := mustCLI(t, s, home, "exec", sbx, "--", "cat", "/mnt/vol/notes/n.txt"); out != "from stdin" {
+		t.Fatalf("the guest reads %q", out)
+	}
+	if r := aenvCLI(t, s, home, "", "volume", "get", name, "/notes/n.txt"); r.code == 0 || !strings.Contains(r.stderr, "mounted in sandbox "+sbx) {
+		t.Fatalf("get from a mounted volume: %+v", r)
+	}
+	if r := aenvCLI(t, s, home, "", "create", "base", "--volume", "nocolon"); r.code == 0 || !strings.Contains(r.stderr, "NAME:PATH") {
+		t.Fatalf("a bad --volume: %+v", r)
+	}
+	mustCLI(t, s, home, "kill", sbx)
 	mustCLI(t, s, home, "volume", "rm", name)
 	if r := aenvCLI(t, s, home, "", "volume", "files", name); r.code == 0 || !strings.Contains(r.stderr, name) {
 		t.Fatalf("files of a deleted volume: %+v", r)

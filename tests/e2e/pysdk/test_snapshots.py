@@ -57,3 +57,22 @@ def test_snapshot_of_a_sandbox_from_a_snapshot(sandbox):
         for s in (first, locals().get("second")):
             if s:
                 Sandbox.delete_snapshot(s)
+
+
+def test_filesystem_snapshot(sandbox):
+    """mode="filesystem": the source runs on; a sandbox made from the
+    snapshot has its files but boots fresh (none of its processes)."""
+    bg = sandbox.commands.run("sleep 600", background=True, timeout=0)
+    sandbox.files.write("/home/user/fs.txt", "on disk")
+    snap = sandbox.create_snapshot(mode="filesystem").snapshot_id
+    try:
+        assert sandbox.is_running()
+        assert any(p.pid == bg.pid for p in sandbox.commands.list()), "the source lost its process"
+        fresh = Sandbox.create(snap, timeout=120)
+        try:
+            assert fresh.files.read("/home/user/fs.txt") == "on disk"
+            assert fresh.commands.run("pgrep -x sleep || echo none").stdout == "none\n"
+        finally:
+            fresh.kill()
+    finally:
+        Sandbox.delete_snapshot(snap)
