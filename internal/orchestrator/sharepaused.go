@@ -55,6 +55,10 @@ func (n *Node) sharePausedLater(id string) {
 		if err != nil || s.State != sandboxes.Paused {
 			return
 		}
+		if len(s.Volumes) > 0 {
+			n.log.Info("a paused sandbox with volumes stays on this node (their disks are this node's)", "sandbox", id)
+			return
+		}
 		start := time.Now()
 		if err := n.sharePaused(ctx, s); err != nil {
 			n.log.Error("upload of a paused sandbox failed; it resumes only on this node", "sandbox", id, "err", err)

@@ -126,7 +126,7 @@ func (n *Node) lendVolumes(ctx context.Context, s *sandboxes.Sandbox, mounts []V
 // returnVolumes gives back the volumes of a sandbox that is gone.
 func (n *Node) returnVolumes(s *sandboxes.Sandbox) {
 	for _, v := range s.Volumes {
-		if !v.Copy {
+		if !v.Copy && n.cfg.Volumes != nil {
 			n.cfg.Volumes.Return(v.VolumeID)
 		}
 	}
@@ -198,9 +198,10 @@ func (n *Node) volumeDisks(s *sandboxes.Sandbox) []string {
 		for len(disks) <= v.Slot {
 			disks = append(disks, "")
 		}
-		if v.Copy {
+		switch {
+		case v.Copy:
 			disks[v.Slot] = filepath.Join(n.sandboxDir(s.ID), volumeCopyName(v.Slot))
-		} else {
+		case n.cfg.Volumes != nil: // (without, the slot stays empty and the mount fails)
 			disks[v.Slot] = n.cfg.Volumes.Disk(v.VolumeID)
 		}
 	}
