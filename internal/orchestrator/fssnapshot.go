@@ -62,14 +62,7 @@ func (n *Node) captureFilesystem(ctx context.Context, id string) (string, *store
 		return "", nil, o.Finish(err)
 	}
 	stage := filepath.Join(n.cfg.DataDir, snapshotsDir, ".stage-"+snapID)
-	o.OnFailure("forget the snapshot", func(ctx context.Context) error {
-		os.RemoveAll(stage)
-		if err := lease.Drop(ctx); err != nil {
-			return err
-		}
-		n.gc(ctx)
-		return nil
-	})
+	n.forgetStageOnFailure(o, stage, lease)
 	overlay := filepath.Join(n.sandboxDir(id), overlayName)
 	info, err := storage.Info(octx, overlay)
 	if err != nil {

@@ -54,14 +54,7 @@ func (n *Node) snapshotLive(o *operation.Op, s *sandboxes.Sandbox) (string, *sto
 	// Assembled under a hidden name: a crash leaves nothing that looks like
 	// a snapshot (recovery removes it with the lease).
 	stage := filepath.Join(n.cfg.DataDir, snapshotsDir, ".stage-"+snapID)
-	o.OnFailure("forget the snapshot", func(ctx context.Context) error {
-		os.RemoveAll(stage)
-		if err := lease.Drop(ctx); err != nil {
-			return err
-		}
-		n.gc(ctx)
-		return nil
-	})
+	n.forgetStageOnFailure(o, stage, lease)
 	info, err := storage.Info(ctx, overlay)
 	if err != nil {
 		return "", nil, err
@@ -130,4 +123,17 @@ func commitStage(stage, sdir string, man snapshotManifest) error {
 		return err
 	}
 	return storage.SyncDir(filepath.Dir(sdir))
+}
+
+// forgetStageOnFailure pushes the cleanup of a snapshot being assembled in
+// stage: the stage goes, and the snapshot with the lease that holds it.
+func (n *Node) forgetStageOnFailure(o *operation.Op, stage string, lease *store.Lease) {
+	o.OnFailure("forget the snapshot", func(ctx context.Context) error {
+		os.RemoveAll(stage)
+		if err := lease.Drop(ctx); err != nil {
+			return err
+		}
+		n.gc(ctx)
+		return nil
+	})
 }

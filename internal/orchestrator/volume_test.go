@@ -250,16 +250,7 @@ func forkAndCompare(t *testing.T, n *Node, s *sandboxes.Sandbox, mnt string) {
 func TestVolumeSnapshotThroughRepository(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
-	repo, err := repository.OpenPosixFS(filepath.Join(t.TempDir(), "repo"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	vols := testVolumes(t)
-	n := testNode(t, func(c *Config) { c.Volumes, c.Repository = vols, repo })
-	v, err := vols.Create(ctx, "data")
-	if err != nil {
-		t.Fatal(err)
-	}
+	n, vols, v := volumeNodeWithRepository(t)
 	parent := create(t, n, CreateRequest{TemplateID: "base", Volumes: []VolumeMount{{VolumeID: v.ID, Name: v.Name, Path: "/mnt/v"}}})
 	guestRun(t, parent, "", "echo parent > /mnt/v/p.txt")
 	res, err := n.Fork(ctx, parent.ID, 1, time.Minute)
@@ -342,16 +333,7 @@ func TestVolumeHeldAcrossRestart(t *testing.T) {
 func TestFilesystemSnapshot(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
-	repo, err := repository.OpenPosixFS(filepath.Join(t.TempDir(), "repo"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	vols := testVolumes(t)
-	n := testNode(t, func(c *Config) { c.Volumes, c.Repository = vols, repo })
-	v, err := vols.Create(ctx, "data")
-	if err != nil {
-		t.Fatal(err)
-	}
+	n, vols, v := volumeNodeWithRepository(t)
 	s := create(t, n, CreateRequest{TemplateID: "base", Secure: true, Volumes: []VolumeMount{{VolumeID: v.ID, Name: v.Name, Path: "/mnt/v"}}})
 	bg := strings.TrimSpace(guestRun(t, s, "", "nohup sleep 1000 >/dev/null 2>&1 & echo $!; echo kept > /home/user/f; echo vol > /mnt/v/f"))
 	ns, err := n.SnapshotFilesystem(ctx, s.ID, "fs-snap")
@@ -390,6 +372,9 @@ func TestFilesystemSnapshot(t *testing.T) {
 	}
 	if err := n.Kill(ctx, s.ID); err != nil {
 		t.Fatal(err)
+	}
+	if got, err := readVolumeFile(t, vols, v.ID, "/f"); err != nil || got != "later\n" {
+		t.Fatalf("the volume after its sandbox went: %q %v", got, err)
 	}
 	n.gc(ctx)
 	os.RemoveAll(n.snapshotDir(ns.SnapshotID))
@@ -468,4 +453,21 @@ func BenchmarkCreateWithVolume(b *testing.B) {
 			reportPercentiles(b, ds)
 		})
 	}
+}
+
+// volumeNodeWithRepository is a test node with a volume store and a
+// posix_fs repository of its own, and a volume "data".
+func volumeNodeWithRepository(t *testing.T) (*Node, *volumes.Store, *volumes.Volume) {
+	t.Helper()
+	repo, err := repository.OpenPosixFS(filepath.Join(t.TempDir(), "repo"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	vols := testVolumes(t)
+	n := testNode(t, func(c *Config) { c.Volumes, c.Repository = vols, repo })
+	v, err := vols.Create(context.Background(), "data")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n, vols, v
 }
