@@ -33,7 +33,13 @@ func installSDK(t *testing.T) string {
 		t.Fatal(err)
 	}
 	sum := sha256.Sum256(pkg)
-	dir := filepath.Join(os.Getenv("AENV_TEST_DATA_DIR"), "npm", "e2b-sdk-"+hex.EncodeToString(sum[:])[:12])
+	// Under the prepared data dir (scripts/test sets it); without one, in
+	// the machine's temporary directory, never in the checkout.
+	base := os.Getenv("AENV_TEST_DATA_DIR")
+	if base == "" {
+		base = filepath.Join(os.TempDir(), "aenv-test")
+	}
+	dir := filepath.Join(base, "npm", "e2b-sdk-"+hex.EncodeToString(sum[:])[:12])
 	complete := func() bool { _, err := os.Stat(filepath.Join(dir, ".complete")); return err == nil }
 	if complete() {
 		return dir
