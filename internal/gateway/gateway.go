@@ -418,22 +418,28 @@ func (g *Gateway) onAnyNode(w http.ResponseWriter, r *http.Request, template str
 // ready one by id), so a template's build, files and status, and a
 // volume's record and disk, live in one place.
 func (g *Gateway) toFirstNode(w http.ResponseWriter, r *http.Request) {
+	if n := g.firstNode(w, r, "the template and volume API"); n != nil {
+		g.proxyTo(w, r, n.Url)
+	}
+}
+
+// firstNode is the first ready node by id, or nil with a 503 written for
+// what needed it.
+func (g *Gateway) firstNode(w http.ResponseWriter, r *http.Request, what string) *pb.Node {
 	nodes, err := g.readyNodes(r.Context())
 	if err != nil || len(nodes) == 0 {
-		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "no ready node for the template and volume API", err)
-		return
+		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "no ready node for "+what, err)
+		return nil
 	}
-	g.proxyTo(w, r, nodes[0].Url)
+	return nodes[0]
 }
 
 // createOnFirstNode sends a create to the node that holds the volumes.
 func (g *Gateway) createOnFirstNode(w http.ResponseWriter, r *http.Request, body []byte) {
-	nodes, err := g.readyNodes(r.Context())
-	if err != nil || len(nodes) == 0 {
-		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "no ready node for a sandbox with volumes", err)
+	n := g.firstNode(w, r, "a sandbox with volumes")
+	if n == nil {
 		return
 	}
-	n := nodes[0]
 	status, hdr, out, err := g.call(r, n.Url, body)
 	if err != nil {
 		httperr.Internal(w, g.log, http.StatusBadGateway, "the node holding the volumes did not answer", err)

@@ -54,12 +54,11 @@ func (n *Node) exportSnapshot(ctx context.Context, ns *NamedSnapshot) error {
 	if err != nil {
 		return err
 	}
-	for _, f := range [][2]string{{image, snapMemName}, {filepath.Join(sdir, snapStateName), snapStateName}} {
-		if ns.FilesystemOnly {
-			break
-		}
-		if err := os.Link(f[0], filepath.Join(stage, f[1])); err != nil {
-			return fmt.Errorf("export snapshot %s: %w", ns.Name, err)
+	if !ns.FilesystemOnly {
+		for _, f := range [][2]string{{image, snapMemName}, {filepath.Join(sdir, snapStateName), snapStateName}} {
+			if err := os.Link(f[0], filepath.Join(stage, f[1])); err != nil {
+				return fmt.Errorf("export snapshot %s: %w", ns.Name, err)
+			}
 		}
 	}
 	// One layer with everything that differs from the template, whatever the

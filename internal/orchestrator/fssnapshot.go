@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/agentenv/agentenv/internal/guestexec"
 	"github.com/agentenv/agentenv/internal/operation"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage"
@@ -72,13 +71,7 @@ func (n *Node) captureFilesystem(ctx context.Context, id string) (string, *store
 		return "", nil, o.Finish(err)
 	}
 	if err := o.Do("guest-sync", func(ctx context.Context) error {
-		sctx, cancel := context.WithTimeout(ctx, guestSyncTimeout)
-		defer cancel()
-		code, err := guestexec.Run(sctx, guestexec.Target{Addr: n.withAddr(s).EnvdAddr, Token: s.AccessToken}, guestexec.Command{User: "root", Script: "sync"})
-		if err == nil && code != 0 {
-			err = fmt.Errorf("sync in the guest exited with %d", code)
-		}
-		if err != nil {
+		if err := n.guestSync(ctx, s, guestSyncTimeout); err != nil {
 			return fmt.Errorf("%w: the guest's envd did not sync its file systems (%v); a filesystem snapshot needs it to, a snapshot with memory does not", ErrConflict, err)
 		}
 		return nil

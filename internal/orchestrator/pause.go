@@ -226,14 +226,7 @@ func (n *Node) pauseFilesystem(ctx context.Context, s *sandboxes.Sandbox, from s
 	os.Remove(filepath.Join(dir, pauseRecordName))
 	os.Remove(filepath.Join(dir, stateFileName))
 	if err := step("guest-sync", func(ctx context.Context) error {
-		sctx, cancel := context.WithTimeout(ctx, guestSyncTimeout)
-		defer cancel()
-		g := guestexec.Target{Addr: n.withAddr(s).EnvdAddr, Token: s.AccessToken}
-		code, err := guestexec.Run(sctx, g, guestexec.Command{Script: "sync"})
-		if err == nil && code != 0 {
-			err = fmt.Errorf("sync in the guest exited with %d", code)
-		}
-		if err != nil {
+		if err := n.guestSync(ctx, s, guestSyncTimeout); err != nil {
 			// The guest's state, not the node's: the caller may pause with
 			// memory instead.
 			return fmt.Errorf("%w: the guest's envd did not sync its file systems (%v); a pause without memory needs it to, a pause with memory does not", ErrConflict, err)
@@ -290,6 +283,18 @@ func publishFilesystemPause(dir string) error {
 
 // guestSyncTimeout bounds the guest's sync before a pause without memory.
 const guestSyncTimeout = 30 * time.Second
+
+// guestSync has s's guest sync its filesystems, within timeout.
+func (n *Node) guestSync(ctx context.Context, s *sandboxes.Sandbox, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	g := guestexec.Target{Addr: n.withAddr(s).EnvdAddr, Token: s.AccessToken}
+	code, err := guestexec.Run(ctx, g, guestexec.Command{Script: "sync"})
+	if err == nil && code != 0 {
+		err = fmt.Errorf("sync in the guest exited with %d", code)
+	}
+	return err
+}
 
 const pauseRecordName = "paused.json"
 

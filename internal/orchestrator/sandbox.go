@@ -179,12 +179,14 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 	fromTemplateSnapshot := named == nil && !req.noSnapshot && tsErr == nil &&
 		ts.VCPUs == s.VCPUs && ts.MemoryMiB == s.MemoryMiB && s.DiskMiB == t.DiskMiB
 	switch {
-	case named != nil && named.FilesystemOnly:
-		s.SnapshotID, s.VolumeSlots = named.SnapshotID, VolumeSlots
-		s.Volumes = slices.Clone(named.Volumes) // copies, mounted once it booted
 	case named != nil:
+		// Copies of its volumes: its memory has them mounted, or (a
+		// filesystem snapshot, booted in a new machine) it mounts them.
 		s.SnapshotID, s.VolumeSlots = named.SnapshotID, named.VolumeSlots
-		s.Volumes = slices.Clone(named.Volumes) // copies: its memory has them mounted
+		if named.FilesystemOnly {
+			s.VolumeSlots = VolumeSlots
+		}
+		s.Volumes = slices.Clone(named.Volumes)
 	case fromTemplateSnapshot:
 		s.SnapshotID, s.VolumeSlots = ts.SnapshotID, ts.VolumeSlots
 	default:

@@ -91,11 +91,9 @@ func (n *Node) ramID(s *sandboxes.Sandbox) (string, error) {
 	return strings.TrimPrefix(base, ramSnapshotPrefix), nil
 }
 
-// sharePaused uploads a paused sandbox (its op lock held).
+// sharePaused uploads a paused sandbox (its op lock held; one with volumes
+// is not offered, see sharePausedLater).
 func (n *Node) sharePaused(ctx context.Context, s *sandboxes.Sandbox) error {
-	if len(s.Volumes) > 0 {
-		return fmt.Errorf("it has volumes mounted (%s), whose disks are this node's", s.Volumes[0].Name)
-	}
 	dir := n.sandboxDir(s.ID)
 	rec, err := readPauseRecord(dir)
 	if err != nil {

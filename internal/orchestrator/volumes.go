@@ -10,7 +10,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/agentenv/agentenv/internal/guestexec"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/vmm"
@@ -245,11 +244,8 @@ func (n *Node) flushVolumes(ctx context.Context, s *sandboxes.Sandbox) {
 		return // (a copy goes with the sandbox)
 	}
 	if s.State == sandboxes.Running || s.State == sandboxes.Killing {
-		sctx, cancel := context.WithTimeout(ctx, volumeFlushTimeout)
-		code, err := guestexec.Run(sctx, guestexec.Target{Addr: n.withAddr(s).EnvdAddr, Token: s.AccessToken}, guestexec.Command{User: "root", Script: "sync"})
-		cancel()
-		if err != nil || code != 0 {
-			n.log.Warn("the guest did not sync its volumes before its end", "sandbox", s.ID, "exit", code, "err", err)
+		if err := n.guestSync(ctx, s, volumeFlushTimeout); err != nil {
+			n.log.Warn("the guest did not sync its volumes before its end", "sandbox", s.ID, "err", err)
 		}
 	}
 	if err := m.Pause(ctx); err != nil {

@@ -257,24 +257,6 @@ func holdVolumes(ctx context.Context, tx *sql.Tx, s *Sandbox) error {
 	return nil
 }
 
-// VolumeHolders maps each volume a sandbox mounts to that sandbox.
-func (r *Records) VolumeHolders(ctx context.Context) (map[string]string, error) {
-	rows, err := r.db.QueryContext(ctx, `SELECT volume_id, sandbox_id FROM sandbox_volumes`)
-	if err != nil {
-		return nil, fmt.Errorf("list mounted volumes: %w", err)
-	}
-	defer rows.Close()
-	out := map[string]string{}
-	for rows.Next() {
-		var v, s string
-		if err := rows.Scan(&v, &s); err != nil {
-			return nil, err
-		}
-		out[v] = s
-	}
-	return out, rows.Err()
-}
-
 // egressJSON is the recorded form of a sandbox's egress rules ("" for
 // none, as in records made before they existed).
 func egressJSON(e network.Egress) string {

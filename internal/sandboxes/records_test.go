@@ -329,7 +329,7 @@ func TestRecordsHoldVolumes(t *testing.T) {
 	if err := r.Save(ctx, s1); err != nil {
 		t.Fatal(err)
 	}
-	if h, _ := r.VolumeHolders(ctx); len(h) != 1 || h["v2"] != "s1" {
+	if h := volumeHolders(t, r); len(h) != 1 || h["v2"] != "s1" {
 		t.Fatalf("holders after Save: %v", h)
 	}
 	if err := r.InsertNew(ctx, s2); err != nil {
@@ -338,7 +338,26 @@ func TestRecordsHoldVolumes(t *testing.T) {
 	if err := r.Delete(ctx, "s1"); err != nil {
 		t.Fatal(err)
 	}
-	if h, _ := r.VolumeHolders(ctx); len(h) != 1 || h["v1"] != "s2" {
+	if h := volumeHolders(t, r); len(h) != 1 || h["v1"] != "s2" {
 		t.Fatalf("holders after Delete: %v", h)
 	}
+}
+
+// volumeHolders maps each volume a sandbox record holds to that sandbox.
+func volumeHolders(t *testing.T, r *Records) map[string]string {
+	t.Helper()
+	rows, err := r.db.QueryContext(t.Context(), `SELECT volume_id, sandbox_id FROM sandbox_volumes`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	out := map[string]string{}
+	for rows.Next() {
+		var v, s string
+		if err := rows.Scan(&v, &s); err != nil {
+			t.Fatal(err)
+		}
+		out[v] = s
+	}
+	return out
 }

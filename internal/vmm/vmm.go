@@ -86,7 +86,7 @@ type Config struct {
 	// Volumes are the qcow2 disks of the filled slots, by slot.
 	Volumes []string
 
-	// diskFiles are set by Start: the disks are inherited (see User).
+	// Set by Start: the descriptors the disks are inherited as (see User).
 	rootDiskFD int
 	slotFDs    []int
 }

@@ -271,10 +271,8 @@ func (s *Store) Delete(ctx context.Context, id string) error {
 	}
 	op := operation.Start(ctx, "volume-delete", 2*time.Minute, s.log)
 	err := op.Do("close", func(ctx context.Context) error { return s.closeHost(ctx, id, "being deleted") })
-	if err == nil { // a hold of another (a sandbox's) stays
-		defer s.release(id)
-	}
 	if err == nil {
+		defer s.release(id) // (a hold of another, a sandbox's, stays)
 		err = op.Do("record", func(ctx context.Context) error {
 			_, err := s.db.ExecContext(ctx, `DELETE FROM volumes WHERE id = ?`, id)
 			return err
