@@ -221,10 +221,15 @@ func forkRun(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, 
 }
 
 func snapshotRun(name string) func(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, error) {
+	return snapshotRunWith(name, (*Node).Snapshot)
+}
+
+// snapshotRunWith takes snapshots named name-1, name-2... with take.
+func snapshotRunWith(name string, take func(*Node, context.Context, string, string) (*NamedSnapshot, error)) func(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, error) {
 	i := 0
 	return func(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, error) {
 		i++
-		_, err := n.Snapshot(ctx, sub.s.ID, fmt.Sprintf("%s-%d", name, i))
+		_, err := take(n, ctx, sub.s.ID, fmt.Sprintf("%s-%d", name, i))
 		return nil, err
 	}
 }
@@ -269,6 +274,7 @@ var injectedOps = []injectedOp{
 			t.Errorf("a failed build changed the template: %s, was %s", got, before)
 		}
 	}, injBuildState, false},
+	{"filesystem snapshot", "", runningSubject, snapshotRunWith("fs", (*Node).SnapshotFilesystem), nil, nil, false},
 	{"pause", "filesystem", runningSubject, func(ctx context.Context, n *Node, sub *subject) ([]*sandboxes.Sandbox, error) {
 		_, err := n.PauseFilesystem(ctx, sub.s.ID)
 		return nil, err
@@ -402,10 +408,15 @@ func TestInjectedFailuresRollBack(t *testing.T) {
 // included) is never lost.
 func TestClientGoneAtEveryStep(t *testing.T) {
 	n := testNode(t)
-	// Pause, resume, snapshot and fork, and the pause and resume without
+	// Pause, resume, snapshot and fork, the pause and resume without
 	// memory (the last three but one: resume-sync is the reboot's first
-	// part, which the reboot covers).
+	// part, which the reboot covers), and the filesystem snapshot.
 	ops := append(slices.Clip(injectedOps[1:7]), injectedOps[len(injectedOps)-3:len(injectedOps)-1]...)
+	for _, op := range injectedOps { // and the filesystem snapshot
+		if op.name == "filesystem snapshot" {
+			ops = append(ops, op)
+		}
+	}
 	for _, op := range ops {
 		t.Run(strings.TrimSuffix(op.name+"-"+op.kind, "-"), func(t *testing.T) {
 			sub := op.prepare(t, n)
