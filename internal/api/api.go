@@ -116,19 +116,10 @@ type Server struct {
 	patterns []string // the patterns registered on mux (Routes)
 	log      *slog.Logger
 	handler  http.Handler // serve, with request ids
+	metrics  http.Handler // GET /metrics: the node's Prometheus registry
 	// uploadKey signs build-file upload links (valid while this process
 	// runs).
 	uploadKey []byte
-}
-
-// route registers h for pattern ("METHOD /path").
-func (s *Server) route(pattern string, h http.Handler) {
-	s.patterns = append(s.patterns, pattern)
-	s.mux.Handle(pattern, h)
-}
-
-func (s *Server) routeFunc(pattern string, h func(http.ResponseWriter, *http.Request)) {
-	s.route(pattern, http.HandlerFunc(h))
 }
 
 // Routes are the patterns the server serves, "METHOD /path/{param}".
@@ -162,55 +153,33 @@ func New(node Node, cfg Config) (*Server, error) {
 	if _, err := rand.Read(s.uploadKey); err != nil {
 		return nil, err
 	}
-	s.routes()
+	s.metrics = s.nodeMetrics()
+	if err := s.routes(); err != nil {
+		return nil, err
+	}
 	s.handler = httperr.WithIDs(http.HandlerFunc(s.serve))
 	return s, nil
 }
 
-func (s *Server) routes() {
-	auth := s.requireKey
-	s.routeFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
-	s.routeFunc("GET /openapi.yml", serveOpenAPI)
-	// POST /sandboxes is E2B's older create (secure only when asked);
-	// POST /v2/sandboxes, used by current SDKs, creates secure sandboxes
-	// unless "secure": false is sent.
-	s.route("POST /sandboxes", auth(s.createSandbox(false)))
-	s.route("POST /v2/sandboxes", auth(s.createSandbox(true)))
-	s.route("GET /sandboxes", auth(s.listSandboxes))
-	s.route("GET /v2/sandboxes", auth(s.listSandboxesV2))
-	s.route("GET /sandboxes/{id}", auth(s.getSandbox))
-	s.route("DELETE /sandboxes/{id}", auth(s.killSandbox))
-	s.route("POST /sandboxes/{id}/timeout", auth(s.setTimeout))
-	s.route("POST /sandboxes/{id}/refreshes", auth(s.refresh))
-	s.route("POST /sandboxes/{id}/connect", auth(s.connectSandbox))
-	s.route("POST /v2/sandboxes/{id}/connect", auth(s.connectSandbox))
-	s.route("GET /sandboxes/{id}/metrics", auth(s.sandboxMetrics))
-	s.route("GET /sandboxes/metrics", auth(s.sandboxesMetrics))
-	s.route("GET /sandboxes/{id}/logs", auth(s.sandboxLogs))
-	s.route("GET /v2/sandboxes/{id}/logs", auth(s.sandboxLogsV2))
-	s.route("GET /snapshots", auth(s.listSnapshots))
-	s.route("GET /metrics", s.nodeMetrics())
-	if s.cfg.PeerChunks != nil {
-		s.route("GET /v1/chunks/{sum}", s.cfg.PeerChunks)
+// GetHealth answers GET /health: the API is up.
+func (s *Server) GetHealth(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) }
+
+// GetOpenapiYml serves the OpenAPI document.
+func (s *Server) GetOpenapiYml(w http.ResponseWriter, r *http.Request) { ServeOpenAPI(w, r) }
+
+// ListNodes answers GET /nodes, which the gateway serves, not a node.
+func (s *Server) ListNodes(w http.ResponseWriter, r *http.Request) {
+	writeError(w, http.StatusNotFound, "GET /nodes is served by the gateway (aenv gateway), not by a node")
+}
+
+// GetPeerChunk serves a cached layer chunk to a neighbour node, when the
+// node exchanges chunks with peers (the handler checks the peer token).
+func (s *Server) GetPeerChunk(w http.ResponseWriter, r *http.Request, sum string) {
+	if s.cfg.PeerChunks == nil {
+		writeError(w, http.StatusNotFound, "this node exchanges no layer chunks with peers")
+		return
 	}
-	s.templateRoutes()
-	s.route("POST /sandboxes/{id}/pause", auth(s.pauseSandbox))
-	s.route("POST /sandboxes/{id}/resume", auth(s.resumeSandbox))
-	s.route("POST /sandboxes/{id}/fork", auth(s.forkSandbox))
-	s.route("POST /sandboxes/{id}/snapshots", auth(s.createSnapshot))
-	s.route("DELETE /snapshots/{name}", auth(s.deleteSnapshot))
-	s.route("PUT /sandboxes/{id}/network", auth(s.updateNetwork))
-	s.volumeRoutes()
-	// E2B's secrets are placeholders its egress proxy swaps for their
-	// values; this node refuses those network rules, so it stores none.
-	noSecrets := func(w http.ResponseWriter, r *http.Request) {
-		writeError(w, http.StatusNotFound, "secrets are not served by this node: E2B resolves them at sandbox egress through network rules with header transforms, which this node refuses (network.rules); pass values as envVars instead")
-	}
-	s.routeFunc("/secrets", noSecrets)
-	s.routeFunc("/secrets/", noSecrets)
-	s.routeFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		writeError(w, http.StatusNotFound, fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
-	})
+	s.cfg.PeerChunks.ServeHTTP(w, r)
 }
 
 // ServeHTTP routes sandbox traffic to the proxy and everything else to the

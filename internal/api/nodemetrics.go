@@ -142,6 +142,8 @@ func (s *Server) nodeMetrics() http.Handler {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	reg.MustRegister(newMemoryCollector(s.node))
 	reg.MustRegister(newLayerCacheCollector(s.node))
-	h := promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
-	return s.requireKey(h.ServeHTTP)
+	return promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 }
+
+// NodeMetrics serves GET /metrics.
+func (s *Server) NodeMetrics(w http.ResponseWriter, r *http.Request) { s.metrics.ServeHTTP(w, r) }

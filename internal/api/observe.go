@@ -22,12 +22,17 @@ import (
 	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
-// connectSandbox implements POST /sandboxes/{id}/connect and its /v2 form:
+// ConnectSandboxV1 is the older path of ConnectSandbox.
+func (s *Server) ConnectSandboxV1(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID) {
+	s.ConnectSandbox(w, r, sandboxID)
+}
+
+// ConnectSandbox implements POST /v2/sandboxes/{id}/connect:
 // a running sandbox answers 200 with its Sandbox object (its timeout is
 // extended, never shortened, when one is given); a paused one is resumed
 // (with that timeout, or the node default) and answers 201.
-func (s *Server) connectSandbox(w http.ResponseWriter, r *http.Request) {
-	id, ok := s.sandboxID(w, r)
+func (s *Server) ConnectSandbox(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID) {
+	id, ok := s.sandboxID(w, sandboxID)
 	if !ok {
 		return
 	}
@@ -66,10 +71,10 @@ func (s *Server) connectSandbox(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, s.sandboxBody(sb))
 }
 
-// pauseSandbox implements POST /sandboxes/{id}/pause {memory}: 204 when
+// PauseSandbox implements POST /sandboxes/{id}/pause {memory}: 204 when
 // paused, 409 when it already is.
-func (s *Server) pauseSandbox(w http.ResponseWriter, r *http.Request) {
-	id, ok := s.sandboxID(w, r)
+func (s *Server) PauseSandbox(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID) {
+	id, ok := s.sandboxID(w, sandboxID)
 	if !ok {
 		return
 	}
@@ -95,10 +100,10 @@ func (s *Server) pauseSandbox(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
-// resumeSandbox implements E2B's older POST /sandboxes/{id}/resume
+// ResumeSandbox implements E2B's older POST /sandboxes/{id}/resume
 // {timeout}: 201 with the Sandbox, 409 when it is already running.
-func (s *Server) resumeSandbox(w http.ResponseWriter, r *http.Request) {
-	id, ok := s.sandboxID(w, r)
+func (s *Server) ResumeSandbox(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID) {
+	id, ok := s.sandboxID(w, sandboxID)
 	if !ok {
 		return
 	}
@@ -150,10 +155,10 @@ type forkResultJSON struct {
 // maxForkCount bounds one fork request (orchestrator.MaxForkChildren).
 const maxForkCount = orchestrator.MaxForkChildren
 
-// forkSandbox implements POST /sandboxes/{id}/fork {count, timeout}: 201
+// ForkSandbox implements POST /sandboxes/{id}/fork {count, timeout}: 201
 // with one entry per requested child.
-func (s *Server) forkSandbox(w http.ResponseWriter, r *http.Request) {
-	id, ok := s.sandboxID(w, r)
+func (s *Server) ForkSandbox(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID) {
+	id, ok := s.sandboxID(w, sandboxID)
 	if !ok {
 		return
 	}
@@ -208,11 +213,11 @@ func snapshotBody(ns *orchestrator.NamedSnapshot) apispec.Snapshot {
 		TemplateID: ns.TemplateID, CpuCount: ns.VCPUs, MemoryMB: ns.MemoryMiB, CreatedAt: ns.CreatedAt}
 }
 
-// createSnapshot implements POST /sandboxes/{id}/snapshots {name}: the
+// SnapshotSandbox implements POST /sandboxes/{id}/snapshots {name}: the
 // running sandbox is captured (paused briefly) and the name becomes a
 // templateID for POST /sandboxes. Without a name one is generated.
-func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request) {
-	id, ok := s.sandboxID(w, r)
+func (s *Server) SnapshotSandbox(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID) {
+	id, ok := s.sandboxID(w, sandboxID)
 	if !ok {
 		return
 	}
@@ -242,21 +247,17 @@ func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusCreated, snapshotBody(ns))
 }
 
-// listSnapshots implements GET /snapshots: oldest first, filtered by
+// ListSnapshots implements GET /snapshots: oldest first, filtered by
 // sandboxID (the source sandbox) and name, in pages of limit (default 100)
 // with the next page's token in X-Next-Token.
-func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request) {
-	limit, err := queryInt(r, "limit", 1, 1000)
+func (s *Server) ListSnapshots(w http.ResponseWriter, r *http.Request, params apispec.ListSnapshotsParams) {
+	limit, err := intParam("limit", params.Limit, 1, 1000, 100)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	if limit < 0 { // not given
-		limit = 100
-	}
-	q := r.URL.Query()
 	var after *snapshotCursor
-	if tok := q.Get("nextToken"); tok != "" {
+	if tok := deref(params.NextToken); tok != "" {
 		c, ok := parseSnapshotCursor(tok)
 		if !ok {
 			writeError(w, http.StatusBadRequest, "invalid nextToken")
@@ -264,7 +265,7 @@ func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request) {
 		}
 		after = &c
 	}
-	sandboxID, name := q.Get("sandboxID"), q.Get("name")
+	sandboxID, name := deref(params.SandboxID), deref(params.Name)
 	all, err := s.node.Snapshots()
 	if err != nil {
 		s.writeNodeError(w, err)
@@ -279,7 +280,7 @@ func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request) {
 		if after != nil && !after.before(ns) {
 			continue
 		}
-		if int64(len(out)) == limit {
+		if len(out) == limit {
 			w.Header().Set("X-Next-Token", snapshotCursor{last.CreatedAt.UnixNano(), last.Name}.String())
 			break
 		}
@@ -319,9 +320,9 @@ func (c snapshotCursor) before(ns *orchestrator.NamedSnapshot) bool {
 	return n > c.createdNS || n == c.createdNS && ns.Name > c.name
 }
 
-// deleteSnapshot implements DELETE /snapshots/{name}.
-func (s *Server) deleteSnapshot(w http.ResponseWriter, r *http.Request) {
-	if err := s.node.DeleteSnapshot(r.Context(), r.PathValue("name")); err != nil {
+// DeleteSnapshot implements DELETE /snapshots/{name}.
+func (s *Server) DeleteSnapshot(w http.ResponseWriter, r *http.Request, name string) {
+	if err := s.node.DeleteSnapshot(r.Context(), name); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
@@ -353,36 +354,18 @@ type envdMetrics struct {
 	DiskTotal  uint64  `json:"disk_total"`
 }
 
-// queryInt parses an optional integer query parameter within [lo, hi];
-// absent gives -1.
-func queryInt(r *http.Request, name string, lo, hi int64) (int64, error) {
-	q, err := query(r)
-	if err != nil {
-		return 0, err
-	}
-	v := q.Get(name)
-	if v == "" {
-		return -1, nil
-	}
-	n, err := strconv.ParseInt(v, 10, 64)
-	if err != nil || n < lo || n > hi {
-		return 0, fmt.Errorf("%s must be an integer between %d and %d", name, lo, hi)
-	}
-	return n, nil
-}
-
-// sandboxMetrics implements GET /sandboxes/{id}/metrics?start=&end= (unix
+// GetSandboxMetrics implements GET /sandboxes/{id}/metrics?start=&end= (unix
 // seconds). The node keeps no history: the answer is one sample read from
 // the guest's envd now, or nothing when it falls outside [start, end].
-func (s *Server) sandboxMetrics(w http.ResponseWriter, r *http.Request) {
-	id, ok := s.sandboxID(w, r)
+func (s *Server) GetSandboxMetrics(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID, params apispec.GetSandboxMetricsParams) {
+	id, ok := s.sandboxID(w, sandboxID)
 	if !ok {
 		return
 	}
-	start, err := queryInt(r, "start", 0, 1<<40)
+	start, err := intParam("start", params.Start, 0, 1<<40, -1)
 	if err == nil {
 		var end int64
-		end, err = queryInt(r, "end", 0, 1<<40)
+		end, err = intParam("end", params.End, 0, 1<<40, -1)
 		if err == nil && end >= 0 && start > end {
 			err = errors.New("start must not be after end")
 		}
@@ -429,21 +412,15 @@ func (s *Server) sandboxMetrics(w http.ResponseWriter, r *http.Request) {
 // maxMetricsSandboxes bounds GET /sandboxes/metrics (as E2B's).
 const maxMetricsSandboxes = 100
 
-// sandboxesMetrics implements GET /sandboxes/metrics?sandbox_ids=a,b: the
+// GetSandboxesMetrics implements GET /sandboxes/metrics?sandbox_ids=a,b: the
 // latest sample of each running sandbox named (read from its envd now);
 // sandboxes that are not running, or not this node's, are left out.
-func (s *Server) sandboxesMetrics(w http.ResponseWriter, r *http.Request) {
-	q, err := query(r)
-	if err != nil {
-		writeError(w, http.StatusBadRequest, err.Error())
-		return
-	}
-	raw := q.Get("sandbox_ids")
-	if raw == "" {
+func (s *Server) GetSandboxesMetrics(w http.ResponseWriter, r *http.Request, params apispec.GetSandboxesMetricsParams) {
+	ids := params.SandboxIds
+	if len(ids) == 0 || slices.Contains(ids, "") && len(ids) == 1 {
 		writeError(w, http.StatusBadRequest, "sandbox_ids is required (comma-separated)")
 		return
 	}
-	ids := strings.Split(raw, ",")
 	if len(ids) > maxMetricsSandboxes {
 		writeError(w, http.StatusBadRequest, fmt.Sprintf("at most %d sandbox_ids", maxMetricsSandboxes))
 		return
@@ -533,27 +510,24 @@ const (
 	maxLogLimitLines = 10000
 )
 
-// sandboxLogs implements GET /sandboxes/{id}/logs?start=<unix ms>&limit=:
+// GetSandboxLogs implements GET /sandboxes/{id}/logs?start=<unix ms>&limit=:
 // the guest console (kernel, init and envd output), oldest line first. The
 // console has no per-line clock, so every line carries the sandbox's start
 // time, and start only filters out everything when it is later than that.
-func (s *Server) sandboxLogs(w http.ResponseWriter, r *http.Request) {
-	id, ok := s.sandboxID(w, r)
+func (s *Server) GetSandboxLogs(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID, params apispec.GetSandboxLogsParams) {
+	id, ok := s.sandboxID(w, sandboxID)
 	if !ok {
 		return
 	}
-	start, err := queryInt(r, "start", 0, 1<<53)
+	start, err := intParam("start", params.Start, 0, 1<<53, -1)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	limit, err := queryInt(r, "limit", 0, maxLogLimitLines)
+	limit, err := intParam("limit", params.Limit, 0, maxLogLimitLines, defaultLogLimit)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
-	}
-	if limit < 0 {
-		limit = defaultLogLimit
 	}
 	lines, ts, err := s.consoleLines(r.Context(), id)
 	if err != nil {
@@ -566,7 +540,7 @@ func (s *Server) sandboxLogs(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	for _, line := range lines {
-		if int64(len(out.Logs)) == limit {
+		if len(out.Logs) == limit {
 			break
 		}
 		out.Logs = append(out.Logs, logLineJSON{Timestamp: ts, Line: line})
@@ -601,32 +575,30 @@ func (s *Server) consoleLines(ctx context.Context, id string) ([]string, time.Ti
 	return lines, sb.StartedAt.UTC(), nil
 }
 
-// sandboxLogsV2 implements GET /v2/sandboxes/{id}/logs: the guest
+// GetSandboxLogsV2 implements GET /v2/sandboxes/{id}/logs: the guest
 // console's lines as log entries (level info, stamped with the sandbox's
 // start: the console carries no times), from cursor (Unix ms) forward or
 // backward, at most limit, at level and above, containing search.
-func (s *Server) sandboxLogsV2(w http.ResponseWriter, r *http.Request) {
-	id, ok := s.sandboxID(w, r)
+func (s *Server) GetSandboxLogsV2(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID, params apispec.GetSandboxLogsV2Params) {
+	id, ok := s.sandboxID(w, sandboxID)
 	if !ok {
 		return
 	}
-	cursor, err := queryInt(r, "cursor", 0, 1<<53)
-	var limit int64
+	cursor, err := intParam("cursor", params.Cursor, 0, 1<<53, -1)
+	var limit int
 	if err == nil {
-		if limit, err = queryInt(r, "limit", 0, maxLogLimitLines); err == nil && limit < 0 {
-			limit = defaultLogLimit
-		}
+		limit, err = intParam("limit", params.Limit, 0, maxLogLimitLines, defaultLogLimit)
 	}
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	direction, minLevel, err := logQuery(r)
+	direction, minLevel, err := logQuery(string(deref(params.Direction)), string(deref(params.Level)))
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	search := r.URL.Query().Get("search")
+	search := deref(params.Search)
 	all, ts, err := s.consoleLines(r.Context(), id)
 	if err != nil {
 		s.writeNodeError(w, err)
@@ -634,7 +606,7 @@ func (s *Server) sandboxLogsV2(w http.ResponseWriter, r *http.Request) {
 	}
 	var lines []string
 	if minLevel <= logLevels["info"] &&
-		(cursor < 0 || (direction == "backward" && ts.UnixMilli() <= cursor) || (direction != "backward" && ts.UnixMilli() >= cursor)) {
+		(cursor < 0 || (direction == "backward" && ts.UnixMilli() <= int64(cursor)) || (direction != "backward" && ts.UnixMilli() >= int64(cursor))) {
 		for _, line := range all {
 			if strings.Contains(line, search) {
 				lines = append(lines, line)
@@ -646,7 +618,7 @@ func (s *Server) sandboxLogsV2(w http.ResponseWriter, r *http.Request) {
 	}
 	out := []logEntryJSON{}
 	for _, line := range lines {
-		if int64(len(out)) == limit {
+		if len(out) == limit {
 			break
 		}
 		out = append(out, logEntryJSON{Timestamp: ts, Level: "info", Message: line, Fields: map[string]string{"source": "console"}})

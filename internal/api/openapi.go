@@ -11,7 +11,8 @@ import (
 //go:embed openapi.yml
 var OpenAPISpec []byte
 
-func serveOpenAPI(w http.ResponseWriter, r *http.Request) {
+// ServeOpenAPI answers GET /openapi.yml (a node's and the gateway's).
+func ServeOpenAPI(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "application/yaml")
 	w.Header().Set("Cache-Control", "no-cache")
 	_, _ = w.Write(OpenAPISpec)

@@ -343,10 +343,14 @@ type networkUpdateJSON struct {
 	EgressProxy         *map[string]any `json:"egressProxy"`
 }
 
-// updateNetwork replaces a sandbox's egress rules: the lists given become
+// UpdateSandboxNetwork replaces a sandbox's egress rules: the lists given become
 // its lists (absent ones empty), and its internet access is on unless
 // allow_internet_access is false or denyOut denies everything.
-func (s *Server) updateNetwork(w http.ResponseWriter, r *http.Request) {
+func (s *Server) UpdateSandboxNetwork(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID) {
+	id, ok := s.sandboxID(w, sandboxID)
+	if !ok {
+		return
+	}
 	var body networkUpdateJSON
 	if err := decodeBody(r, &body); err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
@@ -366,7 +370,7 @@ func (s *Server) updateNetwork(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	on := internet == nil || *internet
-	if _, err := s.node.SetNetwork(r.Context(), r.PathValue("id"), on, *egress); err != nil {
+	if _, err := s.node.SetNetwork(r.Context(), id, on, *egress); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
@@ -380,29 +384,34 @@ func truncate(s string, n int) string {
 	return s
 }
 
-func (s *Server) createSandbox(secureDefault bool) func(http.ResponseWriter, *http.Request) {
-	return func(w http.ResponseWriter, r *http.Request) {
-		var req createSandboxRequest
-		if err := decodeBody(r, &req); err != nil {
-			writeError(w, http.StatusBadRequest, err.Error())
-			return
-		}
-		cr, err := req.toCreateRequest(secureDefault)
-		if err != nil {
-			writeError(w, http.StatusBadRequest, err.Error())
-			return
-		}
-		if cr.Volumes, err = s.volumeMounts(r.Context(), req.VolumeMounts); err != nil {
-			s.writeNodeError(w, err)
-			return
-		}
-		sb, err := s.node.Create(r.Context(), cr)
-		if err != nil {
-			s.writeNodeError(w, err)
-			return
-		}
-		writeJSON(w, http.StatusCreated, s.sandboxBody(sb))
+// CreateSandboxV1 is E2B's older create: secure only when asked.
+func (s *Server) CreateSandboxV1(w http.ResponseWriter, r *http.Request) { s.create(w, r, false) }
+
+// CreateSandbox, used by current SDKs, creates secure sandboxes unless
+// "secure": false is sent.
+func (s *Server) CreateSandbox(w http.ResponseWriter, r *http.Request) { s.create(w, r, true) }
+
+func (s *Server) create(w http.ResponseWriter, r *http.Request, secureDefault bool) {
+	var req createSandboxRequest
+	if err := decodeBody(r, &req); err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
 	}
+	cr, err := req.toCreateRequest(secureDefault)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	if cr.Volumes, err = s.volumeMounts(r.Context(), req.VolumeMounts); err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	sb, err := s.node.Create(r.Context(), cr)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, s.sandboxBody(sb))
 }
 
 // volumeMounts names the volumes a create mounts by their ids.
@@ -427,21 +436,22 @@ func (s *Server) volumeMounts(ctx context.Context, mounts []volumeMountJSON) ([]
 	return out, nil
 }
 
-func (s *Server) sandboxID(w http.ResponseWriter, r *http.Request) (string, bool) {
-	id := r.PathValue("id")
+// sandboxID is the sandbox a path names (400 when it cannot be one).
+func (s *Server) sandboxID(w http.ResponseWriter, raw apispec.SandboxID) (string, bool) {
+	id := raw
 	// The SDKs may send "<sandboxID>-<clientID>"; the sandbox id is the first part.
 	if i := strings.IndexByte(id, '-'); i > 0 {
 		id = id[:i]
 	}
 	if !sandboxIDPattern.MatchString(id) {
-		writeError(w, http.StatusBadRequest, fmt.Sprintf("invalid sandbox id %q", r.PathValue("id")))
+		writeError(w, http.StatusBadRequest, fmt.Sprintf("invalid sandbox id %q", raw))
 		return "", false
 	}
 	return id, true
 }
 
-func (s *Server) getSandbox(w http.ResponseWriter, r *http.Request) {
-	id, ok := s.sandboxID(w, r)
+func (s *Server) GetSandbox(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID) {
+	id, ok := s.sandboxID(w, sandboxID)
 	if !ok {
 		return
 	}
@@ -453,8 +463,8 @@ func (s *Server) getSandbox(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, s.detailBody(sb))
 }
 
-func (s *Server) killSandbox(w http.ResponseWriter, r *http.Request) {
-	id, ok := s.sandboxID(w, r)
+func (s *Server) KillSandbox(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID) {
+	id, ok := s.sandboxID(w, sandboxID)
 	if !ok {
 		return
 	}
@@ -465,15 +475,15 @@ func (s *Server) killSandbox(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
-// setTimeout sets the end time to now + timeout (shorter or longer).
-func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request) {
-	s.extend(w, r, "timeout", maxTimeoutSeconds, true, true)
+// SetSandboxTimeout sets the end time to now + timeout (shorter or longer).
+func (s *Server) SetSandboxTimeout(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID) {
+	s.extend(w, r, sandboxID, "timeout", maxTimeoutSeconds, true, true)
 }
 
-// refresh keeps the sandbox alive for at least duration more seconds; it
-// never shortens its life. E2B caps refreshes at one hour.
-func (s *Server) refresh(w http.ResponseWriter, r *http.Request) {
-	s.extend(w, r, "duration", maxRefreshSeconds, false, false)
+// RefreshSandbox keeps the sandbox alive for at least duration more
+// seconds; it never shortens its life. E2B caps refreshes at one hour.
+func (s *Server) RefreshSandbox(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID) {
+	s.extend(w, r, sandboxID, "duration", maxRefreshSeconds, false, false)
 }
 
 // decodeSeconds reads {field: <integer seconds>} from body. An absent field
@@ -503,8 +513,8 @@ func secondsField(body map[string]json.RawMessage, field string, maxSecs int64) 
 	return v, true, nil
 }
 
-func (s *Server) extend(w http.ResponseWriter, r *http.Request, field string, maxSecs int64, required, allowShorter bool) {
-	id, ok := s.sandboxID(w, r)
+func (s *Server) extend(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID, field string, maxSecs int64, required, allowShorter bool) {
+	id, ok := s.sandboxID(w, sandboxID)
 	if !ok {
 		return
 	}
@@ -543,23 +553,29 @@ func (s *Server) keepAlive(ctx context.Context, id string, d time.Duration, allo
 	return err
 }
 
-// query parses the request's query string strictly: a malformed one is an
-// error rather than silently dropped parameters.
-func query(r *http.Request) (url.Values, error) {
-	q, err := url.ParseQuery(r.URL.RawQuery)
-	if err != nil {
-		return nil, fmt.Errorf("malformed query string: %v", err)
+// deref is *p, or the zero value for nil (a parameter not given).
+func deref[T any](p *T) T {
+	if p == nil {
+		var zero T
+		return zero
 	}
-	return q, nil
+	return *p
 }
 
-func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
-	q, err := query(r)
-	if err != nil {
-		writeError(w, http.StatusBadRequest, err.Error())
-		return
+// intParam is an integer parameter within [lo, hi], def when not given.
+func intParam[T int | int64](name string, p *T, lo, hi, def T) (T, error) {
+	if p == nil {
+		return def, nil
 	}
-	filter, err := parseMetadataFilter(q.Get("metadata"))
+	if *p < lo || *p > hi {
+		return 0, fmt.Errorf("%s must be an integer between %d and %d", name, lo, hi)
+	}
+	return *p, nil
+}
+
+// ListSandboxesV1 lists the running sandboxes, filtered by metadata.
+func (s *Server) ListSandboxesV1(w http.ResponseWriter, r *http.Request, params apispec.ListSandboxesV1Params) {
+	filter, err := parseMetadataFilter(deref(params.Metadata))
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
@@ -578,26 +594,21 @@ func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
-// listSandboxesV2 implements GET /v2/sandboxes with state and metadata
+// ListSandboxes implements GET /v2/sandboxes with state and metadata
 // filters and cursor pagination (the cursor is returned in X-Next-Token).
-func (s *Server) listSandboxesV2(w http.ResponseWriter, r *http.Request) {
-	q, err := query(r)
-	if err != nil {
-		writeError(w, http.StatusBadRequest, err.Error())
-		return
-	}
-	filter, err := parseMetadataFilter(q.Get("metadata"))
+func (s *Server) ListSandboxes(w http.ResponseWriter, r *http.Request, params apispec.ListSandboxesParams) {
+	filter, err := parseMetadataFilter(deref(params.Metadata))
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
 	states := map[string]bool{}
-	for _, v := range q["state"] {
-		if strings.Trim(v, ", ") == "" {
+	for _, v := range deref(params.State) {
+		if strings.Trim(string(v), ", ") == "" {
 			writeError(w, http.StatusBadRequest, "state must name running, paused or both")
 			return
 		}
-		for _, st := range strings.Split(v, ",") {
+		for _, st := range strings.Split(string(v), ",") {
 			switch st {
 			case "running", "paused":
 				states[st] = true
@@ -611,32 +622,19 @@ func (s *Server) listSandboxesV2(w http.ResponseWriter, r *http.Request) {
 	if len(states) == 0 {
 		states["running"], states["paused"] = true, true
 	}
-	template := q.Get("template")
-	var startedAfter time.Time
-	if q.Has("startedAfter") {
-		v := q.Get("startedAfter")
-		if startedAfter, err = time.Parse(time.RFC3339Nano, v); err != nil {
-			writeError(w, http.StatusBadRequest, "startedAfter must be an RFC 3339 time")
-			return
-		}
-	}
-	switch order := q.Get("order"); {
-	case order == "desc", order == "" && !q.Has("order"):
-	default:
+	template := deref(params.Template)
+	startedAfter := deref(params.StartedAfter)
+	if params.Order != nil && *params.Order != apispec.Desc {
 		writeError(w, http.StatusBadRequest, "order: only desc (newest first) is supported")
 		return
 	}
-	limit := 100
-	if v := q.Get("limit"); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 || n > 1000 {
-			writeError(w, http.StatusBadRequest, "limit must be an integer between 1 and 1000")
-			return
-		}
-		limit = n
+	limit, err := intParam("limit", params.Limit, 1, 1000, 100)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
 	}
 	after := ""
-	if tok := q.Get("nextToken"); tok != "" {
+	if tok := deref(params.NextToken); tok != "" {
 		b, err := base64.RawURLEncoding.DecodeString(tok)
 		if err != nil || !validCursor(string(b)) {
 			writeError(w, http.StatusBadRequest, "invalid nextToken")

@@ -17,42 +17,9 @@ import (
 	"github.com/agentenv/agentenv/internal/orchestrator"
 )
 
-func (s *Server) templateRoutes() {
-	auth := s.requireKey
-	s.route("POST /v3/templates", auth(s.requestBuild))
-	s.route("POST /v2/templates/{templateID}/builds/{buildID}", auth(s.startBuild))
-	s.route("GET /templates/{templateID}/builds/{buildID}/status", auth(s.buildStatus))
-	s.route("GET /templates/{templateID}/builds/{buildID}/logs", auth(s.buildLogs))
-	s.route("GET /templates/{templateID}", auth(s.templateDetail))
-	s.route("GET /templates/{templateID}/files/{hash}", auth(s.fileUploadLink))
-	// The upload itself is authorised by the signature in the link.
-	s.routeFunc("PUT /templates/{templateID}/files/{hash}/upload", s.uploadBuildFiles)
-	// GET /templates/aliases/{alias} and GET /templates/{templateID}/tags
-	// overlap (/templates/aliases/tags): one mux pattern serves both, a
-	// template named "aliases" has no tags route.
-	s.patterns = append(s.patterns, "GET /templates/aliases/{alias}", "GET /templates/{templateID}/tags")
-	s.mux.Handle("GET /templates/{first}/{second}", auth(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		switch first, second := r.PathValue("first"), r.PathValue("second"); {
-		case first == "aliases":
-			r.SetPathValue("alias", second)
-			s.templateAlias(w, r)
-		case second == "tags":
-			r.SetPathValue("templateID", first)
-			s.templateTags(w, r)
-		default:
-			writeError(w, http.StatusNotFound, "no route GET "+r.URL.Path)
-		}
-	})))
-	s.route("GET /templates", auth(s.listTemplates))
-	s.route("GET /v2/templates", auth(s.listTemplates))
-	s.route("DELETE /templates/{templateID}", auth(s.deleteTemplate))
-	s.route("POST /templates/tags", auth(s.assignTemplateTags))
-	s.route("DELETE /templates/tags", auth(s.removeTemplateTags))
-}
-
-// assignTemplateTags implements POST /templates/tags: tags point at the
+// AssignTemplateTags implements POST /templates/tags: tags point at the
 // build target ("name" or "name:tag") is.
-func (s *Server) assignTemplateTags(w http.ResponseWriter, r *http.Request) {
+func (s *Server) AssignTemplateTags(w http.ResponseWriter, r *http.Request) {
 	var req struct {
 		Target string   `json:"target"`
 		Tags   []string `json:"tags"`
@@ -73,8 +40,8 @@ func (s *Server) assignTemplateTags(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusCreated, map[string]any{"tags": req.Tags, "buildID": t.BuildRef()})
 }
 
-// removeTemplateTags implements DELETE /templates/tags.
-func (s *Server) removeTemplateTags(w http.ResponseWriter, r *http.Request) {
+// RemoveTemplateTags implements DELETE /templates/tags.
+func (s *Server) RemoveTemplateTags(w http.ResponseWriter, r *http.Request) {
 	var req struct {
 		Name string   `json:"name"`
 		Tags []string `json:"tags"`
@@ -94,9 +61,9 @@ func (s *Server) removeTemplateTags(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
-// templateTags implements GET /templates/{templateID}/tags.
-func (s *Server) templateTags(w http.ResponseWriter, r *http.Request) {
-	tags, err := s.node.Catalog().Tags(r.Context(), r.PathValue("templateID"))
+// ListTemplateTags implements GET /templates/{templateID}/tags.
+func (s *Server) ListTemplateTags(w http.ResponseWriter, r *http.Request, templateID string) {
+	tags, err := s.node.Catalog().Tags(r.Context(), templateID)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -108,8 +75,8 @@ func (s *Server) templateTags(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
-// requestBuild implements POST /v3/templates.
-func (s *Server) requestBuild(w http.ResponseWriter, r *http.Request) {
+// RequestTemplateBuild implements POST /v3/templates.
+func (s *Server) RequestTemplateBuild(w http.ResponseWriter, r *http.Request) {
 	var req struct {
 		Name          string   `json:"name"`
 		Alias         string   `json:"alias"`
@@ -168,8 +135,8 @@ type buildStepJSON struct {
 	FilesHash string   `json:"filesHash"`
 }
 
-// startBuild implements POST /v2/templates/{templateID}/builds/{buildID}.
-func (s *Server) startBuild(w http.ResponseWriter, r *http.Request) {
+// StartTemplateBuild implements POST /v2/templates/{templateID}/builds/{buildID}.
+func (s *Server) StartTemplateBuild(w http.ResponseWriter, r *http.Request, templateID, buildID string) {
 	var req struct {
 		FromTemplate string          `json:"fromTemplate"`
 		FromImage    string          `json:"fromImage"`
@@ -194,7 +161,7 @@ func (s *Server) startBuild(w http.ResponseWriter, r *http.Request) {
 	for _, st := range req.Steps {
 		spec.Steps = append(spec.Steps, builds.Step{Type: st.Type, Args: st.Args, FilesHash: st.FilesHash, Force: st.Force})
 	}
-	if err := s.node.StartBuild(r.PathValue("templateID"), r.PathValue("buildID"), spec); err != nil {
+	if err := s.node.StartBuild(templateID, buildID, spec); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
@@ -208,21 +175,21 @@ type buildLogJSON struct {
 	Step      string    `json:"step,omitempty"`
 }
 
-// buildStatus implements GET /templates/{templateID}/builds/{buildID}/status.
-func (s *Server) buildStatus(w http.ResponseWriter, r *http.Request) {
-	offset, err := queryInt(r, "logsOffset", 0, 1<<31)
+// GetTemplateBuildStatus implements GET /templates/{templateID}/builds/{buildID}/status.
+func (s *Server) GetTemplateBuildStatus(w http.ResponseWriter, r *http.Request, templateID, buildID string, params apispec.GetTemplateBuildStatusParams) {
+	offset, err := intParam("logsOffset", params.LogsOffset, 0, 1<<31, 0)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	rec, err := s.node.Build(r.PathValue("templateID"), r.PathValue("buildID"))
+	rec, err := s.node.Build(templateID, buildID)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
 	entries, lines := []buildLogJSON{}, []string{}
 	for i, e := range rec.Logs {
-		if int64(i) < offset {
+		if i < offset {
 			continue
 		}
 		entries = append(entries, buildLogJSON(e))
@@ -248,11 +215,10 @@ func (s *Server) uploadSignature(templateID, hash string) string {
 	return hex.EncodeToString(m.Sum(nil))
 }
 
-// fileUploadLink implements GET /templates/{templateID}/files/{hash}:
+// GetTemplateFilesUploadLink implements GET /templates/{templateID}/files/{hash}:
 // whether the template's builds already have the files (checked, see
 // package buildfiles), and a signed link to upload them.
-func (s *Server) fileUploadLink(w http.ResponseWriter, r *http.Request) {
-	id, hash := r.PathValue("templateID"), r.PathValue("hash")
+func (s *Server) GetTemplateFilesUploadLink(w http.ResponseWriter, r *http.Request, id, hash string) {
 	if !buildfiles.HashRE.MatchString(hash) {
 		writeError(w, http.StatusBadRequest, "files hash must be 16 to 128 lowercase hex digits")
 		return
@@ -267,16 +233,15 @@ func (s *Server) fileUploadLink(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusCreated, map[string]any{"present": present, "url": link.String()})
 }
 
-// uploadBuildFiles implements the upload link: the body (a tar archive,
+// UploadTemplateFiles implements the upload link: the body (a tar archive,
 // gzip-compressed or not) waits until a build names it with its COPY
 // source and destination, when it is checked against its hash.
-func (s *Server) uploadBuildFiles(w http.ResponseWriter, r *http.Request) {
-	id, hash := r.PathValue("templateID"), r.PathValue("hash")
+func (s *Server) UploadTemplateFiles(w http.ResponseWriter, r *http.Request, id, hash string, params apispec.UploadTemplateFilesParams) {
 	if !buildfiles.HashRE.MatchString(hash) {
 		writeError(w, http.StatusBadRequest, "files hash must be 16 to 128 lowercase hex digits")
 		return
 	}
-	if !hmac.Equal([]byte(r.URL.Query().Get("signature")), []byte(s.uploadSignature(id, hash))) {
+	if !hmac.Equal([]byte(params.Signature), []byte(s.uploadSignature(id, hash))) {
 		writeError(w, http.StatusUnauthorized, "invalid upload signature")
 		return
 	}
@@ -287,9 +252,9 @@ func (s *Server) uploadBuildFiles(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusOK)
 }
 
-// templateAlias implements GET /templates/aliases/{alias}.
-func (s *Server) templateAlias(w http.ResponseWriter, r *http.Request) {
-	t, err := s.node.Template(r.PathValue("alias"))
+// GetTemplateAlias implements GET /templates/aliases/{alias}.
+func (s *Server) GetTemplateAlias(w http.ResponseWriter, r *http.Request, alias string) {
+	t, err := s.node.Template(alias)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -297,14 +262,17 @@ func (s *Server) templateAlias(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]any{"templateID": t.Name, "public": false})
 }
 
-// listTemplates implements GET /templates and GET /v2/templates.
+// ListTemplates implements GET /templates.
+func (s *Server) ListTemplates(w http.ResponseWriter, r *http.Request) { s.listTemplates(w, r) }
 
-// deleteTemplate implements DELETE /templates/{templateID}: 204, 404, or
+// ListTemplatesV2 implements GET /v2/templates, as GET /templates.
+func (s *Server) ListTemplatesV2(w http.ResponseWriter, r *http.Request) { s.listTemplates(w, r) }
+
+// DeleteTemplate implements DELETE /templates/{templateID}: 204, 404, or
 // 409 while sandboxes or snapshots use the template. A snapshot's id is a
 // template id too (the SDKs' delete_snapshot calls this): it deletes the
 // snapshot.
-func (s *Server) deleteTemplate(w http.ResponseWriter, r *http.Request) {
-	id := r.PathValue("templateID")
+func (s *Server) DeleteTemplate(w http.ResponseWriter, r *http.Request, id string) {
 	err := s.node.DeleteTemplate(r.Context(), id)
 	if errors.Is(err, orchestrator.ErrNotFound) {
 		if serr := s.node.DeleteSnapshot(r.Context(), id); !errors.Is(serr, orchestrator.ErrNotFound) {
@@ -357,19 +325,15 @@ func templateBody(t *orchestrator.Template, recs []*builds.Record) apispec.Templ
 	}
 }
 
-// templateDetail implements GET /templates/{templateID}: the template and
+// GetTemplate implements GET /templates/{templateID}: the template and
 // its builds (newest first, in pages of limit with nextToken). The node
 // counts no spawns (E2B cloud accounting): spawnCount is 0.
-func (s *Server) templateDetail(w http.ResponseWriter, r *http.Request) {
-	limit, err := queryInt(r, "limit", 1, 1000)
+func (s *Server) GetTemplate(w http.ResponseWriter, r *http.Request, name string, params apispec.GetTemplateParams) {
+	limit, err := intParam("limit", params.Limit, 1, 1000, 100)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	if limit < 0 {
-		limit = 100
-	}
-	name := r.PathValue("templateID")
 	t, err := s.node.Template(name)
 	if err != nil {
 		s.writeNodeError(w, err)
@@ -380,7 +344,7 @@ func (s *Server) templateDetail(w http.ResponseWriter, r *http.Request) {
 		s.writeNodeError(w, err)
 		return
 	}
-	after := r.URL.Query().Get("nextToken")
+	after := deref(params.NextToken)
 	if after != "" && !slices.ContainsFunc(recs, func(b *builds.Record) bool { return b.BuildID == after }) {
 		writeError(w, http.StatusBadRequest, "invalid nextToken")
 		return
@@ -392,7 +356,7 @@ func (s *Server) templateDetail(w http.ResponseWriter, r *http.Request) {
 			skipping = b.BuildID != after
 			continue
 		}
-		if int64(len(buildsOut)) == limit {
+		if len(buildsOut) == limit {
 			w.Header().Set("X-Next-Token", buildsOut[len(buildsOut)-1].BuildID)
 			continue
 		}
@@ -426,13 +390,12 @@ var logLevels = map[string]int{"debug": 0, "info": 1, "warn": 2, "error": 3}
 
 // logQuery reads the direction (forward, backward) and level (the
 // lowest kept) of a log request.
-func logQuery(r *http.Request) (direction string, minLevel int, err error) {
-	q := r.URL.Query()
-	direction = q.Get("direction")
+func logQuery(direction, level string) (string, int, error) {
 	if direction != "" && direction != "forward" && direction != "backward" {
 		return "", 0, errors.New("direction must be forward or backward")
 	}
-	if l := q.Get("level"); l != "" {
+	minLevel := 0
+	if l := level; l != "" {
 		var ok bool
 		if minLevel, ok = logLevels[l]; !ok {
 			return "", 0, errors.New("level must be debug, info, warn or error")
@@ -441,35 +404,29 @@ func logQuery(r *http.Request) (direction string, minLevel int, err error) {
 	return direction, minLevel, nil
 }
 
-// buildLogs implements GET /templates/{templateID}/builds/{buildID}/logs:
+// GetBuildLogs implements GET /templates/{templateID}/builds/{buildID}/logs:
 // the build's log from cursor (Unix milliseconds; forward from it, or
 // backward up to it), at most limit entries, at level and above.
-func (s *Server) buildLogs(w http.ResponseWriter, r *http.Request) {
-	cursor, err := queryInt(r, "cursor", 0, 1<<62)
-	if err == nil && cursor < 0 {
-		cursor = 0
-	}
-	var limit int64
+func (s *Server) GetBuildLogs(w http.ResponseWriter, r *http.Request, templateID, buildID string, params apispec.GetBuildLogsParams) {
+	cursor, err := intParam("cursor", params.Cursor, 0, 1<<62, 0)
+	var limit int
 	if err == nil {
-		if limit, err = queryInt(r, "limit", 0, 10000); err == nil && limit < 0 {
-			limit = 100
-		}
+		limit, err = intParam("limit", params.Limit, 0, 10000, 100)
 	}
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	direction, minLevel, err := logQuery(r)
+	direction, minLevel, err := logQuery(string(deref(params.Direction)), string(deref(params.Level)))
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	q := r.URL.Query()
-	if src := q.Get("source"); src != "" && src != "persistent" && src != "temporary" {
+	if src := deref(params.Source); src != "" && src != "persistent" && src != "temporary" {
 		writeError(w, http.StatusBadRequest, "source must be persistent or temporary")
 		return
 	}
-	rec, err := s.node.Build(r.PathValue("templateID"), r.PathValue("buildID"))
+	rec, err := s.node.Build(templateID, buildID)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -482,11 +439,11 @@ func (s *Server) buildLogs(w http.ResponseWriter, r *http.Request) {
 	out := []buildLogJSON{}
 	for _, e := range entries {
 		ms := e.Timestamp.UnixMilli()
-		if (direction == "backward" && cursor > 0 && ms > cursor) || (direction != "backward" && ms < cursor) ||
+		if (direction == "backward" && cursor > 0 && ms > int64(cursor)) || (direction != "backward" && ms < int64(cursor)) ||
 			logLevels[e.Level] < minLevel {
 			continue
 		}
-		if int64(len(out)) == limit {
+		if len(out) == limit {
 			break
 		}
 		out = append(out, buildLogJSON(e))

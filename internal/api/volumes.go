@@ -15,24 +15,6 @@ import (
 	"github.com/agentenv/agentenv/internal/volumes"
 )
 
-func (s *Server) volumeRoutes() {
-	auth := s.requireKey
-	s.route("POST /volumes", auth(s.createVolume))
-	s.route("GET /volumes", auth(s.listVolumes))
-	s.route("GET /volumes/{volumeID}", auth(s.getVolume))
-	s.route("DELETE /volumes/{volumeID}", auth(s.deleteVolume))
-	// The content routes take the volume's own token (Authorization:
-	// Bearer), which the SDKs send to E2B_VOLUME_API_URL.
-	content := s.requireVolumeToken
-	s.route("GET /volumecontent/{volumeID}/path", content(s.statVolumePath))
-	s.route("PATCH /volumecontent/{volumeID}/path", content(s.patchVolumePath))
-	s.route("DELETE /volumecontent/{volumeID}/path", content(s.removeVolumePath))
-	s.route("GET /volumecontent/{volumeID}/dir", content(s.listVolumeDir))
-	s.route("POST /volumecontent/{volumeID}/dir", content(s.makeVolumeDir))
-	s.route("GET /volumecontent/{volumeID}/file", content(s.readVolumeFile))
-	s.route("PUT /volumecontent/{volumeID}/file", content(s.writeVolumeFile))
-}
-
 // jsonBody refuses (415) a body declared as anything but JSON.
 func jsonBody(w http.ResponseWriter, r *http.Request) bool {
 	ct := r.Header.Get("Content-Type")
@@ -55,7 +37,8 @@ func (s *Server) volumesOff(w http.ResponseWriter) bool {
 	return false
 }
 
-func (s *Server) createVolume(w http.ResponseWriter, r *http.Request) {
+// CreateVolume implements POST /volumes.
+func (s *Server) CreateVolume(w http.ResponseWriter, r *http.Request) {
 	if s.volumesOff(w) {
 		return
 	}
@@ -82,7 +65,8 @@ func (s *Server) createVolume(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusCreated, apispec.VolumeAndToken{VolumeID: v.ID, Name: v.Name, Token: v.Token})
 }
 
-func (s *Server) listVolumes(w http.ResponseWriter, r *http.Request) {
+// ListVolumes implements GET /volumes.
+func (s *Server) ListVolumes(w http.ResponseWriter, r *http.Request) {
 	if s.volumesOff(w) {
 		return
 	}
@@ -98,11 +82,12 @@ func (s *Server) listVolumes(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
-func (s *Server) getVolume(w http.ResponseWriter, r *http.Request) {
+// GetVolume implements GET /volumes/{volumeID}.
+func (s *Server) GetVolume(w http.ResponseWriter, r *http.Request, volumeID apispec.VolumeID) {
 	if s.volumesOff(w) {
 		return
 	}
-	v, err := s.cfg.Volumes.Get(r.Context(), r.PathValue("volumeID"))
+	v, err := s.cfg.Volumes.Get(r.Context(), volumeID)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -110,11 +95,11 @@ func (s *Server) getVolume(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, apispec.VolumeAndToken{VolumeID: v.ID, Name: v.Name, Token: v.Token})
 }
 
-func (s *Server) deleteVolume(w http.ResponseWriter, r *http.Request) {
+// DeleteVolume implements DELETE /volumes/{volumeID}.
+func (s *Server) DeleteVolume(w http.ResponseWriter, r *http.Request, id apispec.VolumeID) {
 	if s.volumesOff(w) {
 		return
 	}
-	id := r.PathValue("volumeID")
 	if err := s.cfg.Volumes.Delete(r.Context(), id); err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -124,8 +109,8 @@ func (s *Server) deleteVolume(w http.ResponseWriter, r *http.Request) {
 }
 
 // requireVolumeToken admits a content request that presents the volume's
-// token as a bearer token (compared in constant time). An unknown volume
-// is 404 whatever the token.
+// token as a bearer token (compared in constant time; the SDKs send it to
+// E2B_VOLUME_API_URL). An unknown volume is 404 whatever the token.
 func (s *Server) requireVolumeToken(h func(http.ResponseWriter, *http.Request)) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if s.volumesOff(w) {
@@ -164,78 +149,51 @@ func entryBody(e *volumes.Entry) apispec.VolumeEntryStat {
 	return out
 }
 
-// volumeQuery reads the content routes' query: path (required), the
-// owner fields (uid, gid, mode) and the flags (force) and numbers (depth)
-// each route takes; anything else is refused.
-type volumeQuery struct {
-	path  string
-	owner volumes.Owner
-	force bool
-	depth int
-}
-
-func parseVolumeQuery(r *http.Request, allowed ...string) (volumeQuery, error) {
-	q := volumeQuery{depth: 1}
-	vals := r.URL.Query()
-	for k := range vals {
+// onlyParams refuses a query parameter the content route does not take
+// (the generated parameter parsing leaves unknown ones out silently).
+func onlyParams(r *http.Request, allowed ...string) error {
+	for k := range r.URL.Query() {
 		if k != "path" && !slices.Contains(allowed, k) {
-			return q, fmt.Errorf("%w: unknown query parameter %q", errkind.ErrInvalid, k)
+			return fmt.Errorf("%w: unknown query parameter %q", errkind.ErrInvalid, k)
 		}
 	}
-	if !vals.Has("path") {
-		return q, fmt.Errorf("%w: query parameter \"path\" is required", errkind.ErrInvalid)
-	}
-	q.path = vals.Get("path")
-	intParam := func(name string, min, max int64, dst **int) error {
-		if !vals.Has(name) {
-			return nil
-		}
-		n, err := strconv.ParseInt(vals.Get(name), 10, 64)
-		if err != nil || n < min || n > max {
-			return fmt.Errorf("%w: query parameter %q must be an integer from %d to %d", errkind.ErrInvalid, name, min, max)
-		}
-		v := int(n)
-		*dst = &v
-		return nil
-	}
-	if err := intParam("uid", 0, 1<<31-2, &q.owner.UID); err != nil {
-		return q, err
-	}
-	if err := intParam("gid", 0, 1<<31-2, &q.owner.GID); err != nil {
-		return q, err
-	}
-	var mode *int
-	if err := intParam("mode", 0, 0o7777, &mode); err != nil {
-		return q, err
-	}
-	if mode != nil {
-		m := uint32(*mode)
-		q.owner.Mode = &m
-	}
-	var depth *int
-	if err := intParam("depth", 1, volumes.MaxDepth, &depth); err != nil {
-		return q, err
-	}
-	if depth != nil {
-		q.depth = *depth
-	}
-	if vals.Has("force") {
-		f, err := strconv.ParseBool(vals.Get("force"))
-		if err != nil {
-			return q, fmt.Errorf("%w: query parameter \"force\" must be true or false", errkind.ErrInvalid)
-		}
-		q.force = f
-	}
-	return q, nil
+	return nil
 }
 
-func (s *Server) statVolumePath(w http.ResponseWriter, r *http.Request) {
-	q, err := parseVolumeQuery(r)
-	if err != nil {
+// ownerParams are the owner a content route gives what it makes.
+func ownerParams(uid, gid, mode *int) (volumes.Owner, error) {
+	var o volumes.Owner
+	for _, p := range []struct {
+		name   string
+		v      *int
+		max    int
+		dst    **int
+		isMode bool
+	}{{"uid", uid, 1<<31 - 2, &o.UID, false}, {"gid", gid, 1<<31 - 2, &o.GID, false}, {"mode", mode, 0o7777, nil, true}} {
+		if p.v == nil {
+			continue
+		}
+		if *p.v < 0 || *p.v > p.max {
+			return o, fmt.Errorf("%w: query parameter %q must be an integer from 0 to %d", errkind.ErrInvalid, p.name, p.max)
+		}
+		if p.isMode {
+			m := uint32(*p.v)
+			o.Mode = &m
+		} else {
+			v := *p.v
+			*p.dst = &v
+		}
+	}
+	return o, nil
+}
+
+// StatVolumePath implements GET /volumecontent/{volumeID}/path.
+func (s *Server) StatVolumePath(w http.ResponseWriter, r *http.Request, volumeID apispec.VolumeID, params apispec.StatVolumePathParams) {
+	if err := onlyParams(r); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
-	e, err := s.cfg.Volumes.Stat(r.Context(), r.PathValue("volumeID"), q.path)
+	e, err := s.cfg.Volumes.Stat(r.Context(), volumeID, params.Path)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -243,9 +201,9 @@ func (s *Server) statVolumePath(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, entryBody(e))
 }
 
-func (s *Server) patchVolumePath(w http.ResponseWriter, r *http.Request) {
-	q, err := parseVolumeQuery(r)
-	if err != nil {
+// PatchVolumePath implements PATCH /volumecontent/{volumeID}/path.
+func (s *Server) PatchVolumePath(w http.ResponseWriter, r *http.Request, volumeID apispec.VolumeID, params apispec.PatchVolumePathParams) {
+	if err := onlyParams(r); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
@@ -261,7 +219,7 @@ func (s *Server) patchVolumePath(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	e, err := s.cfg.Volumes.SetMetadata(r.Context(), r.PathValue("volumeID"), q.path, volumes.Owner{UID: body.UID, GID: body.GID, Mode: body.Mode})
+	e, err := s.cfg.Volumes.SetMetadata(r.Context(), volumeID, params.Path, volumes.Owner{UID: body.UID, GID: body.GID, Mode: body.Mode})
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -269,26 +227,33 @@ func (s *Server) patchVolumePath(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, entryBody(e))
 }
 
-func (s *Server) removeVolumePath(w http.ResponseWriter, r *http.Request) {
-	q, err := parseVolumeQuery(r)
-	if err != nil {
+// RemoveVolumePath implements DELETE /volumecontent/{volumeID}/path.
+func (s *Server) RemoveVolumePath(w http.ResponseWriter, r *http.Request, volumeID apispec.VolumeID, params apispec.RemoveVolumePathParams) {
+	if err := onlyParams(r); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
-	if err := s.cfg.Volumes.Remove(r.Context(), r.PathValue("volumeID"), q.path); err != nil {
+	if err := s.cfg.Volumes.Remove(r.Context(), volumeID, params.Path); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
 	w.WriteHeader(http.StatusNoContent)
 }
 
-func (s *Server) listVolumeDir(w http.ResponseWriter, r *http.Request) {
-	q, err := parseVolumeQuery(r, "depth")
+// ListVolumeDir implements GET /volumecontent/{volumeID}/dir.
+func (s *Server) ListVolumeDir(w http.ResponseWriter, r *http.Request, volumeID apispec.VolumeID, params apispec.ListVolumeDirParams) {
+	err := onlyParams(r, "depth")
+	depth := 1
+	if err == nil {
+		if depth, err = intParam("depth", params.Depth, 1, volumes.MaxDepth, 1); err != nil {
+			err = fmt.Errorf("%w: query parameter %w", errkind.ErrInvalid, err)
+		}
+	}
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
-	l, err := s.cfg.Volumes.ListDir(r.Context(), r.PathValue("volumeID"), q.path, q.depth)
+	l, err := s.cfg.Volumes.ListDir(r.Context(), volumeID, params.Path, depth)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -300,13 +265,17 @@ func (s *Server) listVolumeDir(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
-func (s *Server) makeVolumeDir(w http.ResponseWriter, r *http.Request) {
-	q, err := parseVolumeQuery(r, "uid", "gid", "mode", "force")
+// MakeVolumeDir implements POST /volumecontent/{volumeID}/dir.
+func (s *Server) MakeVolumeDir(w http.ResponseWriter, r *http.Request, volumeID apispec.VolumeID, params apispec.MakeVolumeDirParams) {
+	owner, err := ownerParams(params.Uid, params.Gid, params.Mode)
+	if err == nil {
+		err = onlyParams(r, "uid", "gid", "mode", "force")
+	}
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
-	e, err := s.cfg.Volumes.MakeDir(r.Context(), r.PathValue("volumeID"), q.path, q.owner, q.force)
+	e, err := s.cfg.Volumes.MakeDir(r.Context(), volumeID, params.Path, owner, deref(params.Force))
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -314,14 +283,14 @@ func (s *Server) makeVolumeDir(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusCreated, entryBody(e))
 }
 
-func (s *Server) readVolumeFile(w http.ResponseWriter, r *http.Request) {
-	q, err := parseVolumeQuery(r)
-	if err != nil {
+// ReadVolumeFile implements GET /volumecontent/{volumeID}/file.
+func (s *Server) ReadVolumeFile(w http.ResponseWriter, r *http.Request, volumeID apispec.VolumeID, params apispec.ReadVolumeFileParams) {
+	if err := onlyParams(r); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
 	started := false
-	err = s.cfg.Volumes.ReadFile(r.Context(), r.PathValue("volumeID"), q.path, func(size int64) {
+	err := s.cfg.Volumes.ReadFile(r.Context(), volumeID, params.Path, func(size int64) {
 		w.Header().Set("Content-Type", "application/octet-stream")
 		w.Header().Set("Content-Length", strconv.FormatInt(size, 10))
 		w.WriteHeader(http.StatusOK)
@@ -330,17 +299,21 @@ func (s *Server) readVolumeFile(w http.ResponseWriter, r *http.Request) {
 	if err != nil && !started {
 		s.writeNodeError(w, err)
 	} else if err != nil {
-		s.log.Warn("volume read ended early", "volume", r.PathValue("volumeID"), "err", err)
+		s.log.Warn("volume read ended early", "volume", volumeID, "err", err)
 	}
 }
 
-func (s *Server) writeVolumeFile(w http.ResponseWriter, r *http.Request) {
-	q, err := parseVolumeQuery(r, "uid", "gid", "mode", "force")
+// WriteVolumeFile implements PUT /volumecontent/{volumeID}/file.
+func (s *Server) WriteVolumeFile(w http.ResponseWriter, r *http.Request, volumeID apispec.VolumeID, params apispec.WriteVolumeFileParams) {
+	owner, err := ownerParams(params.Uid, params.Gid, params.Mode)
+	if err == nil {
+		err = onlyParams(r, "uid", "gid", "mode", "force")
+	}
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
 	}
-	e, err := s.cfg.Volumes.WriteFile(r.Context(), r.PathValue("volumeID"), q.path, q.owner, q.force, r.Body)
+	e, err := s.cfg.Volumes.WriteFile(r.Context(), volumeID, params.Path, owner, deref(params.Force), r.Body)
 	var tooBig *http.MaxBytesError
 	switch {
 	case errors.As(err, &tooBig):

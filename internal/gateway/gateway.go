@@ -113,6 +113,7 @@ func (g *Gateway) registerRoutes() {
 	}
 	key := clients.Require
 	g.mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
+	g.mux.HandleFunc("GET /openapi.yml", api.ServeOpenAPI)
 	g.mux.Handle("GET /nodes", key(g.listNodes))
 	g.mux.Handle("POST /sandboxes", key(g.create))
 	g.mux.Handle("POST /v2/sandboxes", key(g.create))
@@ -127,6 +128,9 @@ func (g *Gateway) registerRoutes() {
 		g.mux.Handle(p, key(g.toFirstNode))
 		g.mux.Handle(p+"/", key(g.toFirstNode))
 	}
+	// A build-file upload is authorised by its signed link, which the
+	// node checks; the SDKs send it without the API key.
+	g.mux.HandleFunc("PUT /templates/{templateID}/files/{hash}/upload", g.toFirstNode)
 	// Volumes live on the first node, like templates' builds. Their
 	// content routes carry the volume's own token, which the node checks.
 	g.mux.Handle("/volumes", key(g.toFirstNode))
