@@ -13,17 +13,19 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/admission"
 	"github.com/agentenv/agentenv/internal/apikeys"
 	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
 	"github.com/agentenv/agentenv/internal/httperr"
+	"github.com/agentenv/agentenv/internal/idempotency"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/proxy"
@@ -105,7 +107,10 @@ type Config struct {
 	// Volumes, when set, are the node's volumes (the /volumes and
 	// /volumecontent routes; without it they answer 404).
 	Volumes *volumes.Store
-	Logger  *slog.Logger
+	// Idempotency, when set, keeps the answers of creates and forks sent
+	// with an Idempotency-Key (without it the header is ignored).
+	Idempotency *idempotency.Store
+	Logger      *slog.Logger
 }
 
 // Server is the HTTP handler of a node's API.
@@ -315,6 +320,9 @@ func (s *Server) writeNodeError(w http.ResponseWriter, err error) {
 	case status >= 500:
 		httperr.Internal(w, s.log, status, "internal error", err)
 	default:
+		if r, ok := admission.IsRefusal(err); ok {
+			w.Header().Set("Retry-After", strconv.Itoa(r.RetryAfterSeconds()))
+		}
 		writeError(w, status, s.scrub(err.Error()))
 	}
 }
@@ -342,15 +350,14 @@ func (s *Server) scrub(msg string) string {
 
 const maxBodyBytes = 1 << 20
 
+var errBodyTooLarge = fmt.Errorf("body larger than %d bytes", maxBodyBytes)
+
 // decodeBody reads a JSON object strictly enough to reject wrong types, and
 // reports errors as user-facing messages.
 func decodeBody(r *http.Request, v any) error {
-	body, err := io.ReadAll(io.LimitReader(r.Body, maxBodyBytes+1))
+	body, err := readBody(r)
 	if err != nil {
 		return fmt.Errorf("read body: %w", err)
-	}
-	if len(body) > maxBodyBytes {
-		return fmt.Errorf("body larger than %d bytes", maxBodyBytes)
 	}
 	if len(body) == 0 {
 		return nil

@@ -30,6 +30,11 @@ type fakeNode struct {
 	// files is made on first use (BuildFiles), in a temporary directory.
 	files *buildfiles.Store
 	snaps []*orchestrator.NamedSnapshot // oldest first
+	// createGate, when set, holds every Create until it is closed (as a
+	// real create runs on, detached from its client); each held Create
+	// sends on createHeld first.
+	createGate chan struct{}
+	createHeld chan struct{}
 }
 
 func newFakeNode() *fakeNode {
@@ -50,6 +55,10 @@ func (f *fakeNode) add(sb *sandboxes.Sandbox) *sandboxes.Sandbox {
 }
 
 func (f *fakeNode) Create(ctx context.Context, req orchestrator.CreateRequest) (*sandboxes.Sandbox, error) {
+	if f.createGate != nil {
+		f.createHeld <- struct{}{}
+		<-f.createGate
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.creates = append(f.creates, req)

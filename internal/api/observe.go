@@ -157,11 +157,15 @@ const maxForkCount = orchestrator.MaxForkChildren
 
 // ForkSandbox implements POST /sandboxes/{id}/fork {count, timeout}: 201
 // with one entry per requested child.
-func (s *Server) ForkSandbox(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID) {
+func (s *Server) ForkSandbox(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID, params apispec.ForkSandboxParams) {
 	id, ok := s.sandboxID(w, sandboxID)
 	if !ok {
 		return
 	}
+	s.idempotent(w, r, "POST /sandboxes/"+id+"/fork", params.IdempotencyKey, func(w http.ResponseWriter, r *http.Request) { s.fork(w, r, id) })
+}
+
+func (s *Server) fork(w http.ResponseWriter, r *http.Request, id string) {
 	var body struct {
 		Count   *int64 `json:"count"`
 		Timeout *int64 `json:"timeout"`

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -143,7 +144,24 @@ func strictQuery(h http.Handler) http.Handler {
 // parameterError answers a parameter the generated code could not parse
 // (a missing required one, or one of the wrong type), naming it.
 func parameterError(w http.ResponseWriter, r *http.Request, err error) {
-	writeError(w, http.StatusBadRequest, err.Error())
+	var (
+		format   *apispec.InvalidParamFormatError
+		required *apispec.RequiredParamError
+		header   *apispec.RequiredHeaderError
+		many     *apispec.TooManyValuesForParamError
+	)
+	msg := err.Error()
+	switch {
+	case errors.As(err, &format):
+		msg = fmt.Sprintf("parameter %q is not valid: %v", format.ParamName, format.Err)
+	case errors.As(err, &required):
+		msg = fmt.Sprintf("query parameter %q is required", required.ParamName)
+	case errors.As(err, &header):
+		msg = fmt.Sprintf("header %q is required", header.ParamName)
+	case errors.As(err, &many):
+		msg = fmt.Sprintf("parameter %q is given %d times; it takes one value", many.ParamName, many.Count)
+	}
+	writeError(w, http.StatusBadRequest, msg)
 }
 
 // routeTable is the router the generated code registers the operations

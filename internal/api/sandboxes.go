@@ -385,11 +385,15 @@ func truncate(s string, n int) string {
 }
 
 // CreateSandboxV1 is E2B's older create: secure only when asked.
-func (s *Server) CreateSandboxV1(w http.ResponseWriter, r *http.Request) { s.create(w, r, false) }
+func (s *Server) CreateSandboxV1(w http.ResponseWriter, r *http.Request, params apispec.CreateSandboxV1Params) {
+	s.idempotent(w, r, "POST /sandboxes", params.IdempotencyKey, func(w http.ResponseWriter, r *http.Request) { s.create(w, r, false) })
+}
 
 // CreateSandbox, used by current SDKs, creates secure sandboxes unless
 // "secure": false is sent.
-func (s *Server) CreateSandbox(w http.ResponseWriter, r *http.Request) { s.create(w, r, true) }
+func (s *Server) CreateSandbox(w http.ResponseWriter, r *http.Request, params apispec.CreateSandboxParams) {
+	s.idempotent(w, r, "POST /v2/sandboxes", params.IdempotencyKey, func(w http.ResponseWriter, r *http.Request) { s.create(w, r, true) })
+}
 
 func (s *Server) create(w http.ResponseWriter, r *http.Request, secureDefault bool) {
 	var req createSandboxRequest
@@ -568,7 +572,7 @@ func intParam[T int | int64](name string, p *T, lo, hi, def T) (T, error) {
 		return def, nil
 	}
 	if *p < lo || *p > hi {
-		return 0, fmt.Errorf("%s must be an integer between %d and %d", name, lo, hi)
+		return 0, fmt.Errorf("parameter %q must be an integer between %d and %d", name, lo, hi)
 	}
 	return *p, nil
 }

@@ -246,7 +246,7 @@ func (s *Server) ListVolumeDir(w http.ResponseWriter, r *http.Request, volumeID 
 	depth := 1
 	if err == nil {
 		if depth, err = intParam("depth", params.Depth, 1, volumes.MaxDepth, 1); err != nil {
-			err = fmt.Errorf("%w: query parameter %w", errkind.ErrInvalid, err)
+			err = fmt.Errorf("%w: query %w", errkind.ErrInvalid, err)
 		}
 	}
 	if err != nil {

@@ -823,6 +823,9 @@ type VolumeEntryStat struct {
 // VolumeEntryStatType defines model for VolumeEntryStat.Type.
 type VolumeEntryStatType string
 
+// IdempotencyKey defines model for idempotencyKey.
+type IdempotencyKey = string
+
 // Metadata defines model for metadata.
 type Metadata = string
 
@@ -894,6 +897,12 @@ type ListSandboxesV1Params struct {
 	Metadata *Metadata `form:"metadata,omitempty" json:"metadata,omitempty"`
 }
 
+// CreateSandboxV1Params defines parameters for CreateSandboxV1.
+type CreateSandboxV1Params struct {
+	// IdempotencyKey Makes the request idempotent: a retry with the same key (from the same client, on the same route, with the same body) within the node's window (24 h) gets the first answer again, marked Idempotent-Replayed, also after a node restart; a retry while the first still runs waits for it. The same key with another body is a 400. A first request that failed leaves nothing: its retry runs again.
+	IdempotencyKey *IdempotencyKey `json:"Idempotency-Key,omitempty"`
+}
+
 // GetSandboxesMetricsParams defines parameters for GetSandboxesMetrics.
 type GetSandboxesMetricsParams struct {
 	SandboxIds []string `form:"sandbox_ids" json:"sandbox_ids"`
@@ -912,6 +921,12 @@ type ForkSandboxJSONBody struct {
 
 	// Timeout Children's time to live in seconds; 0: node default
 	Timeout *int `json:"timeout,omitempty"`
+}
+
+// ForkSandboxParams defines parameters for ForkSandbox.
+type ForkSandboxParams struct {
+	// IdempotencyKey Makes the request idempotent: a retry with the same key (from the same client, on the same route, with the same body) within the node's window (24 h) gets the first answer again, marked Idempotent-Replayed, also after a node restart; a retry while the first still runs waits for it. The same key with another body is a 400. A first request that failed leaves nothing: its retry runs again.
+	IdempotencyKey *IdempotencyKey `json:"Idempotency-Key,omitempty"`
 }
 
 // GetSandboxLogsParams defines parameters for GetSandboxLogs.
@@ -1054,6 +1069,12 @@ type ListSandboxesParamsState string
 
 // ListSandboxesParamsOrder defines parameters for ListSandboxes.
 type ListSandboxesParamsOrder string
+
+// CreateSandboxParams defines parameters for CreateSandbox.
+type CreateSandboxParams struct {
+	// IdempotencyKey Makes the request idempotent: a retry with the same key (from the same client, on the same route, with the same body) within the node's window (24 h) gets the first answer again, marked Idempotent-Replayed, also after a node restart; a retry while the first still runs waits for it. The same key with another body is a 400. A first request that failed leaves nothing: its retry runs again.
+	IdempotencyKey *IdempotencyKey `json:"Idempotency-Key,omitempty"`
+}
 
 // ConnectSandboxJSONBody defines parameters for ConnectSandbox.
 type ConnectSandboxJSONBody struct {
@@ -1256,7 +1277,7 @@ type ServerInterface interface {
 	ListSandboxesV1(w http.ResponseWriter, r *http.Request, params ListSandboxesV1Params)
 	// CreateSandboxV1 Create a sandbox (older form; secure only when "secure" is true)
 	// (POST /sandboxes)
-	CreateSandboxV1(w http.ResponseWriter, r *http.Request)
+	CreateSandboxV1(w http.ResponseWriter, r *http.Request, params CreateSandboxV1Params)
 	// GetSandboxesMetrics The latest metrics of several running sandboxes (read from their envd now; others left out)
 	// (GET /sandboxes/metrics)
 	GetSandboxesMetrics(w http.ResponseWriter, r *http.Request, params GetSandboxesMetricsParams)
@@ -1271,7 +1292,7 @@ type ServerInterface interface {
 	ConnectSandboxV1(w http.ResponseWriter, r *http.Request, sandboxID SandboxID)
 	// ForkSandbox Clone a running sandbox (memory, processes, files) into children on this node
 	// (POST /sandboxes/{sandboxID}/fork)
-	ForkSandbox(w http.ResponseWriter, r *http.Request, sandboxID SandboxID)
+	ForkSandbox(w http.ResponseWriter, r *http.Request, sandboxID SandboxID, params ForkSandboxParams)
 	// GetSandboxLogs The guest console log (kernel, init and envd output), oldest first
 	// (GET /sandboxes/{sandboxID}/logs)
 	GetSandboxLogs(w http.ResponseWriter, r *http.Request, sandboxID SandboxID, params GetSandboxLogsParams)
@@ -1343,7 +1364,7 @@ type ServerInterface interface {
 	ListSandboxes(w http.ResponseWriter, r *http.Request, params ListSandboxesParams)
 	// CreateSandbox Create a sandbox (secure unless "secure" is false); used by e2b >= 2.x
 	// (POST /v2/sandboxes)
-	CreateSandbox(w http.ResponseWriter, r *http.Request)
+	CreateSandbox(w http.ResponseWriter, r *http.Request, params CreateSandboxParams)
 	// ConnectSandbox Connect to a sandbox
 	// (POST /v2/sandboxes/{sandboxID}/connect)
 	ConnectSandbox(w http.ResponseWriter, r *http.Request, sandboxID SandboxID)
@@ -1495,8 +1516,35 @@ func (siw *ServerInterfaceWrapper) ListSandboxesV1(w http.ResponseWriter, r *htt
 // CreateSandboxV1 operation middleware
 func (siw *ServerInterfaceWrapper) CreateSandboxV1(w http.ResponseWriter, r *http.Request) {
 
+	var err error
+	_ = err
+
+	// Parameter object where we will unmarshal all parameters from the context
+	var params CreateSandboxV1Params
+
+	headers := r.Header
+
+	// ------------- Optional header parameter "Idempotency-Key" -------------
+	if valueList, found := headers[http.CanonicalHeaderKey("Idempotency-Key")]; found {
+		var IdempotencyKey IdempotencyKey
+		n := len(valueList)
+		if n != 1 {
+			siw.ErrorHandlerFunc(w, r, &TooManyValuesForParamError{ParamName: "Idempotency-Key", Count: n})
+			return
+		}
+
+		err = runtime.BindStyledParameterWithOptions("simple", "Idempotency-Key", valueList[0], &IdempotencyKey, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""})
+		if err != nil {
+			siw.ErrorHandlerFunc(w, r, &InvalidParamFormatError{ParamName: "Idempotency-Key", Err: err})
+			return
+		}
+
+		params.IdempotencyKey = &IdempotencyKey
+
+	}
+
 	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		siw.Handler.CreateSandboxV1(w, r)
+		siw.Handler.CreateSandboxV1(w, r, params)
 	}))
 
 	for _, middleware := range siw.HandlerMiddlewares {
@@ -1632,8 +1680,32 @@ func (siw *ServerInterfaceWrapper) ForkSandbox(w http.ResponseWriter, r *http.Re
 		return
 	}
 
+	// Parameter object where we will unmarshal all parameters from the context
+	var params ForkSandboxParams
+
+	headers := r.Header
+
+	// ------------- Optional header parameter "Idempotency-Key" -------------
+	if valueList, found := headers[http.CanonicalHeaderKey("Idempotency-Key")]; found {
+		var IdempotencyKey IdempotencyKey
+		n := len(valueList)
+		if n != 1 {
+			siw.ErrorHandlerFunc(w, r, &TooManyValuesForParamError{ParamName: "Idempotency-Key", Count: n})
+			return
+		}
+
+		err = runtime.BindStyledParameterWithOptions("simple", "Idempotency-Key", valueList[0], &IdempotencyKey, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""})
+		if err != nil {
+			siw.ErrorHandlerFunc(w, r, &InvalidParamFormatError{ParamName: "Idempotency-Key", Err: err})
+			return
+		}
+
+		params.IdempotencyKey = &IdempotencyKey
+
+	}
+
 	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		siw.Handler.ForkSandbox(w, r, sandboxID)
+		siw.Handler.ForkSandbox(w, r, sandboxID, params)
 	}))
 
 	for _, middleware := range siw.HandlerMiddlewares {
@@ -2562,8 +2634,35 @@ func (siw *ServerInterfaceWrapper) ListSandboxes(w http.ResponseWriter, r *http.
 // CreateSandbox operation middleware
 func (siw *ServerInterfaceWrapper) CreateSandbox(w http.ResponseWriter, r *http.Request) {
 
+	var err error
+	_ = err
+
+	// Parameter object where we will unmarshal all parameters from the context
+	var params CreateSandboxParams
+
+	headers := r.Header
+
+	// ------------- Optional header parameter "Idempotency-Key" -------------
+	if valueList, found := headers[http.CanonicalHeaderKey("Idempotency-Key")]; found {
+		var IdempotencyKey IdempotencyKey
+		n := len(valueList)
+		if n != 1 {
+			siw.ErrorHandlerFunc(w, r, &TooManyValuesForParamError{ParamName: "Idempotency-Key", Count: n})
+			return
+		}
+
+		err = runtime.BindStyledParameterWithOptions("simple", "Idempotency-Key", valueList[0], &IdempotencyKey, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""})
+		if err != nil {
+			siw.ErrorHandlerFunc(w, r, &InvalidParamFormatError{ParamName: "Idempotency-Key", Err: err})
+			return
+		}
+
+		params.IdempotencyKey = &IdempotencyKey
+
+	}
+
 	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		siw.Handler.CreateSandbox(w, r)
+		siw.Handler.CreateSandbox(w, r, params)
 	}))
 
 	for _, middleware := range siw.HandlerMiddlewares {

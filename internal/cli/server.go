@@ -22,6 +22,7 @@ import (
 	"github.com/agentenv/agentenv/internal/api"
 	"github.com/agentenv/agentenv/internal/apikeys"
 	"github.com/agentenv/agentenv/internal/guest"
+	"github.com/agentenv/agentenv/internal/idempotency"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/proxy"
@@ -64,6 +65,12 @@ type serverOptions struct {
 	logLevel       string
 	dns            string
 	egressOpen     []string
+	maxStarting    int
+	overcommit     float64
+	admissionWait  time.Duration
+	// idempotencyWindow is how long the answer of a request with an
+	// Idempotency-Key is kept.
+	idempotencyWindow time.Duration
 }
 
 func serverCmd() *cobra.Command {
@@ -105,6 +112,10 @@ func serverFlags(cmd *cobra.Command, o *serverOptions) {
 	cmd.Flags().StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 	cmd.Flags().StringVar(&o.dns, "dns", "", "nameservers (ip or ip:port, comma-separated) the guests' resolver forwards to; \"none\": guests resolve nothing (default: the host's /etc/resolv.conf)")
 	cmd.Flags().StringSliceVar(&o.egressOpen, "egress-open", nil, "private ranges (CIDRs) every guest with internet access may reach, e.g. an internal package mirror (default: none)")
+	cmd.Flags().IntVar(&o.maxStarting, "max-starting", 0, "sandbox starts (creates, resumes, fork children) run at once; beyond it they wait their turn (default: 2 per CPU; -1: no limit)")
+	cmd.Flags().Float64Var(&o.overcommit, "overcommit", 1.5, "guest memory the running and starting sandboxes may have per byte of host memory; a start beyond it waits its turn (-1: no limit)")
+	cmd.Flags().DurationVar(&o.idempotencyWindow, "idempotency-window", 24*time.Hour, "how long the answer of a create or fork sent with an Idempotency-Key is kept for its retries")
+	cmd.Flags().DurationVar(&o.admissionWait, "admission-wait", 30*time.Second, "how long a start beyond --max-starting or --overcommit waits before it is refused with 429 and Retry-After")
 }
 
 // guestDNS reads --dns: the nameservers the guests' resolver forwards to.
@@ -250,6 +261,9 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		Repository:        repo,
 		RepositorySecret:  repoSecret,
 		Volumes:           vols,
+		MaxStarting:       o.maxStarting,
+		Overcommit:        o.overcommit,
+		AdmissionWait:     o.admissionWait,
 		Logger:            log,
 	})
 	if err != nil {
@@ -276,7 +290,12 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 	go adminSrv.Serve(admin)
 	defer adminSrv.Close()
 	px := proxy.New(api.Resolver{Node: node}, o.domain, orchestrator.EnvdPort, log)
-	acfg := api.Config{Keys: keys, APIKeySHA256: envKey, Domain: o.domain, SandboxProxy: px, PeerChunks: node.PeerChunks(), Volumes: vols, Logger: log}
+	idem, err := idempotency.Open(ctx, keysDB, o.idempotencyWindow)
+	if err != nil {
+		return err
+	}
+	acfg := api.Config{Keys: keys, APIKeySHA256: envKey, Domain: o.domain, SandboxProxy: px, PeerChunks: node.PeerChunks(),
+		Volumes: vols, Idempotency: idem, Logger: log}
 	if cluster != nil {
 		acfg.NodeToken = cluster.nodeToken
 	}

@@ -20,6 +20,7 @@ import (
 	"net/http/httputil"
 	"net/url"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -29,6 +30,7 @@ import (
 	"github.com/agentenv/agentenv/internal/api"
 	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/httperr"
+	"github.com/agentenv/agentenv/internal/idempotency"
 	"github.com/agentenv/agentenv/internal/proxy"
 	pb "github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb"
 	"github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb/schedulerpbconnect"
@@ -66,6 +68,9 @@ type Gateway struct {
 	mu     sync.Mutex
 	routes map[string]route
 	nodes  []*pb.Node // the scheduler's last list
+
+	// idempotent are the nodes of creates sent with an Idempotency-Key.
+	idempotent *pins
 }
 
 // route is where a sandbox was last seen.
@@ -84,7 +89,7 @@ func New(cfg Config) *Gateway {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	g := &Gateway{cfg: cfg, log: cfg.Logger, routes: map[string]route{}, mux: http.NewServeMux(),
+	g := &Gateway{cfg: cfg, log: cfg.Logger, routes: map[string]route{}, mux: http.NewServeMux(), idempotent: newPins(24*time.Hour, 100000),
 		client: &http.Client{Timeout: 5 * time.Minute, Transport: &http.Transport{MaxIdleConnsPerHost: 32, IdleConnTimeout: 30 * time.Second}}}
 	g.proxy = &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
@@ -93,7 +98,7 @@ func New(cfg Config) *Gateway {
 			pr.SetXForwarded()
 			_, sandbox := proxy.ParseTarget(pr.In, g.cfg.Domain)
 			if !sandbox && !isVolumeContent(pr.In) {
-				g.asGateway(pr.Out.Header) // REST: the node sees the gateway, not the client's key
+				g.asGateway(pr.Out.Header, api.ClientOf(pr.In)) // REST: the node sees the gateway, not the client's key
 			}
 		},
 		FlushInterval: -1, // streams (Connect, SSE) pass through at once
@@ -282,7 +287,7 @@ func (g *Gateway) holds(ctx context.Context, nodeURL, id string) bool {
 	if err != nil {
 		return false
 	}
-	g.asGateway(req.Header)
+	g.asGateway(req.Header, "")
 	resp, err := g.client.Do(req)
 	if err != nil {
 		return false
@@ -475,12 +480,12 @@ func (g *Gateway) call(r *http.Request, nodeURL string, body []byte) (int, http.
 	if err != nil {
 		return 0, nil, nil, err
 	}
-	for _, h := range []string{"Content-Type", "User-Agent", httperr.Header} {
+	for _, h := range []string{"Content-Type", "User-Agent", httperr.Header, "Idempotency-Key"} {
 		if v := r.Header.Get(h); v != "" {
 			req.Header.Set(h, v)
 		}
 	}
-	g.asGateway(req.Header)
+	g.asGateway(req.Header, api.ClientOf(r))
 	resp, err := g.client.Do(req)
 	if err != nil {
 		return 0, nil, nil, err
@@ -494,15 +499,19 @@ func (g *Gateway) call(r *http.Request, nodeURL string, body []byte) (int, http.
 }
 
 // asGateway makes a request to a node carry the node credential instead of
-// the client's API key.
-func (g *Gateway) asGateway(h http.Header) {
+// the client's API key, and who the client is (api.ClientOf; "": none).
+func (g *Gateway) asGateway(h http.Header, client string) {
 	h.Del("X-API-Key")
 	h.Del("Authorization")
+	h.Del(api.HeaderClient)
 	h.Set(api.HeaderNodeToken, g.cfg.NodeToken)
+	if client != "" {
+		h.Set(api.HeaderClient, client)
+	}
 }
 
 func copyResponse(w http.ResponseWriter, status int, hdr http.Header, body []byte) {
-	for _, h := range []string{"Content-Type", "X-Next-Token"} {
+	for _, h := range []string{"Content-Type", "X-Next-Token", "Retry-After", idempotency.ReplayedHeader} {
 		if v := hdr.Get(h); v != "" {
 			w.Header().Set(h, v)
 		}
@@ -565,12 +574,30 @@ func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
 		g.createOnFirstNode(w, r, body)
 		return
 	}
+	// A retry of a create sent with an Idempotency-Key goes to the node
+	// that made (or is making) its sandbox, which answers it from its
+	// record.
+	pinKey := ""
+	if key := r.Header.Get("Idempotency-Key"); key != "" {
+		pinKey = r.Method + " " + r.URL.Path + "\x00" + api.ClientOf(r) + "\x00" + key
+		if n, ok := g.idempotent.get(pinKey); ok {
+			status, hdr, out, err := g.call(r, n.url, body)
+			if err == nil {
+				copyResponse(w, status, hdr, out)
+				return
+			}
+			g.log.Warn("the node of an idempotent create did not answer; placing it again", "node", n.nodeID, "err", err)
+		}
+	}
 	mem := req.MemoryMB << 20
 	if mem <= 0 {
 		mem = 512 << 20 // the usual template's; nodes apply the real default
 	}
 	var excluded []string
 	var lastErr string
+	// Nodes at a limit (429) send the create elsewhere; when all of them
+	// were, the client gets a 429 with the soonest Retry-After.
+	limited, retryAfter, limitMsg := 0, 0, ""
 	for attempt := 0; attempt < 3; attempt++ {
 		pctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
 		resp, err := g.cfg.Scheduler.Place(pctx, connect.NewRequest(&pb.PlaceRequest{TemplateId: req.TemplateID,
@@ -585,6 +612,7 @@ func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
 				status = http.StatusTooManyRequests
 			}
 			if status == http.StatusTooManyRequests {
+				w.Header().Set("Retry-After", "5")
 				httperr.Write(w, status, "no node can take the sandbox now: every node is full")
 			} else {
 				httperr.Internal(w, g.log, status, "no node can take the sandbox now", err)
@@ -592,6 +620,9 @@ func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		n := resp.Msg.Node
+		if pinKey != "" {
+			g.idempotent.put(pinKey, route{nodeID: n.NodeId, url: n.Url})
+		}
 		status, hdr, out, err := g.call(r, n.Url, body)
 		if err == nil && status != http.StatusServiceUnavailable && status != http.StatusInsufficientStorage &&
 			status != http.StatusTooManyRequests && status < 500 {
@@ -601,6 +632,16 @@ func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
 			copyResponse(w, status, hdr, out)
 			return
 		}
+		if err == nil && status == http.StatusTooManyRequests {
+			limited++
+			if ra, perr := strconv.Atoi(hdr.Get("Retry-After")); perr == nil && ra > 0 && (retryAfter == 0 || ra < retryAfter) {
+				retryAfter = ra
+			}
+			var e httperr.Body
+			if json.Unmarshal(out, &e) == nil && e.Message != "" {
+				limitMsg = fmt.Sprintf("node %s: %s", n.NodeId, e.Message)
+			}
+		}
 		if err != nil {
 			lastErr = fmt.Sprintf("node %s: %v", n.NodeId, err)
 		} else {
@@ -608,6 +649,11 @@ func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
 		}
 		g.log.Warn("create failed on a node; trying another", "node", n.NodeId, "err", lastErr)
 		excluded = append(excluded, n.NodeId)
+	}
+	if limited == len(excluded) && limited > 0 {
+		w.Header().Set("Retry-After", strconv.Itoa(max(retryAfter, 1)))
+		httperr.Write(w, http.StatusTooManyRequests, "every node that could take the sandbox is at a limit; "+limitMsg)
+		return
 	}
 	httperr.Internal(w, g.log, http.StatusServiceUnavailable, "the sandbox could not be created on any node", errors.New(lastErr))
 }

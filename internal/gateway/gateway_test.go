@@ -15,6 +15,8 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -421,6 +423,132 @@ func TestDocumentedRoutesThroughTheGateway(t *testing.T) {
 				t.Errorf("%s without a key: %d, want 401: %s", op, resp.StatusCode, body)
 			case !keyed && resp.StatusCode == http.StatusUnauthorized && strings.Contains(string(body), "API key"):
 				t.Errorf("%s is open in the document, the gateway asked for a key: %s", op, body)
+			}
+		}
+	}
+}
+
+// gatewayOver runs a gateway whose scheduler knows the given nodes
+// (n0, n1, … in that order, each with room for a sandbox).
+func gatewayOver(t *testing.T, nodes ...*httptest.Server) *httptest.Server {
+	t.Helper()
+	sched := scheduler.New(scheduler.Config{Token: key, Logger: slog.New(slog.DiscardHandler)})
+	mux := http.NewServeMux()
+	mux.Handle(sched.Handler())
+	ss := httptest.NewServer(mux)
+	t.Cleanup(ss.Close)
+	client := scheduler.NewClient(ss.Client(), ss.URL, key)
+	for i, n := range nodes {
+		rep := &pb.NodeReport{NodeId: fmt.Sprintf("n%d", i), Url: n.URL, Cpus: 2, MemoryTotalBytes: 8 << 30, MemoryAvailableBytes: 8 << 30}
+		if _, err := client.Heartbeat(context.Background(), connect.NewRequest(&pb.HeartbeatRequest{Node: rep})); err != nil {
+			t.Fatal(err)
+		}
+	}
+	gw := httptest.NewServer(New(Config{Scheduler: client, APIKey: key, NodeToken: testNodeToken, Logger: slog.New(slog.DiscardHandler)}))
+	t.Cleanup(gw.Close)
+	return gw
+}
+
+// A node at its limit (429) sends the create to another node; when every
+// node is, the client gets a 429 with the soonest Retry-After and the
+// limit named, never a 5xx.
+func TestCreateAroundFullNodes(t *testing.T) {
+	var creates atomic.Int64
+	node := func(full bool, retryAfter string) *httptest.Server {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method != "POST" || r.URL.Path != "/v2/sandboxes" {
+				httperr.Write(w, http.StatusNotFound, "no")
+				return
+			}
+			creates.Add(1)
+			if full {
+				w.Header().Set("Retry-After", retryAfter)
+				httperr.Write(w, http.StatusTooManyRequests, "the node is starting 4 sandboxes, its limit (--max-starting)")
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+			json.NewEncoder(w).Encode(map[string]string{"sandboxID": "made", "clientID": "aenv"})
+		}))
+		t.Cleanup(srv.Close)
+		return srv
+	}
+	post := func(gw *httptest.Server) (*http.Response, string) {
+		req, _ := http.NewRequest("POST", gw.URL+"/v2/sandboxes", strings.NewReader(`{"templateID":"base"}`))
+		req.Header.Set("X-API-Key", key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		return resp, string(body)
+	}
+	// One full node, one with room: made on the second.
+	resp, body := post(gatewayOver(t, node(true, "7"), node(false, "")))
+	if resp.StatusCode != http.StatusCreated || !strings.Contains(body, "made") {
+		t.Fatalf("%d %s", resp.StatusCode, body)
+	}
+	// Both full: 429, the soonest Retry-After, the limit named.
+	creates.Store(0)
+	resp, body = post(gatewayOver(t, node(true, "9"), node(true, "3")))
+	if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") != "3" ||
+		!strings.Contains(body, "--max-starting") || creates.Load() != 2 {
+		t.Fatalf("%d Retry-After %q, %d creates: %s", resp.StatusCode, resp.Header.Get("Retry-After"), creates.Load(), body)
+	}
+}
+
+// A create retried with its Idempotency-Key goes to the node that made
+// the first, with the key and the client (the hash of its API key, never
+// the key) passed on; another key is placed anew.
+func TestIdempotentCreateStaysOnItsNode(t *testing.T) {
+	var mu sync.Mutex
+	got := map[string][]string{} // node → keys
+	node := func(name string) *httptest.Server {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Header.Get("X-API-Key") != "" || r.Header.Get(api.HeaderClient) != api.ClientOf(&http.Request{Header: http.Header{"X-Api-Key": {key}}}) {
+				httperr.Write(w, http.StatusUnauthorized, "client")
+				return
+			}
+			mu.Lock()
+			got[name] = append(got[name], r.Header.Get("Idempotency-Key"))
+			mu.Unlock()
+			w.WriteHeader(http.StatusCreated)
+			json.NewEncoder(w).Encode(map[string]string{"sandboxID": "on" + name, "clientID": "aenv"})
+		}))
+		t.Cleanup(srv.Close)
+		return srv
+	}
+	gw := gatewayOver(t, node("a"), node("b"))
+	post := func(idemKey string) string {
+		req, _ := http.NewRequest("POST", gw.URL+"/v2/sandboxes", strings.NewReader(`{"templateID":"base"}`))
+		req.Header.Set("X-API-Key", key)
+		req.Header.Set("Idempotency-Key", idemKey)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		if resp.StatusCode != http.StatusCreated {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		return string(b)
+	}
+	first := post("e1")
+	for range 5 {
+		if again := post("e1"); again != first {
+			t.Fatalf("retry answered %s, first %s", again, first)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(got["a"])+len(got["b"]) != 6 || (len(got["a"]) != 6 && len(got["b"]) != 6) {
+		t.Fatalf("the retries went to %v", got)
+	}
+	for _, keys := range got {
+		for _, k := range keys {
+			if k != "e1" {
+				t.Fatalf("key %q passed on", k)
 			}
 		}
 	}

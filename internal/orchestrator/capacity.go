@@ -5,6 +5,7 @@ import (
 	"runtime"
 	"sort"
 
+	"github.com/agentenv/agentenv/internal/admission"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/sharing"
 	"golang.org/x/sys/unix"
@@ -75,4 +76,39 @@ func (n *Node) Capacity(ctx context.Context) (*Capacity, error) {
 	}
 	sort.Strings(c.Templates)
 	return c, nil
+}
+
+// newAdmission makes the node's admission of starts from its limits.
+func newAdmission(cfg Config, committed admission.Committed) (*admission.Controller, error) {
+	limits := admission.Limits{MaxStarting: max(cfg.MaxStarting, 0), Wait: cfg.AdmissionWait}
+	if cfg.Overcommit > 0 {
+		total, _, err := hostMemory()
+		if err != nil {
+			return nil, err
+		}
+		limits.MemoryBytes = int64(float64(total) * cfg.Overcommit)
+	}
+	return admission.New(limits, committed), nil
+}
+
+// committedMemory is the guest memory of the sandboxes that hold it and
+// are not starting: creates, resumes and forks hold admission tickets for
+// theirs.
+func (n *Node) committedMemory(ctx context.Context) (int64, error) {
+	all, err := n.records.List(ctx, "state IN (?, ?, ?, ?)",
+		sandboxes.Running, sandboxes.Pausing, sandboxes.Snapshotting, sandboxes.Forking)
+	if err != nil {
+		return 0, err
+	}
+	var sum int64
+	for _, s := range all {
+		sum += int64(s.MemoryMiB) << 20
+	}
+	return sum, nil
+}
+
+// admit waits for a start's turn within the node's limits (see package
+// admission); the ticket's Done ends it.
+func (n *Node) admit(ctx context.Context, what string, count, memoryMiB int) (*admission.Ticket, error) {
+	return n.admission.Admit(ctx, what, count, int64(memoryMiB)<<20)
 }

@@ -179,6 +179,15 @@ func (n *Node) Fork(ctx context.Context, id string, count int, timeout time.Dura
 	if timeout < 0 || timeout > n.cfg.MaxTimeout {
 		return nil, fmt.Errorf("%w: timeout must be between 1s and %s", ErrInvalid, n.cfg.MaxTimeout)
 	}
+	parent, err := n.records.Get(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	ticket, err := n.admit(ctx, fmt.Sprintf("a fork into %d", count), count, parent.MemoryMiB)
+	if err != nil {
+		return nil, err
+	}
+	defer ticket.Done()
 	c, err := n.capture(ctx, "fork", id, count, timeout, sandboxes.Forking)
 	if c != nil && c.lease != nil {
 		// The children's records refer to the snapshot now.

@@ -23,6 +23,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/admission"
 	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
 	"github.com/agentenv/agentenv/internal/datadir"
@@ -132,7 +133,17 @@ type Config struct {
 	// Volumes lends the node's volumes to the sandboxes that mount them
 	// (nil: creates with volume mounts are refused).
 	Volumes VolumeLender
-	Logger  *slog.Logger
+	// MaxStarting bounds the sandbox starts (creates, resumes, fork
+	// children) running at once (0: two per CPU; negative: no bound).
+	MaxStarting int
+	// Overcommit is how much guest memory the node admits to its running
+	// and starting sandboxes per byte of host memory (0: 1.5; negative:
+	// no bound).
+	Overcommit float64
+	// AdmissionWait is how long a start beyond those limits waits for its
+	// turn before it is refused with a capacity error (0: 30 s).
+	AdmissionWait time.Duration
+	Logger        *slog.Logger
 }
 
 func (c *Config) setDefaults() {
@@ -169,6 +180,15 @@ func (c *Config) setDefaults() {
 	if c.TCGTranslationCacheMiB == 0 {
 		c.TCGTranslationCacheMiB = 64
 	}
+	if c.MaxStarting == 0 {
+		c.MaxStarting = 2 * runtime.NumCPU()
+	}
+	if c.Overcommit == 0 {
+		c.Overcommit = 1.5
+	}
+	if c.AdmissionWait == 0 {
+		c.AdmissionWait = 30 * time.Second
+	}
 	if abs, err := filepath.Abs(c.DataDir); err == nil {
 		c.DataDir = abs // the jail names paths inside it (vmm.Jail)
 	}
@@ -187,13 +207,15 @@ type Node struct {
 	// initrdSum identifies the initramfs (and so the envd) guests boot with.
 	initrdSum string
 
-	records  *sandboxes.Records
-	machines machineTable
-	ops      opLocks
-	pool     *warmpool.Pool[*pooledSandbox]
-	builds   *builds.Builds
-	files    *buildfiles.Store // COPY archives of template builds
-	remote   *templates.Remote // templates of the repository, loaded lazily
+	records *sandboxes.Records
+	// admission bounds the starts (creates, resumes, fork children).
+	admission *admission.Controller
+	machines  machineTable
+	ops       opLocks
+	pool      *warmpool.Pool[*pooledSandbox]
+	builds    *builds.Builds
+	files     *buildfiles.Store // COPY archives of template builds
+	remote    *templates.Remote // templates of the repository, loaded lazily
 	// cgroupWarn says once that sandboxes run without cgroup limits.
 	cgroupWarn sync.Once
 	// shelf holds the paused sandboxes shared with the cluster's other
@@ -274,6 +296,9 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 		stop:      make(chan struct{}),
 	}
 	n.pool = warmpool.New(cfg.PoolSize, poolStarter{n}, n.log)
+	if n.admission, err = newAdmission(cfg, n.committedMemory); err != nil {
+		return fail(err)
+	}
 	if n.records, err = sandboxes.Open(db, st, netm.Slots(), n.storeRefs); err != nil {
 		return fail(err)
 	}

@@ -404,6 +404,10 @@ type ResumeOptions struct {
 	Auto bool
 }
 
+// sharedSandboxMemoryMiB is the guest memory admission counts for the
+// resume of a sandbox paused on another node before its record is read.
+const sharedSandboxMemoryMiB = 512
+
 // ResumeWith resumes a paused sandbox as opts say (see Resume).
 func (n *Node) ResumeWith(ctx context.Context, id string, opts ResumeOptions) (*sandboxes.Sandbox, error) {
 	timeout := opts.Timeout
@@ -424,6 +428,17 @@ func (n *Node) ResumeWith(ctx context.Context, id string, opts ResumeOptions) (*
 	} else if !errors.Is(err, ErrNotFound) || !n.sharesPaused() {
 		return nil, n.notHere(err)
 	}
+	// A sandbox in shared storage has its size in its pause record, read
+	// once adopted; until then it is taken as the usual template's.
+	memMiB := sharedSandboxMemoryMiB
+	if s != nil {
+		memMiB = s.MemoryMiB
+	}
+	ticket, err := n.admit(ctx, "a resume", 1, memMiB)
+	if err != nil {
+		return nil, err
+	}
+	defer ticket.Done()
 	unlock := n.lockOp(id)
 	defer unlock()
 	o := operation.Start(ctx, "resume", n.cfg.OperationTimeout, n.log)

@@ -195,6 +195,13 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 	if err := n.validateMounts(req.Volumes, s.VolumeSlots, s.Volumes); err != nil {
 		return nil, err
 	}
+	// Its turn within the node's limits, waited for on the caller's
+	// context: nothing has changed yet.
+	ticket, err := n.admit(ctx, "a create", 1, s.MemoryMiB)
+	if err != nil {
+		return nil, err
+	}
+	defer ticket.Done()
 
 	o := operation.Start(ctx, "create", n.cfg.BootTimeout+n.cfg.OperationTimeout, n.log)
 	// A pre-started sandbox of the template snapshot, if one waits, becomes

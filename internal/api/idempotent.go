@@ -1,0 +1,108 @@
+package api
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/hex"
+	"io"
+	"net/http"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/idempotency"
+)
+
+// HeaderClient carries, from the gateway (with the node credential), the
+// SHA-256 of the API key its client presented: the client an
+// Idempotency-Key belongs to.
+const HeaderClient = "X-Aenv-Client"
+
+// ClientOf names who sent a request for idempotency: the SHA-256 of the
+// API key it presented (hex).
+func ClientOf(r *http.Request) string {
+	sum := sha256.Sum256([]byte(presentedKey(r)))
+	return hex.EncodeToString(sum[:])
+}
+
+// client is the client of a request to this node: the gateway's client
+// when the gateway sent it, else the key's.
+func (s *Server) client(r *http.Request) string {
+	if c := r.Header.Get(HeaderClient); c != "" && s.cfg.NodeToken != "" {
+		got, want := sha256.Sum256([]byte(r.Header.Get(HeaderNodeToken))), sha256.Sum256([]byte(s.cfg.NodeToken))
+		if subtle.ConstantTimeCompare(got[:], want[:]) == 1 {
+			return c
+		}
+	}
+	return ClientOf(r)
+}
+
+// idempotentWait is how long a retry waits for its first request to end.
+const idempotentWait = 3 * time.Minute
+
+// idempotent runs a create or fork (run) once per Idempotency-Key: a retry
+// gets the first answer (package idempotency). Without a key, or on a
+// node that keeps no keys, it just runs.
+func (s *Server) idempotent(w http.ResponseWriter, r *http.Request, route string, key *string, run func(http.ResponseWriter, *http.Request)) {
+	if key == nil || s.cfg.Idempotency == nil {
+		run(w, r)
+		return
+	}
+	body, err := readBody(r)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	answer, claim, err := s.cfg.Idempotency.Begin(r.Context(), idempotency.Request{
+		Client: s.client(r), Route: route, Key: *key, Body: body}, idempotentWait)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	if answer != nil {
+		answer.Write(w)
+		return
+	}
+	rec := &keptAnswer{ResponseWriter: w, status: http.StatusOK}
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	run(rec, r)
+	// Kept even when the client went: its retry gets this sandbox.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), 10*time.Second)
+	defer cancel()
+	if err := claim.Finish(ctx, idempotency.Answer{Status: rec.status, ContentType: rec.Header().Get("Content-Type"), Body: rec.body.Bytes()}); err != nil {
+		s.log.Error("keeping the answer of an idempotent request", "route", route, "err", err)
+	}
+}
+
+// readBody reads a request body of at most maxBodyBytes.
+func readBody(r *http.Request) ([]byte, error) {
+	body, err := io.ReadAll(io.LimitReader(r.Body, maxBodyBytes+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(body) > maxBodyBytes {
+		return nil, errBodyTooLarge
+	}
+	return body, nil
+}
+
+// keptAnswer writes an answer through and keeps a copy of it.
+type keptAnswer struct {
+	http.ResponseWriter
+	status int
+	wrote  bool
+	body   bytes.Buffer
+}
+
+func (k *keptAnswer) WriteHeader(status int) {
+	if !k.wrote {
+		k.status, k.wrote = status, true
+	}
+	k.ResponseWriter.WriteHeader(status)
+}
+
+func (k *keptAnswer) Write(b []byte) (int, error) {
+	k.wrote = true
+	k.body.Write(b)
+	return k.ResponseWriter.Write(b)
+}

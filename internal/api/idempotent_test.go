@@ -1,0 +1,150 @@
+package api
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/agentenv/agentenv/internal/idempotency"
+	"github.com/agentenv/agentenv/internal/statedb"
+)
+
+// newIdempotentAPI is the test API with a store of idempotent requests in
+// the database at path.
+func newIdempotentAPI(t *testing.T, node *fakeNode, path string) *testAPI {
+	t.Helper()
+	db, err := statedb.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	st, err := idempotency.Open(t.Context(), db, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := New(node, Config{APIKey: testKey, Domain: "sandbox.test", SandboxProxy: http.NotFoundHandler(), Idempotency: st})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &testAPI{t: t, node: node, srv: srv}
+}
+
+func (a *testAPI) withKey(ctx context.Context, method, path, key, body string) *httptest.ResponseRecorder {
+	a.t.Helper()
+	req := httptest.NewRequestWithContext(ctx, method, path, strings.NewReader(body))
+	req.Header.Set("X-API-Key", testKey)
+	req.Header.Set("Content-Type", "application/json")
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
+	rec := httptest.NewRecorder()
+	a.srv.ServeHTTP(rec, req)
+	return rec
+}
+
+// A create retried with its Idempotency-Key gets the same sandbox, also
+// from a restarted node; another body with the key is a 400; another key
+// is another sandbox; a create without a key is never replayed.
+func TestIdempotentCreate(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "aenv.db")
+	node := newFakeNode()
+	a := newIdempotentAPI(t, node, path)
+	body := `{"templateID":"base","timeout":60}`
+	first := a.withKey(t.Context(), "POST", "/v2/sandboxes", "episode-1", body)
+	if first.Code != http.StatusCreated || first.Header().Get(idempotency.ReplayedHeader) != "" {
+		t.Fatalf("%d %s", first.Code, first.Body)
+	}
+	again := a.withKey(t.Context(), "POST", "/v2/sandboxes", "episode-1", body)
+	if again.Code != http.StatusCreated || again.Body.String() != first.Body.String() || again.Header().Get(idempotency.ReplayedHeader) != "true" {
+		t.Fatalf("retry: %d %s (first %s)", again.Code, again.Body, first.Body)
+	}
+	if len(node.creates) != 1 {
+		t.Fatalf("%d creates for one key", len(node.creates))
+	}
+	// The v1 route is another route: the key there is another request.
+	if rec := a.withKey(t.Context(), "POST", "/sandboxes", "episode-1", body); rec.Code != http.StatusCreated || rec.Body.String() == first.Body.String() {
+		t.Fatalf("v1: %d %s", rec.Code, rec.Body)
+	}
+	rec := a.withKey(t.Context(), "POST", "/v2/sandboxes", "episode-1", `{"templateID":"minimal"}`)
+	assertError(t, rec, http.StatusBadRequest)
+	if !strings.Contains(rec.Body.String(), "Idempotency-Key") {
+		t.Fatalf("%s", rec.Body)
+	}
+	if rec := a.withKey(t.Context(), "POST", "/v2/sandboxes", strings.Repeat("k", 256), body); rec.Code != http.StatusBadRequest {
+		t.Fatalf("long key: %d %s", rec.Code, rec.Body)
+	}
+	// A node restarted on the same database still knows the key.
+	b := newIdempotentAPI(t, node, path)
+	if rec := b.withKey(t.Context(), "POST", "/v2/sandboxes", "episode-1", body); rec.Body.String() != first.Body.String() {
+		t.Fatalf("after a restart: %d %s", rec.Code, rec.Body)
+	}
+	if len(node.creates) != 2 { // the first and the v1 one
+		t.Fatalf("%d creates", len(node.creates))
+	}
+}
+
+// A failed create leaves nothing: its retry runs again.
+func TestIdempotentCreateFailureRetries(t *testing.T) {
+	node := newFakeNode()
+	a := newIdempotentAPI(t, node, filepath.Join(t.TempDir(), "aenv.db"))
+	for range 2 {
+		if rec := a.withKey(t.Context(), "POST", "/v2/sandboxes", "k", `{"templateID":"full"}`); rec.Code != http.StatusTooManyRequests {
+			t.Fatalf("%d %s", rec.Code, rec.Body)
+		}
+	}
+	if len(node.creates) != 2 {
+		t.Fatalf("%d creates, want 2 (a failure is not kept)", len(node.creates))
+	}
+}
+
+// The client of the first request hangs up while its sandbox is made;
+// its retry, sent meanwhile, waits for that create and gets its sandbox,
+// and no second sandbox is made.
+func TestIdempotentCreateClientGone(t *testing.T) {
+	node := newFakeNode()
+	node.createGate, node.createHeld = make(chan struct{}), make(chan struct{}, 1)
+	a := newIdempotentAPI(t, node, filepath.Join(t.TempDir(), "aenv.db"))
+	ctx, cancel := context.WithCancel(t.Context())
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		a.withKey(ctx, "POST", "/v2/sandboxes", "k", `{"templateID":"base"}`)
+	}()
+	<-node.createHeld // the sandbox is being made
+	cancel()          // and the client went
+	retried := make(chan *httptest.ResponseRecorder)
+	go func() { retried <- a.withKey(t.Context(), "POST", "/v2/sandboxes", "k", `{"templateID":"base"}`) }()
+	time.Sleep(50 * time.Millisecond)
+	close(node.createGate)
+	rec := <-retried
+	wg.Wait()
+	var sb struct{ SandboxID string }
+	if rec.Code != http.StatusCreated || json.Unmarshal(rec.Body.Bytes(), &sb) != nil || sb.SandboxID == "" {
+		t.Fatalf("retry: %d %s", rec.Code, rec.Body)
+	}
+	if len(node.creates) != 1 {
+		t.Fatalf("%d creates", len(node.creates))
+	}
+}
+
+// A fork retried with its key gets the same children.
+func TestIdempotentFork(t *testing.T) {
+	node := newFakeNode()
+	a := newIdempotentAPI(t, node, filepath.Join(t.TempDir(), "aenv.db"))
+	id := a.create(`{"templateID":"base"}`)["sandboxID"].(string)
+	first := a.withKey(t.Context(), "POST", "/sandboxes/"+id+"/fork", "f1", `{"count":2}`)
+	again := a.withKey(t.Context(), "POST", "/sandboxes/"+id+"/fork", "f1", `{"count":2}`)
+	if first.Code != http.StatusCreated || again.Body.String() != first.Body.String() {
+		t.Fatalf("%d %s / %d %s", first.Code, first.Body, again.Code, again.Body)
+	}
+	if l, _ := node.List(t.Context()); len(l) != 3 {
+		t.Fatalf("%d sandboxes, want the parent and 2 children", len(l))
+	}
+}
