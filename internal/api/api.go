@@ -80,6 +80,11 @@ type Node interface {
 	DataDir() string
 	BuildFiles() *buildfiles.Store
 	Memory(ctx context.Context) (*orchestrator.NodeMemory, error)
+	// Client leases: the node's, one, renewed, ended (its sandboxes killed).
+	Leases(ctx context.Context) ([]*orchestrator.LeaseInfo, error)
+	Lease(ctx context.Context, id string) (*orchestrator.LeaseInfo, error)
+	RenewLease(ctx context.Context, id string, ttl time.Duration) (*orchestrator.LeaseInfo, error)
+	EndLease(ctx context.Context, id string) ([]string, error)
 	LayerCacheStats() lazy.CacheStats
 }
 

@@ -61,6 +61,14 @@ func TestResponsesMatchTheDocument(t *testing.T) {
 		{"GET", "/sandboxes/metrics?sandbox_ids=" + id, ""},
 		{"GET", "/templates", ""},
 		{"GET", "/nosuchroute", ""},
+		{"POST", "/v2/sandboxes", `{"templateID":"base","lease":{"id":"conf","ttl":60}}`},
+		{"GET", "/v2/sandboxes", ""},
+		{"GET", "/leases", ""},
+		{"GET", "/leases/conf", ""},
+		{"GET", "/leases/nosuch", ""},
+		{"POST", "/leases/conf/keepalive", `{"ttl":30}`},
+		{"POST", "/leases/conf/keepalive", `{"ttl":3}`},
+		{"DELETE", "/leases/conf", ""},
 		{"DELETE", "/sandboxes/" + v1, ""},
 	}
 	if a.srv.cfg.Volumes != nil {

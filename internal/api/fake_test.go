@@ -10,6 +10,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
+	"github.com/agentenv/agentenv/internal/leases"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/sandboxes"
@@ -35,6 +36,8 @@ type fakeNode struct {
 	// sends on createHeld first.
 	createGate chan struct{}
 	createHeld chan struct{}
+	// leases is made on first use (leaseStore).
+	leases *leases.Store
 }
 
 func newFakeNode() *fakeNode {
@@ -70,6 +73,14 @@ func (f *fakeNode) Create(ctx context.Context, req orchestrator.CreateRequest) (
 	}
 	f.seq++
 	f.mutations++
+	if req.Lease != nil {
+		f.mu.Unlock()
+		_, err := f.leaseStore().Take(ctx, req.Lease.ID, req.Lease.TTL)
+		f.mu.Lock()
+		if err != nil {
+			return nil, err
+		}
+	}
 	timeout := req.Timeout
 	if timeout == 0 {
 		timeout = 5 * time.Minute
@@ -81,6 +92,9 @@ func (f *fakeNode) Create(ctx context.Context, req orchestrator.CreateRequest) (
 		AllowInternet: req.AllowInternet == nil || *req.AllowInternet,
 		Metadata:      req.Metadata, EnvVars: req.EnvVars, StartedAt: now, CreatedAt: now, EndAt: now.Add(timeout),
 		TrafficToken: "traffic", PublicTraffic: !req.PrivateTraffic, AutoResume: req.AutoResume, EnvdVersion: fakeEnvdVersion,
+	}
+	if req.Lease != nil {
+		sb.Lease = req.Lease.ID
 	}
 	if req.Secure {
 		sb.AccessToken = "envd-token-" + sb.ID

@@ -18,6 +18,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/errkind"
+	"github.com/agentenv/agentenv/internal/leases"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/sandboxes"
@@ -60,6 +61,13 @@ type createSandboxRequest struct {
 	VolumeMounts        []volumeMountJSON `json:"volumeMounts"`
 	CPUCount            *int              `json:"cpuCount"`
 	MemoryMB            *int              `json:"memoryMB"`
+	Lease               *leaseJSON        `json:"lease"`
+}
+
+// leaseJSON binds a create to a client lease (AgentENV's).
+type leaseJSON struct {
+	ID  string `json:"id"`
+	TTL *int64 `json:"ttl"`
 }
 
 type autoResumeJSON struct {
@@ -248,6 +256,13 @@ func (req *createSandboxRequest) toCreateRequest(secureDefault bool) (orchestrat
 	}
 	if req.Secure != nil {
 		cr.Secure = *req.Secure
+	}
+	if l := req.Lease; l != nil {
+		ttl := time.Duration(deref(l.TTL)) * time.Second
+		if _, err := leases.Check(l.ID, ttl); err != nil {
+			return cr, err
+		}
+		cr.Lease = &orchestrator.LeaseRequest{ID: l.ID, TTL: ttl}
 	}
 	if n := req.Network; n != nil {
 		internet, egress, err := n.egress(req.AllowInternetAccess)
@@ -464,7 +479,16 @@ func (s *Server) GetSandbox(w http.ResponseWriter, r *http.Request, sandboxID ap
 		s.writeNodeError(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, s.detailBody(sb))
+	d := s.detailBody(sb)
+	if sb.Lease != "" {
+		view, err := s.leaseView(r.Context())
+		if err != nil {
+			s.writeNodeError(w, err)
+			return
+		}
+		d.Lease = view(sb)
+	}
+	writeJSON(w, http.StatusOK, d)
 }
 
 func (s *Server) KillSandbox(w http.ResponseWriter, r *http.Request, sandboxID apispec.SandboxID) {
@@ -589,10 +613,17 @@ func (s *Server) ListSandboxesV1(w http.ResponseWriter, r *http.Request, params 
 		s.writeNodeError(w, err)
 		return
 	}
+	leased, err := s.leaseView(r.Context())
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
 	out := []apispec.ListedSandbox{}
 	for _, sb := range all {
 		if sb.State == sandboxes.Running && !sb.Internal() && matchMetadata(sb.Metadata, filter) {
-			out = append(out, listedBody(sb))
+			d := listedBody(sb)
+			d.Lease = leased(sb)
+			out = append(out, d)
 		}
 	}
 	writeJSON(w, http.StatusOK, out)
@@ -651,6 +682,11 @@ func (s *Server) ListSandboxes(w http.ResponseWriter, r *http.Request, params ap
 		s.writeNodeError(w, err)
 		return
 	}
+	leased, err := s.leaseView(r.Context())
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
 	// Stable order: newest first, ties by id; the cursor is "<startedAt>|<id>".
 	sort.Slice(all, func(i, j int) bool {
 		if !all[i].StartedAt.Equal(all[j].StartedAt) {
@@ -663,6 +699,7 @@ func (s *Server) ListSandboxes(w http.ResponseWriter, r *http.Request, params ap
 	more := false
 	for _, sb := range all {
 		d := listedBody(sb)
+		d.Lease = leased(sb)
 		if sb.Internal() || !states[string(d.State)] || !matchMetadata(sb.Metadata, filter) ||
 			(template != "" && sb.TemplateID != template) ||
 			(!startedAfter.IsZero() && !sb.StartedAt.After(startedAfter)) {

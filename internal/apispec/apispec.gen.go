@@ -411,18 +411,37 @@ type Error struct {
 	Message string `json:"message"`
 }
 
+// Lease defines model for Lease.
+type Lease struct {
+	CreatedAt time.Time `json:"createdAt"`
+
+	// Expired Not renewed in time; its sandboxes were ended
+	Expired   bool      `json:"expired"`
+	ExpiresAt time.Time `json:"expiresAt"`
+	LeaseID   string    `json:"leaseID"`
+
+	// Sandboxes The sandboxes bound to it on this node
+	Sandboxes []string `json:"sandboxes"`
+
+	// Ttl Seconds a keepalive extends it by
+	Ttl int `json:"ttl"`
+}
+
 // ListedSandbox defines model for ListedSandbox.
 type ListedSandbox struct {
-	Alias               *string           `json:"alias,omitempty"`
-	AllowInternetAccess *bool             `json:"allowInternetAccess,omitempty"`
-	ClientID            string            `json:"clientID"`
-	CpuCount            int               `json:"cpuCount"`
-	DiskSizeMB          int               `json:"diskSizeMB"`
-	EndAt               time.Time         `json:"endAt"`
-	EnvdVersion         string            `json:"envdVersion"`
-	Lifecycle           *SandboxLifecycle `json:"lifecycle,omitempty"`
-	MemoryMB            int               `json:"memoryMB"`
-	Metadata            map[string]string `json:"metadata"`
+	Alias               *string   `json:"alias,omitempty"`
+	AllowInternetAccess *bool     `json:"allowInternetAccess,omitempty"`
+	ClientID            string    `json:"clientID"`
+	CpuCount            int       `json:"cpuCount"`
+	DiskSizeMB          int       `json:"diskSizeMB"`
+	EndAt               time.Time `json:"endAt"`
+	EnvdVersion         string    `json:"envdVersion"`
+
+	// Lease AgentENV: the client lease the sandbox is bound to; expired (not renewed in time, or gone): the sandbox is an orphan (aenv ls --orphans).
+	Lease     *SandboxLease     `json:"lease,omitempty"`
+	Lifecycle *SandboxLifecycle `json:"lifecycle,omitempty"`
+	MemoryMB  int               `json:"memoryMB"`
+	Metadata  map[string]string `json:"metadata"`
 
 	// Network The sandbox's egress rules (denyOut holds 0.0.0.0/0 when internet access is off)
 	Network      *SandboxNetwork       `json:"network,omitempty"`
@@ -492,6 +511,14 @@ type NewSandbox struct {
 		// Tokens Refused (400) when not empty
 		Tokens *[]map[string]interface{} `json:"tokens,omitempty"`
 	} `json:"iam,omitempty"`
+
+	// Lease AgentENV: binds the sandbox to a client lease, made (or renewed, an expired one revived) with ttl. When the lease is not renewed in time (POST /leases/{leaseID}/keepalive) its sandboxes end as their autoPause says; DELETE /leases/{leaseID} kills them. A fork's children are bound to their parent's lease.
+	Lease *struct {
+		Id string `json:"id"`
+
+		// Ttl Seconds (default 300)
+		Ttl *int `json:"ttl,omitempty"`
+	} `json:"lease,omitempty"`
 
 	// Mcp Not supported
 	Mcp      *map[string]interface{} `json:"mcp,omitempty"`
@@ -588,18 +615,21 @@ type Sandbox struct {
 
 // SandboxDetail defines model for SandboxDetail.
 type SandboxDetail struct {
-	Alias               *string           `json:"alias,omitempty"`
-	AllowInternetAccess *bool             `json:"allowInternetAccess,omitempty"`
-	ClientID            string            `json:"clientID"`
-	CpuCount            int               `json:"cpuCount"`
-	DiskSizeMB          int               `json:"diskSizeMB"`
-	Domain              *string           `json:"domain,omitempty"`
-	EndAt               time.Time         `json:"endAt"`
-	EnvdAccessToken     *string           `json:"envdAccessToken,omitempty"`
-	EnvdVersion         string            `json:"envdVersion"`
-	Lifecycle           *SandboxLifecycle `json:"lifecycle,omitempty"`
-	MemoryMB            int               `json:"memoryMB"`
-	Metadata            map[string]string `json:"metadata"`
+	Alias               *string   `json:"alias,omitempty"`
+	AllowInternetAccess *bool     `json:"allowInternetAccess,omitempty"`
+	ClientID            string    `json:"clientID"`
+	CpuCount            int       `json:"cpuCount"`
+	DiskSizeMB          int       `json:"diskSizeMB"`
+	Domain              *string   `json:"domain,omitempty"`
+	EndAt               time.Time `json:"endAt"`
+	EnvdAccessToken     *string   `json:"envdAccessToken,omitempty"`
+	EnvdVersion         string    `json:"envdVersion"`
+
+	// Lease AgentENV: the client lease the sandbox is bound to; expired (not renewed in time, or gone): the sandbox is an orphan (aenv ls --orphans).
+	Lease     *SandboxLease     `json:"lease,omitempty"`
+	Lifecycle *SandboxLifecycle `json:"lifecycle,omitempty"`
+	MemoryMB  int               `json:"memoryMB"`
+	Metadata  map[string]string `json:"metadata"`
 
 	// Network The sandbox's egress rules (denyOut holds 0.0.0.0/0 when internet access is off)
 	Network *SandboxNetwork `json:"network,omitempty"`
@@ -618,6 +648,13 @@ type SandboxDetailPauseMode string
 
 // SandboxDetailState defines model for SandboxDetail.State.
 type SandboxDetailState string
+
+// SandboxLease AgentENV: the client lease the sandbox is bound to; expired (not renewed in time, or gone): the sandbox is an orphan (aenv ls --orphans).
+type SandboxLease struct {
+	Expired   bool       `json:"expired"`
+	ExpiresAt *time.Time `json:"expiresAt,omitempty"`
+	LeaseID   string     `json:"leaseID"`
+}
 
 // SandboxLifecycle defines model for SandboxLifecycle.
 type SandboxLifecycle struct {
@@ -888,6 +925,12 @@ type Connect struct {
 	// Memory false boots a paused sandbox again from its disk (E2B's on_resume "reboot"): any memory it kept is dropped; a sandbox paused without memory always boots again. Default true.
 	Memory  *bool `json:"memory,omitempty"`
 	Timeout *int  `json:"timeout,omitempty"`
+}
+
+// KeepLeaseAliveJSONBody defines parameters for KeepLeaseAlive.
+type KeepLeaseAliveJSONBody struct {
+	// Ttl Seconds
+	Ttl *int `json:"ttl,omitempty"`
 }
 
 // ListSandboxesV1Params defines parameters for ListSandboxesV1.
@@ -1207,6 +1250,9 @@ type CreateVolumeJSONBody struct {
 	Name string `json:"name"`
 }
 
+// KeepLeaseAliveJSONRequestBody defines body for KeepLeaseAlive for application/json ContentType.
+type KeepLeaseAliveJSONRequestBody KeepLeaseAliveJSONBody
+
 // CreateSandboxV1JSONRequestBody defines body for CreateSandboxV1 for application/json ContentType.
 type CreateSandboxV1JSONRequestBody = NewSandbox
 
@@ -1263,6 +1309,18 @@ type ServerInterface interface {
 	// GetHealth Liveness of the node API
 	// (GET /health)
 	GetHealth(w http.ResponseWriter, r *http.Request)
+	// ListLeases AgentENV's client leases of this node (of every node through the gateway), oldest first
+	// (GET /leases)
+	ListLeases(w http.ResponseWriter, r *http.Request)
+	// DeleteLease Kill every sandbox bound to the lease (running or paused) and forget it
+	// (DELETE /leases/{leaseID})
+	DeleteLease(w http.ResponseWriter, r *http.Request, leaseID string)
+	// GetLease A lease and the sandboxes bound to it
+	// (GET /leases/{leaseID})
+	GetLease(w http.ResponseWriter, r *http.Request, leaseID string)
+	// KeepLeaseAlive Renew a lease for its ttl (or the ttl given, which becomes its ttl) from now
+	// (POST /leases/{leaseID}/keepalive)
+	KeepLeaseAlive(w http.ResponseWriter, r *http.Request, leaseID string)
 	// NodeMetrics The node's Prometheus metrics: host memory, each running sandbox's guest RAM size and its QEMU's RSS, PSS and anonymous memory, sandboxes by state, and the layer chunk cache's counters (aenv_layer_cache_*). The API key may also come as a bearer token.
 	// (GET /metrics)
 	NodeMetrics(w http.ResponseWriter, r *http.Request)
@@ -1429,6 +1487,98 @@ func (siw *ServerInterfaceWrapper) GetHealth(w http.ResponseWriter, r *http.Requ
 
 	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		siw.Handler.GetHealth(w, r)
+	}))
+
+	for _, middleware := range siw.HandlerMiddlewares {
+		handler = middleware(handler)
+	}
+
+	handler.ServeHTTP(w, r)
+}
+
+// ListLeases operation middleware
+func (siw *ServerInterfaceWrapper) ListLeases(w http.ResponseWriter, r *http.Request) {
+
+	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		siw.Handler.ListLeases(w, r)
+	}))
+
+	for _, middleware := range siw.HandlerMiddlewares {
+		handler = middleware(handler)
+	}
+
+	handler.ServeHTTP(w, r)
+}
+
+// DeleteLease operation middleware
+func (siw *ServerInterfaceWrapper) DeleteLease(w http.ResponseWriter, r *http.Request) {
+
+	var err error
+	_ = err
+
+	// ------------- Path parameter "leaseID" -------------
+	var leaseID string
+
+	err = runtime.BindStyledParameterWithOptions("simple", "leaseID", r.PathValue("leaseID"), &leaseID, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationPath, Explode: false, Required: true, Type: "string", Format: "", ValueIsUnescaped: true})
+	if err != nil {
+		siw.ErrorHandlerFunc(w, r, &InvalidParamFormatError{ParamName: "leaseID", Err: err})
+		return
+	}
+
+	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		siw.Handler.DeleteLease(w, r, leaseID)
+	}))
+
+	for _, middleware := range siw.HandlerMiddlewares {
+		handler = middleware(handler)
+	}
+
+	handler.ServeHTTP(w, r)
+}
+
+// GetLease operation middleware
+func (siw *ServerInterfaceWrapper) GetLease(w http.ResponseWriter, r *http.Request) {
+
+	var err error
+	_ = err
+
+	// ------------- Path parameter "leaseID" -------------
+	var leaseID string
+
+	err = runtime.BindStyledParameterWithOptions("simple", "leaseID", r.PathValue("leaseID"), &leaseID, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationPath, Explode: false, Required: true, Type: "string", Format: "", ValueIsUnescaped: true})
+	if err != nil {
+		siw.ErrorHandlerFunc(w, r, &InvalidParamFormatError{ParamName: "leaseID", Err: err})
+		return
+	}
+
+	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		siw.Handler.GetLease(w, r, leaseID)
+	}))
+
+	for _, middleware := range siw.HandlerMiddlewares {
+		handler = middleware(handler)
+	}
+
+	handler.ServeHTTP(w, r)
+}
+
+// KeepLeaseAlive operation middleware
+func (siw *ServerInterfaceWrapper) KeepLeaseAlive(w http.ResponseWriter, r *http.Request) {
+
+	var err error
+	_ = err
+
+	// ------------- Path parameter "leaseID" -------------
+	var leaseID string
+
+	err = runtime.BindStyledParameterWithOptions("simple", "leaseID", r.PathValue("leaseID"), &leaseID, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationPath, Explode: false, Required: true, Type: "string", Format: "", ValueIsUnescaped: true})
+	if err != nil {
+		siw.ErrorHandlerFunc(w, r, &InvalidParamFormatError{ParamName: "leaseID", Err: err})
+		return
+	}
+
+	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		siw.Handler.KeepLeaseAlive(w, r, leaseID)
 	}))
 
 	for _, middleware := range siw.HandlerMiddlewares {
@@ -3506,6 +3656,10 @@ func HandlerWithOptions(si ServerInterface, options StdHTTPServerOptions) http.H
 	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/sandboxes/{sandboxID}/metrics", wrapper.GetSandboxMetrics)
 	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/v2/sandboxes/{sandboxID}/logs", wrapper.GetSandboxLogsV2)
 	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/sandboxes/{sandboxID}/logs", wrapper.GetSandboxLogs)
+	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/leases", wrapper.ListLeases)
+	m.HandleFunc(http.MethodDelete+" "+options.BaseURL+"/leases/{leaseID}", wrapper.DeleteLease)
+	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/leases/{leaseID}", wrapper.GetLease)
+	m.HandleFunc(http.MethodPost+" "+options.BaseURL+"/leases/{leaseID}/keepalive", wrapper.KeepLeaseAlive)
 	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/volumes", wrapper.ListVolumes)
 	m.HandleFunc(http.MethodPost+" "+options.BaseURL+"/volumes", wrapper.CreateVolume)
 	m.HandleFunc(http.MethodDelete+" "+options.BaseURL+"/volumes/{volumeID}", wrapper.DeleteVolume)

@@ -40,7 +40,7 @@ func newRoot() *cobra.Command {
 	root.AddCommand(
 		// Client commands (any OS).
 		authCmd(), createCmd(), lsCmd(), infoCmd(), execCmd(), shellCmd(), cpCmd(), pauseCmd(), resumeCmd(),
-		forkCmd(), timeoutCmd(), killCmd(), logsCmd(), snapshotCmd(), templateCmd(), volumeCmd(),
+		forkCmd(), timeoutCmd(), killCmd(), gcCmd(), leaseCmd(), logsCmd(), snapshotCmd(), templateCmd(), volumeCmd(),
 		// Server roles and machine setup (Linux).
 		serverCmd(), nodeCmd(), schedulerCmd(), gatewayCmd(), setupCmd(), keyCmd(), benchCmd(), doctorCmd(),
 	)

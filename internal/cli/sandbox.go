@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -42,6 +43,8 @@ func createCmd() *cobra.Command {
 		env, meta, volumes   []string
 		noAutoPause, noInet  bool
 		secure, printJSONOut bool
+		lease                string
+		leaseTTL             time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "create TEMPLATE",
@@ -49,7 +52,8 @@ func createCmd() *cobra.Command {
 		Example: `  aenv create base
   id=$(aenv create base --timeout 1h --env API_URL=http://x --metadata job=42)
   aenv create base --cpu 2 --memory 1024 --no-auto-pause -o json
-  aenv create base --volume data:/mnt/data`,
+  aenv create base --volume data:/mnt/data
+  aenv create base --lease trainer-1 --lease-ttl 2m`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := conn.client()
@@ -91,6 +95,13 @@ func createCmd() *cobra.Command {
 				}
 				body["volumeMounts"] = mounts
 			}
+			if lease != "" {
+				l := map[string]any{"id": lease}
+				if leaseTTL > 0 {
+					l["ttl"] = int(leaseTTL / time.Second)
+				}
+				body["lease"] = l
+			}
 			var sb apispec.Sandbox
 			if err := c.do(cmd.Context(), "POST", "/sandboxes", body, &sb); err != nil {
 				return err
@@ -112,6 +123,8 @@ func createCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&noInet, "no-internet", false, "block all egress from the sandbox")
 	cmd.Flags().StringArrayVar(&volumes, "volume", nil, "mount volume NAME at PATH in the guest, as NAME:PATH (repeatable, up to 4)")
 	cmd.Flags().BoolVar(&secure, "secure", true, "require the sandbox's access token for envd traffic")
+	cmd.Flags().StringVar(&lease, "lease", "", "bind the sandbox to this client lease (made or renewed); when it is not renewed in time (aenv lease keepalive) the sandbox ends")
+	cmd.Flags().DurationVar(&leaseTTL, "lease-ttl", 0, "the lease's time to live (default 5m)")
 	jsonFlag(cmd, &printJSONOut)
 	return cmd
 }
@@ -209,10 +222,11 @@ func listSandboxes(ctx context.Context, c *apiClient, states []string, metadata 
 
 func lsCmd() *cobra.Command {
 	var (
-		conn   connection
-		states []string
-		meta   []string
-		asJSON bool
+		conn    connection
+		states  []string
+		meta    []string
+		asJSON  bool
+		orphans bool
 	)
 	cmd := &cobra.Command{
 		Use:     "ls",
@@ -220,7 +234,8 @@ func lsCmd() *cobra.Command {
 		Short:   "List sandboxes (running and paused), newest first",
 		Example: `  aenv ls
   aenv ls --state paused
-  aenv ls --metadata job=42 -o json`,
+  aenv ls --metadata job=42 -o json
+  aenv ls --orphans`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := conn.client()
@@ -240,6 +255,9 @@ func lsCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
+			if orphans {
+				all = slices.DeleteFunc(all, func(sb apispec.ListedSandbox) bool { return !orphan(sb) })
+			}
 			if asJSON {
 				if all == nil {
 					all = []apispec.ListedSandbox{}
@@ -257,6 +275,7 @@ func lsCmd() *cobra.Command {
 	conn.flags(cmd)
 	cmd.Flags().StringSliceVar(&states, "state", nil, "only sandboxes in these states (running, paused)")
 	cmd.Flags().StringArrayVar(&meta, "metadata", nil, "only sandboxes with this metadata KEY=VALUE (repeatable)")
+	cmd.Flags().BoolVar(&orphans, "orphans", false, "only sandboxes bound to a client lease that expired or is gone")
 	jsonFlag(cmd, &asJSON)
 	return cmd
 }

@@ -127,6 +127,10 @@ func (g *Gateway) registerRoutes() {
 	g.mux.Handle("/sandboxes/{id}", key(g.toSandboxNode))
 	g.mux.Handle("/sandboxes/{id}/{rest...}", key(g.toSandboxNode))
 	g.mux.Handle("/v2/sandboxes/{id}/{rest...}", key(g.toSandboxNode))
+	g.mux.Handle("GET /leases", key(g.listLeases))
+	g.mux.Handle("GET /leases/{leaseID}", key(g.leaseOnNodes))
+	g.mux.Handle("POST /leases/{leaseID}/keepalive", key(g.leaseOnNodes))
+	g.mux.Handle("DELETE /leases/{leaseID}", key(g.deleteLease))
 	g.mux.Handle("GET /snapshots", key(g.listSnapshots))
 	g.mux.Handle("DELETE /snapshots/{name}", key(g.deleteSnapshot))
 	for _, p := range []string{"/templates", "/v2/templates", "/v3/templates"} {

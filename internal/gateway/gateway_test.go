@@ -24,6 +24,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/api"
 	"github.com/agentenv/agentenv/internal/apikeys"
+	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/httperr"
 	"github.com/agentenv/agentenv/internal/scheduler"
 	pb "github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb"
@@ -551,5 +552,62 @@ func TestIdempotentCreateStaysOnItsNode(t *testing.T) {
 				t.Fatalf("key %q passed on", k)
 			}
 		}
+	}
+}
+
+// A lease binds sandboxes on several nodes: the gateway's lease routes
+// ask every node and merge what those that know the lease answer.
+func TestLeasesAcrossNodes(t *testing.T) {
+	node := func(sandbox string, known bool) *httptest.Server {
+		mux := http.NewServeMux()
+		lease := func() apispec.Lease {
+			return apispec.Lease{LeaseID: "L", Ttl: 60, ExpiresAt: time.Now().Add(time.Minute), CreatedAt: time.Now(), Sandboxes: []string{sandbox}}
+		}
+		answer := func(w http.ResponseWriter, v any) {
+			if !known {
+				httperr.Write(w, http.StatusNotFound, "no lease")
+				return
+			}
+			json.NewEncoder(w).Encode(v)
+		}
+		mux.HandleFunc("GET /leases", func(w http.ResponseWriter, r *http.Request) {
+			if !known {
+				json.NewEncoder(w).Encode([]apispec.Lease{})
+				return
+			}
+			json.NewEncoder(w).Encode([]apispec.Lease{lease()})
+		})
+		mux.HandleFunc("GET /leases/L", func(w http.ResponseWriter, r *http.Request) { answer(w, lease()) })
+		mux.HandleFunc("POST /leases/L/keepalive", func(w http.ResponseWriter, r *http.Request) { answer(w, lease()) })
+		mux.HandleFunc("DELETE /leases/L", func(w http.ResponseWriter, r *http.Request) {
+			answer(w, map[string]any{"leaseID": "L", "killed": []string{sandbox}})
+		})
+		srv := httptest.NewServer(mux)
+		t.Cleanup(srv.Close)
+		return srv
+	}
+	gw := gatewayOver(t, node("s1", true), node("s2", true), node("s3", false))
+	do := func(method, path string) (int, string) {
+		req, _ := http.NewRequest(method, gw.URL+path, nil)
+		req.Header.Set("X-API-Key", key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	for _, c := range [][2]string{{"GET", "/leases/L"}, {"POST", "/leases/L/keepalive"}, {"GET", "/leases"}} {
+		status, body := do(c[0], c[1])
+		if status != http.StatusOK || !strings.Contains(body, `"sandboxes":["s1","s2"]`) {
+			t.Errorf("%s %s: %d %s", c[0], c[1], status, body)
+		}
+	}
+	if status, body := do("DELETE", "/leases/L"); status != http.StatusOK || !strings.Contains(body, `"killed":["s1","s2"]`) {
+		t.Errorf("delete: %d %s", status, body)
+	}
+	if status, body := do("GET", "/leases/M"); status != http.StatusNotFound {
+		t.Errorf("unknown lease: %d %s", status, body)
 	}
 }

@@ -29,6 +29,7 @@ import (
 	"github.com/agentenv/agentenv/internal/datadir"
 	"github.com/agentenv/agentenv/internal/envd"
 	"github.com/agentenv/agentenv/internal/errkind"
+	"github.com/agentenv/agentenv/internal/leases"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/sealed"
@@ -210,12 +211,14 @@ type Node struct {
 	records *sandboxes.Records
 	// admission bounds the starts (creates, resumes, fork children).
 	admission *admission.Controller
-	machines  machineTable
-	ops       opLocks
-	pool      *warmpool.Pool[*pooledSandbox]
-	builds    *builds.Builds
-	files     *buildfiles.Store // COPY archives of template builds
-	remote    *templates.Remote // templates of the repository, loaded lazily
+	// leases are the client leases sandboxes are bound to.
+	leases   *leases.Store
+	machines machineTable
+	ops      opLocks
+	pool     *warmpool.Pool[*pooledSandbox]
+	builds   *builds.Builds
+	files    *buildfiles.Store // COPY archives of template builds
+	remote   *templates.Remote // templates of the repository, loaded lazily
 	// cgroupWarn says once that sandboxes run without cgroup limits.
 	cgroupWarn sync.Once
 	// shelf holds the paused sandboxes shared with the cluster's other
@@ -297,6 +300,9 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 	}
 	n.pool = warmpool.New(cfg.PoolSize, poolStarter{n}, n.log)
 	if n.admission, err = newAdmission(cfg, n.committedMemory); err != nil {
+		return fail(err)
+	}
+	if n.leases, err = leases.Open(ctx, db); err != nil {
 		return fail(err)
 	}
 	if n.records, err = sandboxes.Open(db, st, netm.Slots(), n.storeRefs); err != nil {
@@ -479,24 +485,31 @@ func (n *Node) expiryLoop() {
 		}
 		for _, s := range expired {
 			n.log.Info("sandbox expired", "sandbox", s.ID, "end", s.EndAt, "autoPause", s.AutoPause)
-			var err error
-			switch {
-			case s.AutoPause && s.AutoPauseFilesystem:
-				// Its file system only; with memory when the guest cannot
-				// sync (what it stored is kept either way).
-				if _, err = n.PauseFilesystem(ctx, s.ID); err != nil {
-					n.log.Warn("pause without memory failed; pausing with memory", "sandbox", s.ID, "err", err)
-					_, err = n.Pause(ctx, s.ID)
-				}
-			case s.AutoPause:
-				_, err = n.Pause(ctx, s.ID)
-			default:
-				err = n.Kill(ctx, s.ID)
-			}
-			if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrConflict) {
-				n.log.Error("end expired sandbox", "sandbox", s.ID, "err", err)
-			}
+			n.endExpired(ctx, s)
 		}
+		n.expireLeases(ctx)
+	}
+}
+
+// endExpired ends a running sandbox whose time (or lease) ran out: paused
+// when it auto-pauses, else killed.
+func (n *Node) endExpired(ctx context.Context, s *sandboxes.Sandbox) {
+	var err error
+	switch {
+	case s.AutoPause && s.AutoPauseFilesystem:
+		// Its file system only; with memory when the guest cannot
+		// sync (what it stored is kept either way).
+		if _, err = n.PauseFilesystem(ctx, s.ID); err != nil {
+			n.log.Warn("pause without memory failed; pausing with memory", "sandbox", s.ID, "err", err)
+			_, err = n.Pause(ctx, s.ID)
+		}
+	case s.AutoPause:
+		_, err = n.Pause(ctx, s.ID)
+	default:
+		err = n.Kill(ctx, s.ID)
+	}
+	if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrConflict) {
+		n.log.Error("end expired sandbox", "sandbox", s.ID, "err", err)
 	}
 }
 

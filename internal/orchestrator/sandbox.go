@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/faults"
+	"github.com/agentenv/agentenv/internal/leases"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/operation"
 	"github.com/agentenv/agentenv/internal/sandboxes"
@@ -49,6 +50,8 @@ type CreateRequest struct {
 	EnvVars  map[string]string
 	// Volumes are mounted in the sandbox, each in a slot of its machine.
 	Volumes []VolumeMount
+	// Lease, when set, binds the sandbox to a client lease.
+	Lease *LeaseRequest
 	// noSnapshot forces a cold boot even when a template snapshot exists.
 	noSnapshot bool
 	// template, when set, is booted instead of the template TemplateID
@@ -164,6 +167,7 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 		DefaultWorkdir:      t.DefaultWorkdir,
 		Metadata:            req.Metadata,
 		EnvVars:             mergeEnv(t.EnvVars, req.EnvVars),
+		Lease:               leaseID(req.Lease),
 		CreatedAt:           now,
 		StartedAt:           now,
 		EndAt:               now.Add(req.Timeout),
@@ -194,6 +198,11 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 	}
 	if err := n.validateMounts(req.Volumes, s.VolumeSlots, s.Volumes); err != nil {
 		return nil, err
+	}
+	if req.Lease != nil {
+		if _, err := leases.Check(req.Lease.ID, req.Lease.TTL); err != nil {
+			return nil, err
+		}
 	}
 	// Its turn within the node's limits, waited for on the caller's
 	// context: nothing has changed yet.
@@ -226,6 +235,17 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 		n.destroy(ctx, s)
 		return nil
 	})
+	// The lease is taken (made, or renewed) before the record binds the
+	// sandbox to it; a create that fails leaves it renewed, which is what
+	// its client asked anyway.
+	if req.Lease != nil {
+		if err := o.Do("take lease", func(ctx context.Context) error {
+			_, err := n.leases.Take(ctx, req.Lease.ID, req.Lease.TTL)
+			return err
+		}); err != nil {
+			return nil, o.Finish(err)
+		}
+	}
 	// Borrowed before the record holds them; the removal on failure gives
 	// back what was borrowed.
 	if err := o.Do("lend volumes", func(ctx context.Context) error { return n.lendVolumes(ctx, s, req.Volumes) }); err != nil {
@@ -293,6 +313,14 @@ func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 	s.State = sandboxes.Running
 	n.log.Info("sandbox created", "sandbox", s.ID, "template", t.Name, "from", how, "took", o.Elapsed().Round(time.Millisecond))
 	return n.withAddr(s), nil
+}
+
+// leaseID is the id of the lease a create binds to ("": none).
+func leaseID(l *LeaseRequest) string {
+	if l == nil {
+		return ""
+	}
+	return l.ID
 }
 
 func (n *Node) boot(ctx context.Context, s *sandboxes.Sandbox, t *Template) error {

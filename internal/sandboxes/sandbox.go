@@ -65,6 +65,9 @@ type Sandbox struct {
 	// Volumes the volumes mounted in them.
 	VolumeSlots int
 	Volumes     []VolumeMount
+	// Lease is the client lease the sandbox is bound to ("": none; package
+	// leases): when it expires the sandbox ends as AutoPause says.
+	Lease string
 	// PauseMode is what a paused sandbox's pause kept: PauseFull (memory
 	// and disk) or PauseFilesystem; "" while unknown (set from the pause's
 	// own record by the node; not a column).

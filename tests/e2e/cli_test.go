@@ -379,3 +379,82 @@ func TestCLIVolumes(t *testing.T) {
 		t.Fatalf("files of a deleted volume: %+v", r)
 	}
 }
+
+// TestCLILeasesAndGC: sandboxes created with --lease end when the lease is
+// not renewed (paused: they auto-pause), become orphans that aenv ls
+// --orphans lists and aenv gc --orphans kills; a renewed lease keeps its
+// sandbox running; aenv gc by age and metadata kills only what matches;
+// aenv lease rm kills what a lease binds.
+func TestCLILeasesAndGC(t *testing.T) {
+	s := needServer(t)
+	home := t.TempDir()
+	if r := aenvCLI(t, s, home, apiKey+"\n", "auth", "login", "--url", s.url); r.code != 0 {
+		t.Fatalf("login: %+v", r)
+	}
+	tag := "gc-" + strings.ToLower(rand.Text()[:8])
+	create := func(args ...string) string {
+		t.Helper()
+		id := strings.TrimSpace(mustCLI(t, s, home, append([]string{"create", "minimal", "--metadata", "job=" + tag}, args...)...))
+		t.Cleanup(func() { aenvCLI(t, s, home, "", "kill", id) })
+		return id
+	}
+	forgotten := create("--lease", tag+"-a", "--lease-ttl", "6s")
+	forgotten2 := create("--lease", tag+"-a")
+	kept := create("--lease", tag+"-b", "--lease-ttl", "6s")
+	plain := create()
+	if out := mustCLI(t, s, home, "ls", "--orphans", "--metadata", "job="+tag); strings.Contains(out, forgotten) {
+		t.Fatalf("an orphan before its lease expired:\n%s", out)
+	}
+	if r := aenvCLI(t, s, home, "", "gc"); r.code == 0 || !strings.Contains(r.stderr, "--older-than") {
+		t.Fatalf("gc without a filter: %+v", r)
+	}
+	// Lease a is forgotten; lease b is renewed every second.
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		mustCLI(t, s, home, "lease", "keepalive", tag+"-b")
+		out := mustCLI(t, s, home, "ls", "--orphans", "--metadata", "job="+tag, "-o", "json")
+		if strings.Contains(out, forgotten) && strings.Contains(out, forgotten2) {
+			if strings.Contains(out, kept) || strings.Contains(out, plain) {
+				t.Fatalf("a renewed or unbound sandbox listed as an orphan:\n%s", out)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the sandboxes of the forgotten lease are not orphans:\n%s\n%s", out, mustCLI(t, s, home, "lease", "ls"))
+		}
+		time.Sleep(time.Second)
+	}
+	var listed []struct {
+		SandboxID string `json:"sandboxID"`
+		State     string `json:"state"`
+	}
+	json.Unmarshal([]byte(mustCLI(t, s, home, "ls", "--metadata", "job="+tag, "-o", "json")), &listed)
+	for _, sb := range listed {
+		want := "running"
+		if sb.SandboxID == forgotten || sb.SandboxID == forgotten2 {
+			want = "paused" // they auto-pause
+		}
+		if sb.State != want {
+			t.Fatalf("%s is %s, want %s", sb.SandboxID, sb.State, want)
+		}
+	}
+	if out := mustCLI(t, s, home, "gc", "--orphans", "--dry-run"); !strings.Contains(out, "would kill "+forgotten) || !strings.Contains(out, "would kill 2 of") {
+		t.Fatalf("gc --dry-run:\n%s", out)
+	}
+	if out := mustCLI(t, s, home, "gc", "--orphans", "--metadata", "job="+tag); !strings.Contains(out, "killed 2 of 4") {
+		t.Fatalf("gc --orphans:\n%s", out)
+	}
+	// Young sandboxes are not older than an hour.
+	if out := mustCLI(t, s, home, "gc", "--older-than", "1h", "--metadata", "job="+tag); !strings.Contains(out, "killed 0 of 2") {
+		t.Fatalf("gc --older-than 1h:\n%s", out)
+	}
+	if out := mustCLI(t, s, home, "lease", "rm", tag+"-b"); !strings.Contains(out, "1 sandboxes killed") {
+		t.Fatalf("lease rm:\n%s", out)
+	}
+	if out := mustCLI(t, s, home, "gc", "--older-than", "1ms", "--metadata", "job="+tag); !strings.Contains(out, "killed 1 of 1") {
+		t.Fatalf("gc --older-than 1ms:\n%s", out)
+	}
+	if r := aenvCLI(t, s, home, "", "lease", "keepalive", tag+"-b"); r.code == 0 || !strings.Contains(r.stderr, "not found") {
+		t.Fatalf("keepalive of a removed lease: %+v", r)
+	}
+}

@@ -1,0 +1,183 @@
+package gateway
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"slices"
+	"sync"
+
+	"github.com/agentenv/agentenv/internal/apispec"
+	"github.com/agentenv/agentenv/internal/httperr"
+)
+
+// A client lease binds sandboxes on whichever nodes made them: the lease
+// routes go to every ready node, and their answers are merged (a lease a
+// node does not know is that node's 404).
+
+// leaseAnswer is one node's answer to a lease request.
+type leaseAnswer struct {
+	status int
+	body   []byte
+}
+
+// toEveryNode sends r (with body) to every ready node; false: an answer
+// was written (no nodes, or one did not answer).
+func (g *Gateway) toEveryNode(w http.ResponseWriter, r *http.Request, body []byte) ([]leaseAnswer, bool) {
+	nodes, err := g.readyNodes(r.Context())
+	if err != nil {
+		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "the cluster's nodes are unavailable", err)
+		return nil, false
+	}
+	out := make([]leaseAnswer, len(nodes))
+	errs := make([]error, len(nodes))
+	var wg sync.WaitGroup
+	for i, n := range nodes {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			status, _, b, err := g.call(r, n.Url, body)
+			out[i], errs[i] = leaseAnswer{status, b}, err
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			httperr.Internal(w, g.log, http.StatusBadGateway, fmt.Sprintf("node %s did not answer", nodes[i].NodeId), err)
+			return nil, false
+		}
+	}
+	return out, true
+}
+
+// mergeLeases merges the nodes' views of leases by id: the sandboxes of
+// all of them, the latest expiry, expired only where every node says so.
+func mergeLeases(views []apispec.Lease) []apispec.Lease {
+	var out []apispec.Lease
+	at := map[string]int{}
+	for _, l := range views {
+		i, ok := at[l.LeaseID]
+		if !ok {
+			at[l.LeaseID] = len(out)
+			out = append(out, l)
+			continue
+		}
+		m := &out[i]
+		m.Sandboxes = append(m.Sandboxes, l.Sandboxes...)
+		if l.ExpiresAt.After(m.ExpiresAt) {
+			m.ExpiresAt, m.Ttl = l.ExpiresAt, l.Ttl
+		}
+		m.Expired = m.Expired && l.Expired
+		if l.CreatedAt.Before(m.CreatedAt) {
+			m.CreatedAt = l.CreatedAt
+		}
+	}
+	for i := range out {
+		slices.Sort(out[i].Sandboxes)
+	}
+	return out
+}
+
+// listLeases serves GET /leases: every node's, merged.
+func (g *Gateway) listLeases(w http.ResponseWriter, r *http.Request) {
+	answers, ok := g.toEveryNode(w, r, nil)
+	if !ok {
+		return
+	}
+	var all []apispec.Lease
+	for _, a := range answers {
+		var ls []apispec.Lease
+		if a.status != http.StatusOK || json.Unmarshal(a.body, &ls) != nil {
+			httperr.Internal(w, g.log, http.StatusBadGateway, "a node's lease list could not be read", fmt.Errorf("%d %s", a.status, a.body))
+			return
+		}
+		all = append(all, ls...)
+	}
+	out := mergeLeases(all)
+	if out == nil {
+		out = []apispec.Lease{}
+	}
+	writeJSONBody(w, http.StatusOK, out)
+}
+
+// leaseOnNodes serves GET /leases/{id} and POST /leases/{id}/keepalive:
+// the lease as the nodes that know it answer; 404 when none does, and a
+// node's refusal (an expired lease's 409, a bad ttl's 400) when none
+// answered 200.
+func (g *Gateway) leaseOnNodes(w http.ResponseWriter, r *http.Request) {
+	body, err := readBody(r)
+	if err != nil {
+		httperr.Write(w, http.StatusRequestEntityTooLarge, err.Error())
+		return
+	}
+	answers, ok := g.toEveryNode(w, r, body)
+	if !ok {
+		return
+	}
+	var views []apispec.Lease
+	var refusal *leaseAnswer
+	for _, a := range answers {
+		switch {
+		case a.status == http.StatusOK:
+			var l apispec.Lease
+			if json.Unmarshal(a.body, &l) != nil {
+				httperr.Internal(w, g.log, http.StatusBadGateway, "a node's lease could not be read", fmt.Errorf("%s", a.body))
+				return
+			}
+			views = append(views, l)
+		case a.status != http.StatusNotFound && refusal == nil:
+			refusal = &a
+		}
+	}
+	switch {
+	case len(views) > 0:
+		writeJSONBody(w, http.StatusOK, mergeLeases(views)[0])
+	case refusal != nil:
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(refusal.status)
+		w.Write(refusal.body)
+	default:
+		httperr.Write(w, http.StatusNotFound, fmt.Sprintf("no node has lease %q", r.PathValue("leaseID")))
+	}
+}
+
+// deleteLease serves DELETE /leases/{id}: every node kills the sandboxes
+// the lease binds there.
+func (g *Gateway) deleteLease(w http.ResponseWriter, r *http.Request) {
+	answers, ok := g.toEveryNode(w, r, nil)
+	if !ok {
+		return
+	}
+	killed := []string{}
+	found := false
+	for _, a := range answers {
+		switch a.status {
+		case http.StatusOK:
+			var out struct{ Killed []string }
+			if json.Unmarshal(a.body, &out) != nil {
+				httperr.Internal(w, g.log, http.StatusBadGateway, "a node's answer could not be read", fmt.Errorf("%s", a.body))
+				return
+			}
+			found = true
+			killed = append(killed, out.Killed...)
+		case http.StatusNotFound:
+		default:
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(a.status)
+			w.Write(a.body)
+			return
+		}
+	}
+	if !found {
+		httperr.Write(w, http.StatusNotFound, fmt.Sprintf("no node has lease %q", r.PathValue("leaseID")))
+		return
+	}
+	slices.Sort(killed)
+	writeJSONBody(w, http.StatusOK, map[string]any{"leaseID": r.PathValue("leaseID"), "killed": killed})
+}
+
+func writeJSONBody(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
