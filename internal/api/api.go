@@ -33,6 +33,7 @@ import (
 	"github.com/agentenv/agentenv/internal/storage/lazy"
 	"github.com/agentenv/agentenv/internal/templates"
 	"github.com/agentenv/agentenv/internal/volumes"
+	"github.com/agentenv/agentenv/internal/webhooks"
 )
 
 // Node is what the API needs from the orchestrator: the sandboxes, their
@@ -115,7 +116,10 @@ type Config struct {
 	// Idempotency, when set, keeps the answers of creates and forks sent
 	// with an Idempotency-Key (without it the header is ignored).
 	Idempotency *idempotency.Store
-	Logger      *slog.Logger
+	// Webhooks, when set, are the node's webhooks for lifecycle events
+	// (without it the /events/webhooks routes answer 404).
+	Webhooks *webhooks.Store
+	Logger   *slog.Logger
 }
 
 // Server is the HTTP handler of a node's API.

@@ -14,6 +14,45 @@ import (
 	"github.com/oapi-codegen/runtime"
 )
 
+// Defines values for LifecycleEventType.
+const (
+	SandboxLifecycleCheckpointed LifecycleEventType = "sandbox.lifecycle.checkpointed"
+	SandboxLifecycleCreated      LifecycleEventType = "sandbox.lifecycle.created"
+	SandboxLifecycleExpired      LifecycleEventType = "sandbox.lifecycle.expired"
+	SandboxLifecycleFailed       LifecycleEventType = "sandbox.lifecycle.failed"
+	SandboxLifecycleForked       LifecycleEventType = "sandbox.lifecycle.forked"
+	SandboxLifecycleKilled       LifecycleEventType = "sandbox.lifecycle.killed"
+	SandboxLifecyclePaused       LifecycleEventType = "sandbox.lifecycle.paused"
+	SandboxLifecycleResumed      LifecycleEventType = "sandbox.lifecycle.resumed"
+	SandboxLifecycleUpdated      LifecycleEventType = "sandbox.lifecycle.updated"
+)
+
+// Valid indicates whether the value is a known member of the LifecycleEventType enum.
+func (e LifecycleEventType) Valid() bool {
+	switch e {
+	case SandboxLifecycleCheckpointed:
+		return true
+	case SandboxLifecycleCreated:
+		return true
+	case SandboxLifecycleExpired:
+		return true
+	case SandboxLifecycleFailed:
+		return true
+	case SandboxLifecycleForked:
+		return true
+	case SandboxLifecycleKilled:
+		return true
+	case SandboxLifecyclePaused:
+		return true
+	case SandboxLifecycleResumed:
+		return true
+	case SandboxLifecycleUpdated:
+		return true
+	default:
+		return false
+	}
+}
+
 // Defines values for ListedSandboxState.
 const (
 	ListedSandboxStatePaused  ListedSandboxState = "paused"
@@ -200,6 +239,27 @@ func (e VolumeEntryStatType) Valid() bool {
 	case Symlink:
 		return true
 	case Unknown:
+		return true
+	default:
+		return false
+	}
+}
+
+// Defines values for WebhookDeliveryState.
+const (
+	Delivered WebhookDeliveryState = "delivered"
+	Failed    WebhookDeliveryState = "failed"
+	Pending   WebhookDeliveryState = "pending"
+)
+
+// Valid indicates whether the value is a known member of the WebhookDeliveryState enum.
+func (e WebhookDeliveryState) Valid() bool {
+	switch e {
+	case Delivered:
+		return true
+	case Failed:
+		return true
+	case Pending:
 		return true
 	default:
 		return false
@@ -426,6 +486,9 @@ type Lease struct {
 	// Ttl Seconds a keepalive extends it by
 	Ttl int `json:"ttl"`
 }
+
+// LifecycleEventType defines model for LifecycleEventType.
+type LifecycleEventType string
 
 // ListedSandbox defines model for ListedSandbox.
 type ListedSandbox struct {
@@ -860,6 +923,42 @@ type VolumeEntryStat struct {
 // VolumeEntryStatType defines model for VolumeEntryStat.Type.
 type VolumeEntryStatType string
 
+// Webhook A webhook (its signature secret is never sent back)
+type Webhook struct {
+	CreatedAt time.Time            `json:"createdAt"`
+	Enabled   bool                 `json:"enabled"`
+	Events    []LifecycleEventType `json:"events"`
+	Id        string               `json:"id"`
+	Name      string               `json:"name"`
+
+	// Signed It has a signature secret
+	Signed *bool  `json:"signed,omitempty"`
+	Url    string `json:"url"`
+}
+
+// WebhookDelivery defines model for WebhookDelivery.
+type WebhookDelivery struct {
+	Attempts   int        `json:"attempts"`
+	CreatedAt  time.Time  `json:"createdAt"`
+	EventID    string     `json:"eventID"`
+	FinishedAt *time.Time `json:"finishedAt,omitempty"`
+	Id         string     `json:"id"`
+	LastError  *string    `json:"lastError,omitempty"`
+
+	// LastStatus The receiver's last HTTP status (0 - none)
+	LastStatus *int `json:"lastStatus,omitempty"`
+
+	// NextAttemptAt For a pending delivery
+	NextAttemptAt *time.Time           `json:"nextAttemptAt,omitempty"`
+	SandboxID     string               `json:"sandboxID"`
+	State         WebhookDeliveryState `json:"state"`
+	Type          LifecycleEventType   `json:"type"`
+	WebhookID     string               `json:"webhookID"`
+}
+
+// WebhookDeliveryState defines model for WebhookDelivery.State.
+type WebhookDeliveryState string
+
 // IdempotencyKey defines model for idempotencyKey.
 type IdempotencyKey = string
 
@@ -925,6 +1024,35 @@ type Connect struct {
 	// Memory false boots a paused sandbox again from its disk (E2B's on_resume "reboot"): any memory it kept is dropped; a sandbox paused without memory always boots again. Default true.
 	Memory  *bool `json:"memory,omitempty"`
 	Timeout *int  `json:"timeout,omitempty"`
+}
+
+// CreateWebhookJSONBody defines parameters for CreateWebhook.
+type CreateWebhookJSONBody struct {
+	// Enabled Default true
+	Enabled *bool                 `json:"enabled,omitempty"`
+	Events  *[]LifecycleEventType `json:"events,omitempty"`
+
+	// Id AgentENV: the id to give it (the gateway registers one webhook on every node with one id); default a new one
+	Id              *string `json:"id,omitempty"`
+	Name            *string `json:"name,omitempty"`
+	SignatureSecret *string `json:"signatureSecret,omitempty"`
+
+	// Url An absolute http or https URL
+	Url string `json:"url"`
+}
+
+// UpdateWebhookJSONBody defines parameters for UpdateWebhook.
+type UpdateWebhookJSONBody struct {
+	Enabled         *bool                 `json:"enabled,omitempty"`
+	Events          *[]LifecycleEventType `json:"events,omitempty"`
+	Name            *string               `json:"name,omitempty"`
+	SignatureSecret *string               `json:"signatureSecret,omitempty"`
+	Url             *string               `json:"url,omitempty"`
+}
+
+// ListWebhookDeliveriesParams defines parameters for ListWebhookDeliveries.
+type ListWebhookDeliveriesParams struct {
+	Limit *int `form:"limit,omitempty" json:"limit,omitempty"`
 }
 
 // KeepLeaseAliveJSONBody defines parameters for KeepLeaseAlive.
@@ -1250,6 +1378,12 @@ type CreateVolumeJSONBody struct {
 	Name string `json:"name"`
 }
 
+// CreateWebhookJSONRequestBody defines body for CreateWebhook for application/json ContentType.
+type CreateWebhookJSONRequestBody CreateWebhookJSONBody
+
+// UpdateWebhookJSONRequestBody defines body for UpdateWebhook for application/json ContentType.
+type UpdateWebhookJSONRequestBody UpdateWebhookJSONBody
+
 // KeepLeaseAliveJSONRequestBody defines body for KeepLeaseAlive for application/json ContentType.
 type KeepLeaseAliveJSONRequestBody KeepLeaseAliveJSONBody
 
@@ -1306,6 +1440,24 @@ type CreateVolumeJSONRequestBody CreateVolumeJSONBody
 
 // ServerInterface represents all server handlers.
 type ServerInterface interface {
+	// ListWebhooks The node's webhooks for sandbox lifecycle events, oldest first
+	// (GET /events/webhooks)
+	ListWebhooks(w http.ResponseWriter, r *http.Request)
+	// CreateWebhook Register a webhook: every event of the types given (default all) is POSTed to url as E2B's event payload (version v2), signed with signatureSecret (e2b-signature: the unpadded base64 SHA-256 of the secret and the body; X-Aenv-Signature: sha256= and the hex HMAC-SHA256 of the body), retried with growing waits until the receiver answers 2xx, at most 6 tries
+	// (POST /events/webhooks)
+	CreateWebhook(w http.ResponseWriter, r *http.Request)
+	// DeleteWebhook Unregister a webhook (its pending deliveries and records go with it)
+	// (DELETE /events/webhooks/{webhookID})
+	DeleteWebhook(w http.ResponseWriter, r *http.Request, webhookID string)
+	// GetWebhook A webhook
+	// (GET /events/webhooks/{webhookID})
+	GetWebhook(w http.ResponseWriter, r *http.Request, webhookID string)
+	// UpdateWebhook Change a webhook (the fields given)
+	// (PATCH /events/webhooks/{webhookID})
+	UpdateWebhook(w http.ResponseWriter, r *http.Request, webhookID string)
+	// ListWebhookDeliveries AgentENV - a webhook's deliveries, newest first (kept a week)
+	// (GET /events/webhooks/{webhookID}/deliveries)
+	ListWebhookDeliveries(w http.ResponseWriter, r *http.Request, webhookID string, params ListWebhookDeliveriesParams)
 	// GetHealth Liveness of the node API
 	// (GET /health)
 	GetHealth(w http.ResponseWriter, r *http.Request)
@@ -1481,6 +1633,154 @@ type ServerInterfaceWrapper struct {
 }
 
 type MiddlewareFunc func(http.Handler) http.Handler
+
+// ListWebhooks operation middleware
+func (siw *ServerInterfaceWrapper) ListWebhooks(w http.ResponseWriter, r *http.Request) {
+
+	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		siw.Handler.ListWebhooks(w, r)
+	}))
+
+	for _, middleware := range siw.HandlerMiddlewares {
+		handler = middleware(handler)
+	}
+
+	handler.ServeHTTP(w, r)
+}
+
+// CreateWebhook operation middleware
+func (siw *ServerInterfaceWrapper) CreateWebhook(w http.ResponseWriter, r *http.Request) {
+
+	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		siw.Handler.CreateWebhook(w, r)
+	}))
+
+	for _, middleware := range siw.HandlerMiddlewares {
+		handler = middleware(handler)
+	}
+
+	handler.ServeHTTP(w, r)
+}
+
+// DeleteWebhook operation middleware
+func (siw *ServerInterfaceWrapper) DeleteWebhook(w http.ResponseWriter, r *http.Request) {
+
+	var err error
+	_ = err
+
+	// ------------- Path parameter "webhookID" -------------
+	var webhookID string
+
+	err = runtime.BindStyledParameterWithOptions("simple", "webhookID", r.PathValue("webhookID"), &webhookID, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationPath, Explode: false, Required: true, Type: "string", Format: "", ValueIsUnescaped: true})
+	if err != nil {
+		siw.ErrorHandlerFunc(w, r, &InvalidParamFormatError{ParamName: "webhookID", Err: err})
+		return
+	}
+
+	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		siw.Handler.DeleteWebhook(w, r, webhookID)
+	}))
+
+	for _, middleware := range siw.HandlerMiddlewares {
+		handler = middleware(handler)
+	}
+
+	handler.ServeHTTP(w, r)
+}
+
+// GetWebhook operation middleware
+func (siw *ServerInterfaceWrapper) GetWebhook(w http.ResponseWriter, r *http.Request) {
+
+	var err error
+	_ = err
+
+	// ------------- Path parameter "webhookID" -------------
+	var webhookID string
+
+	err = runtime.BindStyledParameterWithOptions("simple", "webhookID", r.PathValue("webhookID"), &webhookID, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationPath, Explode: false, Required: true, Type: "string", Format: "", ValueIsUnescaped: true})
+	if err != nil {
+		siw.ErrorHandlerFunc(w, r, &InvalidParamFormatError{ParamName: "webhookID", Err: err})
+		return
+	}
+
+	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		siw.Handler.GetWebhook(w, r, webhookID)
+	}))
+
+	for _, middleware := range siw.HandlerMiddlewares {
+		handler = middleware(handler)
+	}
+
+	handler.ServeHTTP(w, r)
+}
+
+// UpdateWebhook operation middleware
+func (siw *ServerInterfaceWrapper) UpdateWebhook(w http.ResponseWriter, r *http.Request) {
+
+	var err error
+	_ = err
+
+	// ------------- Path parameter "webhookID" -------------
+	var webhookID string
+
+	err = runtime.BindStyledParameterWithOptions("simple", "webhookID", r.PathValue("webhookID"), &webhookID, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationPath, Explode: false, Required: true, Type: "string", Format: "", ValueIsUnescaped: true})
+	if err != nil {
+		siw.ErrorHandlerFunc(w, r, &InvalidParamFormatError{ParamName: "webhookID", Err: err})
+		return
+	}
+
+	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		siw.Handler.UpdateWebhook(w, r, webhookID)
+	}))
+
+	for _, middleware := range siw.HandlerMiddlewares {
+		handler = middleware(handler)
+	}
+
+	handler.ServeHTTP(w, r)
+}
+
+// ListWebhookDeliveries operation middleware
+func (siw *ServerInterfaceWrapper) ListWebhookDeliveries(w http.ResponseWriter, r *http.Request) {
+
+	var err error
+	_ = err
+
+	// ------------- Path parameter "webhookID" -------------
+	var webhookID string
+
+	err = runtime.BindStyledParameterWithOptions("simple", "webhookID", r.PathValue("webhookID"), &webhookID, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationPath, Explode: false, Required: true, Type: "string", Format: "", ValueIsUnescaped: true})
+	if err != nil {
+		siw.ErrorHandlerFunc(w, r, &InvalidParamFormatError{ParamName: "webhookID", Err: err})
+		return
+	}
+
+	// Parameter object where we will unmarshal all parameters from the context
+	var params ListWebhookDeliveriesParams
+
+	// ------------- Optional query parameter "limit" -------------
+
+	err = runtime.BindQueryParameterWithOptions("form", true, false, "limit", r.URL.Query(), &params.Limit, runtime.BindQueryParameterOptions{Type: "integer", Format: ""})
+	if err != nil {
+		var requiredError *runtime.RequiredParameterError
+		if errors.As(err, &requiredError) {
+			siw.ErrorHandlerFunc(w, r, &RequiredParamError{ParamName: "limit"})
+		} else {
+			siw.ErrorHandlerFunc(w, r, &InvalidParamFormatError{ParamName: "limit", Err: err})
+		}
+		return
+	}
+
+	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		siw.Handler.ListWebhookDeliveries(w, r, webhookID, params)
+	}))
+
+	for _, middleware := range siw.HandlerMiddlewares {
+		handler = middleware(handler)
+	}
+
+	handler.ServeHTTP(w, r)
+}
 
 // GetHealth operation middleware
 func (siw *ServerInterfaceWrapper) GetHealth(w http.ResponseWriter, r *http.Request) {
@@ -3660,6 +3960,12 @@ func HandlerWithOptions(si ServerInterface, options StdHTTPServerOptions) http.H
 	m.HandleFunc(http.MethodDelete+" "+options.BaseURL+"/leases/{leaseID}", wrapper.DeleteLease)
 	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/leases/{leaseID}", wrapper.GetLease)
 	m.HandleFunc(http.MethodPost+" "+options.BaseURL+"/leases/{leaseID}/keepalive", wrapper.KeepLeaseAlive)
+	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/events/webhooks", wrapper.ListWebhooks)
+	m.HandleFunc(http.MethodPost+" "+options.BaseURL+"/events/webhooks", wrapper.CreateWebhook)
+	m.HandleFunc(http.MethodDelete+" "+options.BaseURL+"/events/webhooks/{webhookID}", wrapper.DeleteWebhook)
+	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/events/webhooks/{webhookID}", wrapper.GetWebhook)
+	m.HandleFunc(http.MethodPatch+" "+options.BaseURL+"/events/webhooks/{webhookID}", wrapper.UpdateWebhook)
+	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/events/webhooks/{webhookID}/deliveries", wrapper.ListWebhookDeliveries)
 	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/volumes", wrapper.ListVolumes)
 	m.HandleFunc(http.MethodPost+" "+options.BaseURL+"/volumes", wrapper.CreateVolume)
 	m.HandleFunc(http.MethodDelete+" "+options.BaseURL+"/volumes/{volumeID}", wrapper.DeleteVolume)

@@ -30,6 +30,7 @@ import (
 	"github.com/agentenv/agentenv/internal/storage/repository"
 	"github.com/agentenv/agentenv/internal/vmm"
 	"github.com/agentenv/agentenv/internal/volumes"
+	"github.com/agentenv/agentenv/internal/webhooks"
 )
 
 // nodePaths are the derived files under a data dir (the runtime cache: all of
@@ -239,6 +240,13 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		return err
 	}
 	defer vols.Close()
+	hooks, err := webhooks.Open(ctx, keysDB, log)
+	if err != nil {
+		return err
+	}
+	deliverCtx, stopDelivering := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopDelivering()
+	go hooks.Run(deliverCtx, webhooks.DeliverOptions{})
 	node, err := orchestrator.Open(ctx, orchestrator.Config{
 		DataDir:           o.dataDir,
 		Kernel:            k.BootImage(),
@@ -264,6 +272,7 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		MaxStarting:       o.maxStarting,
 		Overcommit:        o.overcommit,
 		AdmissionWait:     o.admissionWait,
+		Events:            hooks,
 		Logger:            log,
 	})
 	if err != nil {
@@ -295,7 +304,7 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		return err
 	}
 	acfg := api.Config{Keys: keys, APIKeySHA256: envKey, Domain: o.domain, SandboxProxy: px, PeerChunks: node.PeerChunks(),
-		Volumes: vols, Idempotency: idem, Logger: log}
+		Volumes: vols, Idempotency: idem, Webhooks: hooks, Logger: log}
 	if cluster != nil {
 		acfg.NodeToken = cluster.nodeToken
 	}

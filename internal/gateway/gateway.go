@@ -131,6 +131,12 @@ func (g *Gateway) registerRoutes() {
 	g.mux.Handle("GET /leases/{leaseID}", key(g.leaseOnNodes))
 	g.mux.Handle("POST /leases/{leaseID}/keepalive", key(g.leaseOnNodes))
 	g.mux.Handle("DELETE /leases/{leaseID}", key(g.deleteLease))
+	g.mux.Handle("GET /events/webhooks", key(g.listWebhooks))
+	g.mux.Handle("POST /events/webhooks", key(g.createWebhook))
+	for _, m := range []string{"GET", "PATCH", "DELETE"} {
+		g.mux.Handle(m+" /events/webhooks/{webhookID}", key(g.webhookOnNodes))
+	}
+	g.mux.Handle("GET /events/webhooks/{webhookID}/deliveries", key(g.webhookDeliveries))
 	g.mux.Handle("GET /snapshots", key(g.listSnapshots))
 	g.mux.Handle("DELETE /snapshots/{name}", key(g.deleteSnapshot))
 	for _, p := range []string{"/templates", "/v2/templates", "/v3/templates"} {

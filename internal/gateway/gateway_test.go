@@ -611,3 +611,47 @@ func TestLeasesAcrossNodes(t *testing.T) {
 		t.Errorf("unknown lease: %d %s", status, body)
 	}
 }
+
+// A webhook registered through the gateway is registered on every node
+// under one id; its deliveries are every node's.
+func TestWebhooksOnEveryNode(t *testing.T) {
+	var mu sync.Mutex
+	ids := map[string]string{} // node → id registered
+	node := func(name string) *httptest.Server {
+		mux := http.NewServeMux()
+		mux.HandleFunc("POST /events/webhooks", func(w http.ResponseWriter, r *http.Request) {
+			var body struct{ ID string }
+			json.NewDecoder(r.Body).Decode(&body)
+			mu.Lock()
+			ids[name] = body.ID
+			mu.Unlock()
+			w.WriteHeader(http.StatusCreated)
+			json.NewEncoder(w).Encode(apispec.Webhook{Id: body.ID, Url: "http://x", Enabled: true})
+		})
+		mux.HandleFunc("GET /events/webhooks/{id}/deliveries", func(w http.ResponseWriter, r *http.Request) {
+			json.NewEncoder(w).Encode([]apispec.WebhookDelivery{{Id: "d-" + name, WebhookID: r.PathValue("id"), CreatedAt: time.Now()}})
+		})
+		srv := httptest.NewServer(mux)
+		t.Cleanup(srv.Close)
+		return srv
+	}
+	gw := gatewayOver(t, node("a"), node("b"))
+	req, _ := http.NewRequest("POST", gw.URL+"/events/webhooks", strings.NewReader(`{"url":"http://x"}`))
+	req.Header.Set("X-API-Key", key)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil || resp.StatusCode != http.StatusCreated {
+		t.Fatalf("%v %v", resp, err)
+	}
+	var h apispec.Webhook
+	json.NewDecoder(resp.Body).Decode(&h)
+	resp.Body.Close()
+	mu.Lock()
+	if h.Id == "" || ids["a"] != h.Id || ids["b"] != h.Id {
+		t.Fatalf("registered as %q on the nodes: %v", h.Id, ids)
+	}
+	mu.Unlock()
+	resp2, body := get(t, gw.URL+"/events/webhooks/"+h.Id+"/deliveries")
+	if resp2.StatusCode != 200 || !strings.Contains(string(body), "d-a") || !strings.Contains(string(body), "d-b") {
+		t.Fatalf("deliveries: %d %s", resp2.StatusCode, body)
+	}
+}

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net/http"
 	"slices"
-	"sync"
 
 	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/httperr"
@@ -14,41 +13,6 @@ import (
 // A client lease binds sandboxes on whichever nodes made them: the lease
 // routes go to every ready node, and their answers are merged (a lease a
 // node does not know is that node's 404).
-
-// leaseAnswer is one node's answer to a lease request.
-type leaseAnswer struct {
-	status int
-	body   []byte
-}
-
-// toEveryNode sends r (with body) to every ready node; false: an answer
-// was written (no nodes, or one did not answer).
-func (g *Gateway) toEveryNode(w http.ResponseWriter, r *http.Request, body []byte) ([]leaseAnswer, bool) {
-	nodes, err := g.readyNodes(r.Context())
-	if err != nil {
-		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "the cluster's nodes are unavailable", err)
-		return nil, false
-	}
-	out := make([]leaseAnswer, len(nodes))
-	errs := make([]error, len(nodes))
-	var wg sync.WaitGroup
-	for i, n := range nodes {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			status, _, b, err := g.call(r, n.Url, body)
-			out[i], errs[i] = leaseAnswer{status, b}, err
-		}()
-	}
-	wg.Wait()
-	for i, err := range errs {
-		if err != nil {
-			httperr.Internal(w, g.log, http.StatusBadGateway, fmt.Sprintf("node %s did not answer", nodes[i].NodeId), err)
-			return nil, false
-		}
-	}
-	return out, true
-}
 
 // mergeLeases merges the nodes' views of leases by id: the sandboxes of
 // all of them, the latest expiry, expired only where every node says so.
@@ -115,7 +79,7 @@ func (g *Gateway) leaseOnNodes(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	var views []apispec.Lease
-	var refusal *leaseAnswer
+	var refusal *nodeReply
 	for _, a := range answers {
 		switch {
 		case a.status == http.StatusOK:

@@ -169,7 +169,7 @@ func (n *Node) newSnapshot(ctx context.Context, purpose string, needs ...string)
 // access token, network namespace and fresh entropy. The fork runs to its
 // end whatever the caller does; the parent is never lost: when it cannot
 // run on, it rests paused at the instant of the fork.
-func (n *Node) Fork(ctx context.Context, id string, count int, timeout time.Duration) ([]ForkResult, error) {
+func (n *Node) fork(ctx context.Context, id string, count int, timeout time.Duration) ([]ForkResult, error) {
 	if count < 1 || count > MaxForkChildren {
 		return nil, fmt.Errorf("%w: count must be between 1 and %d", ErrInvalid, MaxForkChildren)
 	}

@@ -122,7 +122,7 @@ func (n *Node) expireLeases(ctx context.Context) {
 		for _, s := range bound {
 			switch {
 			case s.State == sandboxes.Running:
-				n.endExpired(ctx, s)
+				n.endExpired(ctx, s, "lease "+l.ID)
 			case s.State == sandboxes.Paused && !s.AutoPause:
 				if err := n.Kill(ctx, s.ID); err != nil && !errors.Is(err, ErrNotFound) {
 					n.log.Error("end a sandbox of an expired lease", "sandbox", s.ID, "err", err)

@@ -2,6 +2,7 @@ package orchestrator
 
 import (
 	"context"
+	"github.com/agentenv/agentenv/internal/events"
 
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/operation"
@@ -51,5 +52,9 @@ func (n *Node) SetNetwork(ctx context.Context, id string, internet bool, egress 
 	if err := o.Do("record", func(ctx context.Context) error { return n.records.Save(ctx, s) }); err != nil {
 		return nil, o.Finish(err)
 	}
-	return n.withAddr(s), o.Finish(nil)
+	if err := o.Finish(nil); err != nil {
+		return nil, err
+	}
+	n.emit(events.Updated, s, map[string]string{"network": "egress rules replaced"})
+	return n.withAddr(s), nil
 }

@@ -29,6 +29,7 @@ import (
 	"github.com/agentenv/agentenv/internal/datadir"
 	"github.com/agentenv/agentenv/internal/envd"
 	"github.com/agentenv/agentenv/internal/errkind"
+	"github.com/agentenv/agentenv/internal/events"
 	"github.com/agentenv/agentenv/internal/leases"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/sandboxes"
@@ -144,7 +145,9 @@ type Config struct {
 	// AdmissionWait is how long a start beyond those limits waits for its
 	// turn before it is refused with a capacity error (0: 30 s).
 	AdmissionWait time.Duration
-	Logger        *slog.Logger
+	// Events receives the sandboxes' lifecycle events (nil: none sent).
+	Events events.Sink
+	Logger *slog.Logger
 }
 
 func (c *Config) setDefaults() {
@@ -448,6 +451,7 @@ func (n *Node) SetTimeout(ctx context.Context, id string, d time.Duration) (*san
 		return nil, err
 	}
 	s.EndAt = end.UTC()
+	n.emit(events.Updated, s, map[string]string{"endAt": s.EndAt.Format(time.RFC3339)})
 	return n.withAddr(s), nil
 }
 
@@ -485,15 +489,16 @@ func (n *Node) expiryLoop() {
 		}
 		for _, s := range expired {
 			n.log.Info("sandbox expired", "sandbox", s.ID, "end", s.EndAt, "autoPause", s.AutoPause)
-			n.endExpired(ctx, s)
+			n.endExpired(ctx, s, "timeout")
 		}
 		n.expireLeases(ctx)
 	}
 }
 
-// endExpired ends a running sandbox whose time (or lease) ran out: paused
-// when it auto-pauses, else killed.
-func (n *Node) endExpired(ctx context.Context, s *sandboxes.Sandbox) {
+// endExpired ends a running sandbox whose time (or lease: reason) ran
+// out: paused when it auto-pauses, else killed.
+func (n *Node) endExpired(ctx context.Context, s *sandboxes.Sandbox, reason string) {
+	n.emit(events.Expired, s, map[string]string{"reason": reason})
 	var err error
 	switch {
 	case s.AutoPause && s.AutoPauseFilesystem:

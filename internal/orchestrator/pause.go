@@ -24,26 +24,6 @@ import (
 // memFileName and its disk in overlayName, all in the sandbox directory.
 const stateFileName = "devices.vmstate"
 
-// Pause stops a running sandbox and keeps it on disk: the guest's vCPUs are
-// stopped, its device state is saved beside its RAM file (guest memory is a
-// shared file mapping, so only devices need writing), and QEMU exits, freeing
-// its memory and CPU. Resume brings it back where it stopped. The pause
-// runs to its end whatever the caller does; when it fails the sandbox runs
-// on as before.
-func (n *Node) Pause(ctx context.Context, id string) (*sandboxes.Sandbox, error) {
-	return n.pause(ctx, id, true)
-}
-
-// PauseFilesystem pauses a running sandbox keeping only its file system
-// (E2B's memory: false): the guest's writes are synced to its disk, its
-// vCPUs stop (QEMU flushes the disk), QEMU exits and the RAM is not kept.
-// Resume boots the sandbox again on that disk: running processes are gone,
-// the template's start command runs again. A failure leaves the sandbox
-// running as before.
-func (n *Node) PauseFilesystem(ctx context.Context, id string) (*sandboxes.Sandbox, error) {
-	return n.pause(ctx, id, false)
-}
-
 func (n *Node) pause(ctx context.Context, id string, keepMemory bool) (*sandboxes.Sandbox, error) {
 	s, err := n.records.Get(ctx, id)
 	if err != nil {
@@ -409,7 +389,7 @@ type ResumeOptions struct {
 const sharedSandboxMemoryMiB = 512
 
 // ResumeWith resumes a paused sandbox as opts say (see Resume).
-func (n *Node) ResumeWith(ctx context.Context, id string, opts ResumeOptions) (*sandboxes.Sandbox, error) {
+func (n *Node) resumeWith(ctx context.Context, id string, opts ResumeOptions) (*sandboxes.Sandbox, error) {
 	timeout := opts.Timeout
 	if timeout == 0 {
 		timeout = n.cfg.DefaultTimeout

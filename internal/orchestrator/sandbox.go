@@ -95,7 +95,7 @@ func (n *Node) validate(req *CreateRequest, t *Template) error {
 // from a named snapshot, and waits until its envd answers. Once the
 // request is checked the create runs to its end whatever the caller does;
 // on failure nothing of it is left behind.
-func (n *Node) Create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbox, error) {
+func (n *Node) create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbox, error) {
 	t, err := req.template, error(nil)
 	if t == nil {
 		t, err = n.Template(req.TemplateID)
@@ -525,7 +525,7 @@ func (n *Node) adopt(id string, m *vmm.Machine) {
 // record; what its files were made of goes once nothing else needs it.
 // A sandbox in the middle of another operation is refused (ErrConflict);
 // a kill that was cut short is finished.
-func (n *Node) Kill(ctx context.Context, id string) error {
+func (n *Node) kill(ctx context.Context, id string) error {
 	s, err := n.records.Get(ctx, id)
 	if err == nil && !s.State.Resting() && s.State != sandboxes.Killing {
 		return sandboxes.Busy(s)

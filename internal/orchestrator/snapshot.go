@@ -86,22 +86,6 @@ func (n *Node) forgetSnapshotName(ctx context.Context, name string) error {
 	return n.store.Tx(ctx, func(tx *sql.Tx) error { return store.DeleteLabel(tx, namedSnapshotLabel, name) })
 }
 
-// Snapshot captures a running sandbox under name. The sandbox is paused for
-// the capture and then runs on. The capture runs to its end whatever the
-// caller does; when the sandbox cannot run on afterwards, the snapshot is
-// kept and the sandbox rests paused at it.
-func (n *Node) Snapshot(ctx context.Context, id, name string) (*NamedSnapshot, error) {
-	return n.snapshot(ctx, id, name, true)
-}
-
-// SnapshotFilesystem snapshots only a running sandbox's filesystem under
-// name (E2B's snapshot mode "filesystem"): its guest syncs, its vCPUs stop
-// while its disk and volumes are copied, and it runs on. Sandboxes made
-// from the snapshot boot from that disk, of any size.
-func (n *Node) SnapshotFilesystem(ctx context.Context, id, name string) (*NamedSnapshot, error) {
-	return n.snapshot(ctx, id, name, false)
-}
-
 func (n *Node) snapshot(ctx context.Context, id, name string, memory bool) (*NamedSnapshot, error) {
 	if !templateNameRE.MatchString(name) {
 		return nil, fmt.Errorf("%w: snapshot name %q must match %s", ErrInvalid, name, templateNameRE)
