@@ -43,6 +43,8 @@ import (
 // decide the status code.
 type Node interface {
 	Create(ctx context.Context, req orchestrator.CreateRequest) (*sandboxes.Sandbox, error)
+	// CreateFromImage makes a sandbox straight from an OCI image reference.
+	CreateFromImage(ctx context.Context, image string, req orchestrator.CreateRequest) (*sandboxes.Sandbox, error)
 	Get(ctx context.Context, id string) (*sandboxes.Sandbox, error)
 	List(ctx context.Context) ([]*sandboxes.Sandbox, error)
 	Kill(ctx context.Context, id string) error

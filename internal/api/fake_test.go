@@ -57,6 +57,16 @@ func (f *fakeNode) add(sb *sandboxes.Sandbox) *sandboxes.Sandbox {
 	return sb
 }
 
+// CreateFromImage: the fake makes a sandbox whose template is the image
+// reference (a real node converts the image; package orchestrator).
+func (f *fakeNode) CreateFromImage(ctx context.Context, ref string, req orchestrator.CreateRequest) (*sandboxes.Sandbox, error) {
+	if _, err := orchestrator.ParseImageRef(ref); err != nil {
+		return nil, err
+	}
+	req.TemplateID = ref
+	return f.Create(ctx, req)
+}
+
 func (f *fakeNode) Create(ctx context.Context, req orchestrator.CreateRequest) (*sandboxes.Sandbox, error) {
 	if f.createGate != nil {
 		f.createHeld <- struct{}{}

@@ -487,6 +487,14 @@ type Lease struct {
 	Ttl int `json:"ttl"`
 }
 
+// LeaseBinding AgentENV: binds the sandbox to a client lease, made (or renewed, an expired one revived) with ttl. When the lease is not renewed in time (POST /leases/{leaseID}/keepalive) its sandboxes end as their autoPause says; DELETE /leases/{leaseID} kills them. A fork's children are bound to their parent's lease.
+type LeaseBinding struct {
+	Id string `json:"id"`
+
+	// Ttl Seconds (default 300)
+	Ttl *int `json:"ttl,omitempty"`
+}
+
 // LifecycleEventType defines model for LifecycleEventType.
 type LifecycleEventType string
 
@@ -576,12 +584,7 @@ type NewSandbox struct {
 	} `json:"iam,omitempty"`
 
 	// Lease AgentENV: binds the sandbox to a client lease, made (or renewed, an expired one revived) with ttl. When the lease is not renewed in time (POST /leases/{leaseID}/keepalive) its sandboxes end as their autoPause says; DELETE /leases/{leaseID} kills them. A fork's children are bound to their parent's lease.
-	Lease *struct {
-		Id string `json:"id"`
-
-		// Ttl Seconds (default 300)
-		Ttl *int `json:"ttl,omitempty"`
-	} `json:"lease,omitempty"`
+	Lease *LeaseBinding `json:"lease,omitempty"`
 
 	// Mcp Not supported
 	Mcp      *map[string]interface{} `json:"mcp,omitempty"`
@@ -1074,6 +1077,32 @@ type CreateSandboxV1Params struct {
 	IdempotencyKey *IdempotencyKey `json:"Idempotency-Key,omitempty"`
 }
 
+// CreateSandboxFromImageJSONBody defines parameters for CreateSandboxFromImage.
+type CreateSandboxFromImageJSONBody struct {
+	AutoPause  *bool              `json:"autoPause,omitempty"`
+	CpuCount   *int               `json:"cpuCount,omitempty"`
+	DiskSizeMB *int               `json:"diskSizeMB,omitempty"`
+	EnvVars    *map[string]string `json:"envVars,omitempty"`
+
+	// Image A registry reference (credentials from the node's docker config), oci-layout:DIR[:TAG] or docker-archive:FILE (paths on the node)
+	Image string `json:"image"`
+
+	// Lease AgentENV: binds the sandbox to a client lease, made (or renewed, an expired one revived) with ttl. When the lease is not renewed in time (POST /leases/{leaseID}/keepalive) its sandboxes end as their autoPause says; DELETE /leases/{leaseID} kills them. A fork's children are bound to their parent's lease.
+	Lease    *LeaseBinding      `json:"lease,omitempty"`
+	MemoryMB *int               `json:"memoryMB,omitempty"`
+	Metadata *map[string]string `json:"metadata,omitempty"`
+
+	// Secure Default true
+	Secure  *bool `json:"secure,omitempty"`
+	Timeout *int  `json:"timeout,omitempty"`
+}
+
+// CreateSandboxFromImageParams defines parameters for CreateSandboxFromImage.
+type CreateSandboxFromImageParams struct {
+	// IdempotencyKey Makes the request idempotent: a retry with the same key (from the same client, on the same route, with the same body) within the node's window (24 h) gets the first answer again, marked Idempotent-Replayed, also after a node restart; a retry while the first still runs waits for it. The same key with another body is a 400. A first request that failed leaves nothing: its retry runs again.
+	IdempotencyKey *IdempotencyKey `json:"Idempotency-Key,omitempty"`
+}
+
 // GetSandboxesMetricsParams defines parameters for GetSandboxesMetrics.
 type GetSandboxesMetricsParams struct {
 	SandboxIds []string `form:"sandbox_ids" json:"sandbox_ids"`
@@ -1390,6 +1419,9 @@ type KeepLeaseAliveJSONRequestBody KeepLeaseAliveJSONBody
 // CreateSandboxV1JSONRequestBody defines body for CreateSandboxV1 for application/json ContentType.
 type CreateSandboxV1JSONRequestBody = NewSandbox
 
+// CreateSandboxFromImageJSONRequestBody defines body for CreateSandboxFromImage for application/json ContentType.
+type CreateSandboxFromImageJSONRequestBody CreateSandboxFromImageJSONBody
+
 // ConnectSandboxV1JSONRequestBody defines body for ConnectSandboxV1 for application/json ContentType.
 type ConnectSandboxV1JSONRequestBody ConnectSandboxV1JSONBody
 
@@ -1488,6 +1520,9 @@ type ServerInterface interface {
 	// CreateSandboxV1 Create a sandbox (older form; secure only when "secure" is true)
 	// (POST /sandboxes)
 	CreateSandboxV1(w http.ResponseWriter, r *http.Request, params CreateSandboxV1Params)
+	// CreateSandboxFromImage AgentENV - a sandbox straight from an OCI image, no template build: its layers are converted once per node into the shared layers (reused by every later sandbox and template of an image that shares them; evicted least recently used past --layer-store-mib), the E2B user layer and envd come from the node, and the sandbox boots cold
+	// (POST /sandboxes-cold)
+	CreateSandboxFromImage(w http.ResponseWriter, r *http.Request, params CreateSandboxFromImageParams)
 	// GetSandboxesMetrics The latest metrics of several running sandboxes (read from their envd now; others left out)
 	// (GET /sandboxes/metrics)
 	GetSandboxesMetrics(w http.ResponseWriter, r *http.Request, params GetSandboxesMetricsParams)
@@ -1995,6 +2030,47 @@ func (siw *ServerInterfaceWrapper) CreateSandboxV1(w http.ResponseWriter, r *htt
 
 	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		siw.Handler.CreateSandboxV1(w, r, params)
+	}))
+
+	for _, middleware := range siw.HandlerMiddlewares {
+		handler = middleware(handler)
+	}
+
+	handler.ServeHTTP(w, r)
+}
+
+// CreateSandboxFromImage operation middleware
+func (siw *ServerInterfaceWrapper) CreateSandboxFromImage(w http.ResponseWriter, r *http.Request) {
+
+	var err error
+	_ = err
+
+	// Parameter object where we will unmarshal all parameters from the context
+	var params CreateSandboxFromImageParams
+
+	headers := r.Header
+
+	// ------------- Optional header parameter "Idempotency-Key" -------------
+	if valueList, found := headers[http.CanonicalHeaderKey("Idempotency-Key")]; found {
+		var IdempotencyKey IdempotencyKey
+		n := len(valueList)
+		if n != 1 {
+			siw.ErrorHandlerFunc(w, r, &TooManyValuesForParamError{ParamName: "Idempotency-Key", Count: n})
+			return
+		}
+
+		err = runtime.BindStyledParameterWithOptions("simple", "Idempotency-Key", valueList[0], &IdempotencyKey, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""})
+		if err != nil {
+			siw.ErrorHandlerFunc(w, r, &InvalidParamFormatError{ParamName: "Idempotency-Key", Err: err})
+			return
+		}
+
+		params.IdempotencyKey = &IdempotencyKey
+
+	}
+
+	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		siw.Handler.CreateSandboxFromImage(w, r, params)
 	}))
 
 	for _, middleware := range siw.HandlerMiddlewares {
@@ -3922,6 +3998,7 @@ func HandlerWithOptions(si ServerInterface, options StdHTTPServerOptions) http.H
 	m.HandleFunc(http.MethodPost+" "+options.BaseURL+"/sandboxes", wrapper.CreateSandboxV1)
 	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/v2/sandboxes", wrapper.ListSandboxes)
 	m.HandleFunc(http.MethodPost+" "+options.BaseURL+"/v2/sandboxes", wrapper.CreateSandbox)
+	m.HandleFunc(http.MethodPost+" "+options.BaseURL+"/sandboxes-cold", wrapper.CreateSandboxFromImage)
 	m.HandleFunc(http.MethodDelete+" "+options.BaseURL+"/sandboxes/{sandboxID}", wrapper.KillSandbox)
 	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/sandboxes/{sandboxID}", wrapper.GetSandbox)
 	m.HandleFunc(http.MethodPost+" "+options.BaseURL+"/sandboxes/{sandboxID}/timeout", wrapper.SetSandboxTimeout)

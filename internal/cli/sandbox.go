@@ -43,19 +43,23 @@ func createCmd() *cobra.Command {
 		env, meta, volumes   []string
 		noAutoPause, noInet  bool
 		secure, printJSONOut bool
-		lease                string
+		lease, imageRef      string
 		leaseTTL             time.Duration
 	)
 	cmd := &cobra.Command{
-		Use:   "create TEMPLATE",
+		Use:   "create (TEMPLATE | --image REF)",
 		Short: "Create a sandbox and print its id",
 		Example: `  aenv create base
   id=$(aenv create base --timeout 1h --env API_URL=http://x --metadata job=42)
   aenv create base --cpu 2 --memory 1024 --no-auto-pause -o json
   aenv create base --volume data:/mnt/data
-  aenv create base --lease trainer-1 --lease-ttl 2m`,
-		Args: cobra.ExactArgs(1),
+  aenv create base --lease trainer-1 --lease-ttl 2m
+  aenv create --image docker-archive:/srv/images/task-17.tar`,
+		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if (len(args) == 1) == (imageRef != "") {
+				return usageError{errors.New("give a template or --image REF, not both")}
+			}
 			c, err := conn.client()
 			if err != nil {
 				return err
@@ -68,7 +72,13 @@ func createCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			body := map[string]any{"templateID": args[0], "timeout": int64(timeout / time.Second), "autoPause": !noAutoPause, "secure": secure}
+			body := map[string]any{"timeout": int64(timeout / time.Second), "autoPause": !noAutoPause, "secure": secure}
+			route := "/sandboxes"
+			if imageRef != "" {
+				body["image"], route = imageRef, "/sandboxes-cold"
+			} else {
+				body["templateID"] = args[0]
+			}
 			if envs != nil {
 				body["envVars"] = envs
 			}
@@ -103,7 +113,7 @@ func createCmd() *cobra.Command {
 				body["lease"] = l
 			}
 			var sb apispec.Sandbox
-			if err := c.do(cmd.Context(), "POST", "/sandboxes", body, &sb); err != nil {
+			if err := c.do(cmd.Context(), "POST", route, body, &sb); err != nil {
 				return err
 			}
 			if printJSONOut {
@@ -125,6 +135,7 @@ func createCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&secure, "secure", true, "require the sandbox's access token for envd traffic")
 	cmd.Flags().StringVar(&lease, "lease", "", "bind the sandbox to this client lease (made or renewed); when it is not renewed in time (aenv lease keepalive) the sandbox ends")
 	cmd.Flags().DurationVar(&leaseTTL, "lease-ttl", 0, "the lease's time to live (default 5m)")
+	cmd.Flags().StringVar(&imageRef, "image", "", "make the sandbox straight from an OCI image, no template build: a registry reference, oci-layout:DIR[:TAG] or docker-archive:FILE (on the server)")
 	jsonFlag(cmd, &printJSONOut)
 	return cmd
 }

@@ -72,6 +72,7 @@ type serverOptions struct {
 	// idempotencyWindow is how long the answer of a request with an
 	// Idempotency-Key is kept.
 	idempotencyWindow time.Duration
+	layerStore        int
 }
 
 func serverCmd() *cobra.Command {
@@ -115,6 +116,7 @@ func serverFlags(cmd *cobra.Command, o *serverOptions) {
 	cmd.Flags().StringSliceVar(&o.egressOpen, "egress-open", nil, "private ranges (CIDRs) every guest with internet access may reach, e.g. an internal package mirror (default: none)")
 	cmd.Flags().IntVar(&o.maxStarting, "max-starting", 0, "sandbox starts (creates, resumes, fork children) run at once; beyond it they wait their turn (default: 2 per CPU; -1: no limit)")
 	cmd.Flags().Float64Var(&o.overcommit, "overcommit", 1.5, "guest memory the running and starting sandboxes may have per byte of host memory; a start beyond it waits its turn (-1: no limit)")
+	cmd.Flags().IntVar(&o.layerStore, "layer-store-mib", 0, "bound on the layer store in MiB: past it the images converted for sandboxes made from them (POST /sandboxes-cold) are evicted, least recently used first (0: no bound)")
 	cmd.Flags().DurationVar(&o.idempotencyWindow, "idempotency-window", 24*time.Hour, "how long the answer of a create or fork sent with an Idempotency-Key is kept for its retries")
 	cmd.Flags().DurationVar(&o.admissionWait, "admission-wait", 30*time.Second, "how long a start beyond --max-starting or --overcommit waits before it is refused with 429 and Retry-After")
 }
@@ -273,6 +275,7 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		Overcommit:        o.overcommit,
 		AdmissionWait:     o.admissionWait,
 		Events:            hooks,
+		LayerStoreMiB:     o.layerStore,
 		Logger:            log,
 	})
 	if err != nil {

@@ -122,6 +122,7 @@ func (g *Gateway) registerRoutes() {
 	g.mux.Handle("GET /nodes", key(g.listNodes))
 	g.mux.Handle("POST /sandboxes", key(g.create))
 	g.mux.Handle("POST /v2/sandboxes", key(g.create))
+	g.mux.Handle("POST /sandboxes-cold", key(g.create))
 	g.mux.Handle("GET /sandboxes", key(g.listV1))
 	g.mux.Handle("GET /v2/sandboxes", key(g.listV2))
 	g.mux.Handle("/sandboxes/{id}", key(g.toSandboxNode))
@@ -574,7 +575,16 @@ func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
 		httperr.Write(w, http.StatusBadRequest, "invalid JSON body: "+err.Error())
 		return
 	}
-	if req.TemplateID == "" {
+	if r.URL.Path == "/sandboxes-cold" {
+		// From an image: any node can convert it (placed by size alone).
+		var cold struct {
+			Image string `json:"image"`
+		}
+		if json.Unmarshal(body, &cold) != nil || cold.Image == "" {
+			httperr.Write(w, http.StatusBadRequest, `field "image" is required`)
+			return
+		}
+	} else if req.TemplateID == "" {
 		httperr.Write(w, http.StatusBadRequest, "templateID is required")
 		return
 	}

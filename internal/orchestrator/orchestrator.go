@@ -30,6 +30,7 @@ import (
 	"github.com/agentenv/agentenv/internal/envd"
 	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/events"
+	"github.com/agentenv/agentenv/internal/imagecache"
 	"github.com/agentenv/agentenv/internal/leases"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/sandboxes"
@@ -147,7 +148,11 @@ type Config struct {
 	AdmissionWait time.Duration
 	// Events receives the sandboxes' lifecycle events (nil: none sent).
 	Events events.Sink
-	Logger *slog.Logger
+	// LayerStoreMiB bounds the layer store: past it the images converted
+	// for sandboxes made straight from them are evicted, least recently
+	// used first (0: no bound).
+	LayerStoreMiB int
+	Logger        *slog.Logger
 }
 
 func (c *Config) setDefaults() {
@@ -215,7 +220,11 @@ type Node struct {
 	// admission bounds the starts (creates, resumes, fork children).
 	admission *admission.Controller
 	// leases are the client leases sandboxes are bound to.
-	leases   *leases.Store
+	leases *leases.Store
+	// images are the images converted for sandboxes made from them, and
+	// imports the conversions under way.
+	images   *imagecache.Cache
+	imports  imageImports
 	machines machineTable
 	ops      opLocks
 	pool     *warmpool.Pool[*pooledSandbox]
@@ -306,6 +315,9 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 		return fail(err)
 	}
 	if n.leases, err = leases.Open(ctx, db); err != nil {
+		return fail(err)
+	}
+	if n.images, err = imagecache.Open(ctx, st, int64(cfg.LayerStoreMiB)<<20, n.log); err != nil {
 		return fail(err)
 	}
 	if n.records, err = sandboxes.Open(db, st, netm.Slots(), n.storeRefs); err != nil {

@@ -36,6 +36,33 @@ func (c *Catalog) ImportImage(ctx context.Context, name string, src image.Source
 	if !NameRE.MatchString(name) {
 		return nil, fmt.Errorf("%w: template name %q must match %s", errkind.ErrInvalid, name, NameRE)
 	}
+	t, err := c.imageLayers(ctx, src, sizeMiB, log, func(tx *sql.Tx, t *Template) error {
+		t.Name = name
+		return Set(tx, *t)
+	})
+	if err != nil {
+		return nil, err
+	}
+	log("template %s from %s", t.Name, src)
+	return c.Get(ctx, name)
+}
+
+// ImageLayers converts an OCI image into the node's shared layers (those
+// it has already are reused) and returns what a sandbox boots from it:
+// an unregistered template (no name) whose Layer is the image's top
+// layer, with the E2B user layer on it and the image's environment. The
+// layers are held by the image cache (ImageCacheHolder/<top>) until it
+// lets them go.
+func (c *Catalog) ImageLayers(ctx context.Context, src image.Source, sizeMiB int, log func(string, ...any)) (*Template, error) {
+	return c.imageLayers(ctx, src, sizeMiB, log, nil)
+}
+
+// imageLayers imports src and records its layers and their cache holder,
+// and what also (a label) in the same transaction.
+func (c *Catalog) imageLayers(ctx context.Context, src image.Source, sizeMiB int, log func(string, ...any), also func(*sql.Tx, *Template) error) (*Template, error) {
+	if log == nil {
+		log = func(string, ...any) {}
+	}
 	start := time.Now()
 	res, err := image.Import(ctx, src, image.Options{
 		LayersDir: c.st.Abs(store.LayersDir), SizeMiB: sizeMiB, Log: log,
@@ -53,7 +80,7 @@ func (c *Catalog) ImportImage(ctx context.Context, name string, src image.Source
 			env[k] = v
 		}
 	}
-	t := Template{Name: name, DefaultUser: "user", EnvVars: env, Image: src.String()}
+	t := &Template{DefaultUser: "user", EnvVars: env, Image: src.String()}
 	err = c.st.Tx(ctx, func(tx *sql.Tx) error {
 		ids := make([]string, 0, len(res.Layers))
 		parent := ""
@@ -68,7 +95,10 @@ func (c *Catalog) ImportImage(ctx context.Context, name string, src image.Source
 			return err
 		}
 		t.Layer = parent
-		return Set(tx, t)
+		if also != nil {
+			return also(tx, t)
+		}
+		return nil
 	})
 	if err != nil {
 		return nil, err
@@ -79,8 +109,9 @@ func (c *Catalog) ImportImage(ctx context.Context, name string, src image.Source
 			reused++
 		}
 	}
-	log("template %s from %s: %d layers (%d reused) in %s", name, src, len(res.Layers), reused, time.Since(start).Round(time.Millisecond))
-	return c.Get(ctx, name)
+	log("image %s: %d layers (%d reused) in %s", src, len(res.Layers), reused, time.Since(start).Round(time.Millisecond))
+	t.RootDisk = c.st.Abs(res.Top)
+	return t, nil
 }
 
 // layerID names a layer file of the store by its file name (layers are

@@ -1,0 +1,104 @@
+package orchestrator
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+
+	"github.com/agentenv/agentenv/internal/sandboxes"
+	"github.com/agentenv/agentenv/internal/storage/image"
+)
+
+// Sandboxes straight from an OCI image (POST /sandboxes-cold), with no
+// template build: the image's layers are converted once per node into the
+// store's shared layers (reused by every later sandbox and template of
+// any image that shares them), the E2B user layer goes on top, and the
+// sandbox boots from them with the node's kernel and envd.
+
+// ParseImageRef reads an image reference: a registry reference
+// (credentials from the docker config), oci-layout:DIR[:TAG] or
+// docker-archive:FILE.
+func ParseImageRef(ref string) (image.Source, error) {
+	switch {
+	case ref == "":
+		return image.Source{}, fmt.Errorf("%w: image is required", ErrInvalid)
+	case strings.HasPrefix(ref, "oci-layout:"):
+		dir := strings.TrimPrefix(ref, "oci-layout:")
+		if dir == "" {
+			return image.Source{}, fmt.Errorf("%w: oci-layout: needs a directory", ErrInvalid)
+		}
+		return image.Source{Layout: dir}, nil
+	case strings.HasPrefix(ref, "docker-archive:"):
+		file := strings.TrimPrefix(ref, "docker-archive:")
+		if file == "" {
+			return image.Source{}, fmt.Errorf("%w: docker-archive: needs a file", ErrInvalid)
+		}
+		return image.Source{Archive: file}, nil
+	case strings.ContainsAny(ref, " \t\n") || len(ref) > 512:
+		return image.Source{}, fmt.Errorf("%w: image %q is not an image reference", ErrInvalid, ref)
+	}
+	return image.Source{Ref: ref}, nil
+}
+
+// imageDiskMiB is the size of the root filesystem of images' sandboxes.
+const imageDiskMiB = 4096
+
+// imageImports lets one conversion of an image run at a time per image
+// (a second create of it waits and then reuses its layers).
+type imageImports struct {
+	mu sync.Mutex
+	by map[string]*sync.Mutex
+}
+
+func (ii *imageImports) lock(key string) func() {
+	ii.mu.Lock()
+	if ii.by == nil {
+		ii.by = map[string]*sync.Mutex{}
+	}
+	m := ii.by[key]
+	if m == nil {
+		m = &sync.Mutex{}
+		ii.by[key] = m
+	}
+	ii.mu.Unlock()
+	m.Lock()
+	return m.Unlock
+}
+
+// CreateFromImage makes a sandbox from image (see ParseImageRef) as req
+// says (its TemplateID is ignored: the sandbox's template is the image).
+func (n *Node) CreateFromImage(ctx context.Context, ref string, req CreateRequest) (*sandboxes.Sandbox, error) {
+	src, err := ParseImageRef(ref)
+	if err != nil {
+		return nil, err
+	}
+	unlock := n.imports.lock(src.String())
+	// One filesystem size for every image: a layer converted once is
+	// shared whatever size a later sandbox asks for (its overlay may be
+	// larger).
+	t, err := n.templates.ImageLayers(ctx, src, imageDiskMiB, func(f string, a ...any) { n.log.Info(fmt.Sprintf(f, a...)) })
+	if err == nil && n.images != nil {
+		err = n.images.Used(ctx, t.Layer, src.String())
+	}
+	unlock()
+	if err != nil {
+		return nil, err
+	}
+	if n.images != nil {
+		if evicted, err := n.images.Evict(context.WithoutCancel(ctx), t.Layer); err != nil {
+			n.log.Error("image cache eviction", "err", err)
+		} else if len(evicted) > 0 {
+			n.log.Info("images evicted", "count", len(evicted))
+		}
+	}
+	t.Name, t.DiskMiB = src.String(), imageDiskMiB
+	if t.VCPUs == 0 {
+		t.VCPUs = 2
+	}
+	if t.MemoryMiB == 0 {
+		t.MemoryMiB = 512
+	}
+	req.TemplateID, req.template, req.noSnapshot = t.Name, t, true
+	return n.Create(ctx, req)
+}

@@ -1,0 +1,117 @@
+package orchestrator
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
+
+	"github.com/agentenv/agentenv/internal/store"
+)
+
+// withLayer is img with one more layer holding file path with body.
+func withLayer(t *testing.T, img v1.Image, path, body string) v1.Image {
+	t.Helper()
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	tw.WriteHeader(&tar.Header{Name: filepath.Dir(path) + "/", Typeflag: tar.TypeDir, Mode: 0o755})
+	tw.WriteHeader(&tar.Header{Name: path, Typeflag: tar.TypeReg, Mode: 0o644, Size: int64(len(body))})
+	tw.Write([]byte(body))
+	tw.Close()
+	b := buf.Bytes()
+	l, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(b)), nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := mutate.AppendLayers(img, l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// TestSandboxFromImage: a sandbox straight from a docker-archive, with no
+// template (its files, its env, the E2B user, the node's envd); a second
+// sandbox of it reuses the converted layers; past the layer store's
+// bound the least recently used image is evicted (its own layer goes, the
+// layer it shares with the image in use stays) and converted again when
+// asked for; bad references are refused.
+func TestSandboxFromImage(t *testing.T) {
+	n := testNode(t, func(c *Config) { c.LayerStoreMiB = 1 }) // every other image is evicted
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	dir := t.TempDir()
+	a, b := filepath.Join(dir, "a.tar"), filepath.Join(dir, "b.tar")
+	base := busyboxImage(t)
+	if err := tarball.WriteToFile(a, name.MustParseReference("test/a:1"), withLayer(t, base, "task/id", "a\n")); err != nil {
+		t.Fatal(err)
+	}
+	if err := tarball.WriteToFile(b, name.MustParseReference("test/b:1"), withLayer(t, base, "task/id", "b\n")); err != nil {
+		t.Fatal(err)
+	}
+	cold := func(archive string) (string, time.Duration) {
+		t.Helper()
+		start := time.Now()
+		s, err := n.CreateFromImage(ctx, "docker-archive:"+archive, CreateRequest{VCPUs: 1, MemoryMiB: 256, EnvVars: map[string]string{"MINE": "x"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		took := time.Since(start)
+		out, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "cat /task/id /data/hello; echo $GREETING $MINE; id -u")
+		if err != nil || out.exit != 0 {
+			t.Fatalf("command in a sandbox from %s: %+v %v", archive, out, err)
+		}
+		if err := n.Kill(ctx, s.ID); err != nil {
+			t.Fatal(err)
+		}
+		return out.stdout, took
+	}
+	out, first := cold(a)
+	if out != "a\nhello from an OCI layer\nfrom-the-image x\n1000\n" {
+		t.Fatalf("sandbox from image a: %q", out)
+	}
+	_, second := cold(a)
+	t.Logf("image a: first sandbox (conversion and cold boot) %s, second (layers reused) %s", first.Round(time.Millisecond), second.Round(time.Millisecond))
+	topOf := func(archive string) string {
+		var top string
+		n.db.QueryRowContext(ctx, `SELECT top_layer FROM image_cache WHERE source = ?`, "docker-archive:"+archive).Scan(&top)
+		return top
+	}
+	topA := topOf(a)
+	if topA == "" {
+		t.Fatal("image a is not in the image cache")
+	}
+	if out, _ := cold(b); out != "b\nhello from an OCI layer\nfrom-the-image x\n1000\n" {
+		t.Fatalf("sandbox from image b: %q", out)
+	}
+	// a was evicted: its cache entry and top layer are gone, the busybox
+	// layer b shares stays.
+	if topOf(a) != "" || topOf(b) == "" {
+		t.Fatalf("after b: a %q, b %q", topOf(a), topOf(b))
+	}
+	if _, err := n.store.Get(ctx, topA); !errors.Is(err, store.ErrNotFound) {
+		t.Fatalf("image a's top layer after its eviction: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(n.cfg.DataDir, store.LayersDir, topA+".qcow2")); !os.IsNotExist(err) {
+		t.Fatalf("image a's top layer file after its eviction: %v", err)
+	}
+	// Asked for again, a is converted again.
+	if out, _ := cold(a); out != "a\nhello from an OCI layer\nfrom-the-image x\n1000\n" {
+		t.Fatalf("sandbox from image a again: %q", out)
+	}
+	for _, bad := range []string{"", "docker-archive:", "oci-layout:", "has spaces in it", "docker-archive:" + filepath.Join(dir, "missing.tar")} {
+		if _, err := n.CreateFromImage(ctx, bad, CreateRequest{}); !errors.Is(err, ErrInvalid) {
+			t.Errorf("image %q: %v", bad, err)
+		}
+	}
+}
