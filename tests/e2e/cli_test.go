@@ -458,3 +458,28 @@ func TestCLILeasesAndGC(t *testing.T) {
 		t.Fatalf("keepalive of a removed lease: %+v", r)
 	}
 }
+
+// TestCLIBenchRollout: aenv bench rollout runs its episodes (a few
+// sandboxes with commands and writes, a fork into 2) and reports each
+// step with no errors. (The container baseline needs podman; its numbers
+// are in docs/PERFORMANCE.md.)
+func TestCLIBenchRollout(t *testing.T) {
+	s := needServer(t)
+	home := t.TempDir()
+	if r := aenvCLI(t, s, home, apiKey+"\n", "auth", "login", "--url", s.url); r.code != 0 {
+		t.Fatalf("login: %+v", r)
+	}
+	out := mustCLI(t, s, home, "bench", "rollout", "--template", "base", "--episodes", "3", "--concurrency", "2", "--commands", "2", "--fork", "2")
+	for _, want := range []string{"sandboxes (base)", "fork into 2 (base)", "create", "command", "write file", "child command", "collect", "kill"} {
+		if !strings.Contains(out, want) {
+			t.Fatalf("no %q in:\n%s", want, out)
+		}
+	}
+	for _, line := range strings.Split(out, "\n") {
+		f := strings.Fields(line)
+		if len(f) > 0 && (strings.HasPrefix(line, "sandboxes") || strings.HasPrefix(line, "fork")) && strings.Contains(line, "ms") && f[len(f)-1] != "0" {
+			t.Errorf("a step with errors: %s", line)
+		}
+	}
+	t.Logf("\n%s", out)
+}
