@@ -477,7 +477,7 @@ func TestCLIBenchRollout(t *testing.T) {
 	}
 	for _, line := range strings.Split(out, "\n") {
 		f := strings.Fields(line)
-		if len(f) > 0 && (strings.HasPrefix(line, "sandboxes") || strings.HasPrefix(line, "fork")) && strings.Contains(line, "ms") && f[len(f)-1] != "0" {
+		if len(f) > 0 && (strings.HasPrefix(line, "sandboxes") || strings.HasPrefix(line, "fork")) && strings.Contains(line, " ms") && f[len(f)-1] != "0" {
 			t.Errorf("a step with errors: %s", line)
 		}
 	}
