@@ -399,7 +399,7 @@ func TestCLILeasesAndGC(t *testing.T) {
 		return id
 	}
 	forgotten := create("--lease", tag+"-a", "--lease-ttl", "6s")
-	forgotten2 := create("--lease", tag+"-a")
+	forgotten2 := create("--lease", tag+"-a", "--lease-ttl", "6s") // a create renews the lease with its ttl
 	kept := create("--lease", tag+"-b", "--lease-ttl", "6s")
 	plain := create()
 	if out := mustCLI(t, s, home, "ls", "--orphans", "--metadata", "job="+tag); strings.Contains(out, forgotten) {
