@@ -78,8 +78,12 @@ func TestSchemathesis(t *testing.T) {
 		t.Logf("schemathesis (%s):\n%s", name, tail)
 	}
 	before := state()
+	// Webhook registrations are left out: one the node took would make it
+	// send events to whatever URL was generated, and tests send traffic to
+	// this machine only (TestWebhookRoutes and TestLifecycleWebhooks cover
+	// their bad input).
 	run("negative", "not_a_server_error,error_body_shape,negative_data_rejection",
-		"--mode", "negative", "--phases", "examples,coverage,fuzzing")
+		"--mode", "negative", "--phases", "examples,coverage,fuzzing", "--exclude-path-regex", "^/events/webhooks")
 	if after := state(); !reflect.DeepEqual(before, after) {
 		t.Fatalf("refused requests changed the node:\nbefore %v\nafter  %v", before, after)
 	}
