@@ -657,6 +657,15 @@ func (s *Server) ListSandboxes(w http.ResponseWriter, r *http.Request, params ap
 	if len(states) == 0 {
 		states["running"], states["paused"] = true, true
 	}
+	// The generated parsing takes an empty value for none; here it is
+	// not a time, an order or a number.
+	q := r.URL.Query()
+	for _, name := range []string{"startedAfter", "order", "limit"} {
+		if q.Has(name) && q.Get(name) == "" {
+			writeError(w, http.StatusBadRequest, fmt.Sprintf("parameter %q is empty", name))
+			return
+		}
+	}
 	template := deref(params.Template)
 	startedAfter := deref(params.StartedAfter)
 	if params.Order != nil && *params.Order != apispec.Desc {

@@ -321,7 +321,7 @@ func sandboxPSS(ctx context.Context, c *apiClient, id string) int64 {
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
 		line := sc.Text()
-		if strings.HasPrefix(line, "aenv_sandbox_memory_pss_bytes{") && strings.Contains(line, `sandbox="`+id+`"`) {
+		if strings.HasPrefix(line, "aenv_sandbox_memory_pss_bytes{") && strings.Contains(line, `sandbox_id="`+id+`"`) {
 			f := strings.Fields(line)
 			v, _ := strconv.ParseFloat(f[len(f)-1], 64)
 			return int64(v)

@@ -19,7 +19,21 @@ func TestLeaseExpiry(t *testing.T) {
 	n := testNode(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	lease := &LeaseRequest{ID: "trainer-1", TTL: 15 * time.Second}
+	lease := &LeaseRequest{ID: "trainer-1", TTL: 10 * time.Second}
+	// Creates may take longer than the ttl (cold boots under load): the
+	// lease is renewed until the sandboxes are made, then forgotten.
+	setup, renewed := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(renewed)
+		for {
+			select {
+			case <-setup:
+				return
+			case <-time.After(time.Second):
+				n.RenewLease(ctx, "trainer-1", 0)
+			}
+		}
+	}()
 	kept := create(t, n, CreateRequest{TemplateID: "minimal", AutoPause: true, Lease: lease})
 	killed := create(t, n, CreateRequest{TemplateID: "minimal", AutoPause: false, Lease: lease})
 	kids, err := n.Fork(ctx, kept.ID, 1, 0)
@@ -27,8 +41,10 @@ func TestLeaseExpiry(t *testing.T) {
 		t.Fatalf("fork: %+v %v", kids, err)
 	}
 	child := kids[0].Sandbox
-	other := create(t, n, CreateRequest{TemplateID: "minimal", AutoPause: false, Lease: &LeaseRequest{ID: "trainer-2", TTL: 5 * time.Second}})
+	other := create(t, n, CreateRequest{TemplateID: "minimal", AutoPause: false, Lease: &LeaseRequest{ID: "trainer-2", TTL: 30 * time.Second}})
 	unbound := create(t, n, CreateRequest{TemplateID: "minimal", AutoPause: false})
+	close(setup)
+	<-renewed
 
 	info, err := n.Lease(ctx, "trainer-1")
 	if err != nil || !slices.Equal(sorted(info.Sandboxes), sorted([]string{kept.ID, killed.ID, child.ID})) {

@@ -223,14 +223,16 @@ type Node struct {
 	leases *leases.Store
 	// images are the images converted for sandboxes made from them, and
 	// imports the conversions under way.
-	images   *imagecache.Cache
-	imports  imageImports
-	machines machineTable
-	ops      opLocks
-	pool     *warmpool.Pool[*pooledSandbox]
-	builds   *builds.Builds
-	files    *buildfiles.Store // COPY archives of template builds
-	remote   *templates.Remote // templates of the repository, loaded lazily
+	images  *imagecache.Cache
+	imports imageImports
+	// preparing are the template snapshots being prepared.
+	preparing templatePreps
+	machines  machineTable
+	ops       opLocks
+	pool      *warmpool.Pool[*pooledSandbox]
+	builds    *builds.Builds
+	files     *buildfiles.Store // COPY archives of template builds
+	remote    *templates.Remote // templates of the repository, loaded lazily
 	// cgroupWarn says once that sandboxes run without cgroup limits.
 	cgroupWarn sync.Once
 	// shelf holds the paused sandboxes shared with the cluster's other

@@ -179,6 +179,20 @@ func (n *Node) create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 	tsErr := errors.New("named snapshot")
 	if named == nil {
 		ts, tsErr = n.currentTemplateSnapshot(t)
+		if tsErr != nil && t.StartCmd != "" && !req.noSnapshot && req.template == nil {
+			// Its snapshot is being prepared: restoring it once ready
+			// beats a cold boot that runs the slow start command again
+			// beside the preparation (waited on the caller's context:
+			// nothing has changed yet).
+			if done := n.preparing.underWay(t.Name); done != nil {
+				select {
+				case <-done:
+				case <-ctx.Done():
+					return nil, ctx.Err()
+				}
+				ts, tsErr = n.currentTemplateSnapshot(t)
+			}
+		}
 	}
 	fromTemplateSnapshot := named == nil && !req.noSnapshot && tsErr == nil &&
 		ts.VCPUs == s.VCPUs && ts.MemoryMiB == s.MemoryMiB && s.DiskMiB == t.DiskMiB

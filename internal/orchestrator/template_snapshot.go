@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/guestexec"
@@ -78,6 +79,25 @@ func (n *Node) PrepareTemplateSnapshot(ctx context.Context, name string) error {
 	if _, err := n.currentTemplateSnapshot(t); err == nil {
 		return nil
 	}
+	done, first := n.preparing.begin(name)
+	if !first {
+		// Another call prepares it: its result is this one's.
+		select {
+		case <-done:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		_, err := n.currentTemplateSnapshot(t)
+		return err
+	}
+	defer n.preparing.end(name)
+	return n.prepareTemplateSnapshot(ctx, t)
+}
+
+// prepareTemplateSnapshot boots template t and freezes it (its
+// preparation registered in n.preparing by the caller).
+func (n *Node) prepareTemplateSnapshot(ctx context.Context, t *Template) error {
+	name := t.Name
 	start := time.Now()
 	s, err := n.Create(ctx, CreateRequest{TemplateID: name, Timeout: 10 * time.Minute, noSnapshot: true,
 		Metadata: map[string]string{sandboxes.MetaInternal: "template snapshot"}})
@@ -146,8 +166,23 @@ func (n *Node) prepareTemplateSnapshots() {
 	}
 	ctx, cancel := n.stopContext()
 	defer cancel()
+	// Every template whose snapshot is missing is registered as being
+	// prepared before the first is: a create of a template with a start
+	// command waits for its snapshot rather than cold-booting beside it.
+	var todo []*Template
 	for _, t := range ts {
-		if err := n.PrepareTemplateSnapshot(ctx, t.Name); err != nil && !errors.Is(err, context.Canceled) {
+		if snap, err := n.currentTemplateSnapshot(t); err == nil {
+			n.pool.Fill(ctx, poolKey(t, snap))
+			continue
+		}
+		if _, first := n.preparing.begin(t.Name); first {
+			todo = append(todo, t)
+		}
+	}
+	for _, t := range todo {
+		err := n.prepareTemplateSnapshot(ctx, t)
+		n.preparing.end(t.Name)
+		if err != nil && !errors.Is(err, context.Canceled) {
 			n.log.Error("template snapshot", "template", t.Name, "err", err)
 			continue
 		}
@@ -199,4 +234,44 @@ func (n *Node) refillTemplatePool(name string) {
 	if ts, err := n.currentTemplateSnapshot(t); err == nil {
 		n.pool.Refill(poolKey(t, ts))
 	}
+}
+
+// templatePreps are the template snapshots being prepared, each with a
+// channel closed when its preparation ends.
+type templatePreps struct {
+	mu sync.Mutex
+	by map[string]chan struct{}
+}
+
+// begin registers a preparation of template name; first is false when one
+// is already under way (done is then its channel).
+func (p *templatePreps) begin(name string) (done <-chan struct{}, first bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if ch, ok := p.by[name]; ok {
+		return ch, false
+	}
+	if p.by == nil {
+		p.by = map[string]chan struct{}{}
+	}
+	ch := make(chan struct{})
+	p.by[name] = ch
+	return ch, true
+}
+
+func (p *templatePreps) end(name string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if ch, ok := p.by[name]; ok {
+		close(ch)
+		delete(p.by, name)
+	}
+}
+
+// underWay is the channel of a preparation of template name under way
+// (nil: none).
+func (p *templatePreps) underWay(name string) <-chan struct{} {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.by[name]
 }

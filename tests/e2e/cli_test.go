@@ -398,10 +398,28 @@ func TestCLILeasesAndGC(t *testing.T) {
 		t.Cleanup(func() { aenvCLI(t, s, home, "", "kill", id) })
 		return id
 	}
+	// Creates may take longer than the ttls (cold boots under load): both
+	// leases are renewed until the sandboxes are made.
+	setup, renewed := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(renewed)
+		for {
+			select {
+			case <-setup:
+				return
+			case <-time.After(time.Second):
+				for _, l := range []string{tag + "-a", tag + "-b"} {
+					s.rest(context.Background(), "POST", "/leases/"+l+"/keepalive", map[string]any{}, nil)
+				}
+			}
+		}
+	}()
 	forgotten := create("--lease", tag+"-a", "--lease-ttl", "6s")
 	forgotten2 := create("--lease", tag+"-a", "--lease-ttl", "6s") // a create renews the lease with its ttl
-	kept := create("--lease", tag+"-b", "--lease-ttl", "6s")
+	kept := create("--lease", tag+"-b", "--lease-ttl", "20s")
 	plain := create()
+	close(setup)
+	<-renewed
 	if out := mustCLI(t, s, home, "ls", "--orphans", "--metadata", "job="+tag); strings.Contains(out, forgotten) {
 		t.Fatalf("an orphan before its lease expired:\n%s", out)
 	}

@@ -114,10 +114,18 @@ func TestLifecycleWebhooks(t *testing.T) {
 	missing := func() []string {
 		mu.Lock()
 		defer mu.Unlock()
-		var out []string
+		// Each as many times as wanted (paused comes twice).
+		need := map[[2]string]int{}
 		for _, w := range want {
-			if !slices.ContainsFunc(events, func(e got) bool { return e.Type == w.typ && e.SandboxID == w.sandbox }) {
-				out = append(out, w.typ+" of "+w.sandbox)
+			need[[2]string{w.typ, w.sandbox}]++
+		}
+		for _, e := range events {
+			need[[2]string{e.Type, e.SandboxID}]--
+		}
+		var out []string
+		for k, n := range need {
+			if n > 0 {
+				out = append(out, k[0]+" of "+k[1])
 			}
 		}
 		return out
