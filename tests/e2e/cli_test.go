@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -442,19 +443,32 @@ func TestCLILeasesAndGC(t *testing.T) {
 		}
 		time.Sleep(time.Second)
 	}
-	var listed []struct {
-		SandboxID string `json:"sandboxID"`
-		State     string `json:"state"`
-	}
-	json.Unmarshal([]byte(mustCLI(t, s, home, "ls", "--metadata", "job="+tag, "-o", "json")), &listed)
-	for _, sb := range listed {
-		want := "running"
-		if sb.SandboxID == forgotten || sb.SandboxID == forgotten2 {
-			want = "paused" // they auto-pause
+	// The expired lease's sandboxes are paused (they auto-pause), one
+	// after the other; the others run on.
+	for deadline := time.Now().Add(60 * time.Second); ; {
+		var listed []struct {
+			SandboxID string `json:"sandboxID"`
+			State     string `json:"state"`
 		}
-		if sb.State != want {
-			t.Fatalf("%s is %s, want %s", sb.SandboxID, sb.State, want)
+		json.Unmarshal([]byte(mustCLI(t, s, home, "ls", "--metadata", "job="+tag, "-o", "json")), &listed)
+		wrong := ""
+		for _, sb := range listed {
+			want := "running"
+			if sb.SandboxID == forgotten || sb.SandboxID == forgotten2 {
+				want = "paused"
+			}
+			if sb.State != want {
+				wrong = fmt.Sprintf("%s is %s, want %s", sb.SandboxID, sb.State, want)
+			}
 		}
+		if wrong == "" && len(listed) == 4 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s (%d listed)", wrong, len(listed))
+		}
+		mustCLI(t, s, home, "lease", "keepalive", tag+"-b")
+		time.Sleep(time.Second)
 	}
 	if out := mustCLI(t, s, home, "gc", "--orphans", "--dry-run"); !strings.Contains(out, "would kill "+forgotten) || !strings.Contains(out, "would kill 2 of") {
 		t.Fatalf("gc --dry-run:\n%s", out)
