@@ -43,10 +43,17 @@ func TestCreateStorm(t *testing.T) {
 	p.start(t, s.bin)
 	api := &server{url: p.url, logPath: p.log, bin: s.bin, dataDir: dataDir}
 	t.Cleanup(func() {
-		var list []map[string]any
-		api.rest(context.Background(), "GET", "/v2/sandboxes", nil, &list)
-		for _, sb := range list {
-			api.rest(context.Background(), "DELETE", "/sandboxes/"+sb["sandboxID"].(string), nil, nil)
+		// Kill what the node has, also a create that finished late.
+		for deadline := time.Now().Add(60 * time.Second); ; {
+			var list []map[string]any
+			api.rest(context.Background(), "GET", "/v2/sandboxes", nil, &list)
+			for _, sb := range list {
+				api.rest(context.Background(), "DELETE", "/sandboxes/"+sb["sandboxID"].(string), nil, nil)
+			}
+			if qemuProcesses(dataDir) == 0 || time.Now().After(deadline) {
+				break
+			}
+			time.Sleep(500 * time.Millisecond)
 		}
 		p.stop()
 	})
@@ -133,13 +140,20 @@ func TestCreateStorm(t *testing.T) {
 	// Whole afterwards: what the node lists is running, each with its
 	// QEMU and directory, nothing else (the hang-ups' creates that were
 	// admitted ran to their end, detached from their clients).
-	time.Sleep(2 * time.Second) // hung-up creates that were admitted finish
 	var list []struct {
 		SandboxID string `json:"sandboxID"`
 		State     string `json:"state"`
 	}
-	if err := api.rest(context.Background(), "GET", "/v2/sandboxes", nil, &list); err != nil {
-		t.Fatal(err)
+	// Hung-up creates that were admitted finish: wait until every machine
+	// and directory is a listed sandbox's.
+	for deadline := time.Now().Add(60 * time.Second); ; {
+		if err := api.rest(context.Background(), "GET", "/v2/sandboxes", nil, &list); err != nil {
+			t.Fatal(err)
+		}
+		if q, d := qemuProcesses(dataDir), sandboxDirs(dataDir); q == len(list) && d == len(list) || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(500 * time.Millisecond)
 	}
 	for _, sb := range list {
 		if sb.State != "running" {
