@@ -152,9 +152,17 @@ func (l *liveCounter) dec() { l.now.Add(-1) }
 func sandboxEpisodes(ctx context.Context, c *apiClient, o rolloutOpts) rolloutReport {
 	r := rolloutReport{name: "sandboxes (" + o.template + ")", episodes: o.episodes, steps: newStepTimes()}
 	var live liveCounter
-	var failed atomic.Int64
 	var pssMax atomic.Int64
-	jobs := make(chan int)
+	r.took, r.failed = runEpisodes(o, func() error { return sandboxEpisode(ctx, c, o, r.steps, &live, &pssMax) })
+	r.peakLive, r.pssPerBox = live.peak.Load(), pssMax.Load()
+	return r
+}
+
+// runEpisodes runs o.episodes episodes, o.concurrency at a time; it
+// returns how long they took and how many failed.
+func runEpisodes(o rolloutOpts, episode func() error) (time.Duration, int) {
+	var failed atomic.Int64
+	jobs := make(chan struct{})
 	var wg sync.WaitGroup
 	start := time.Now()
 	for range o.concurrency {
@@ -162,19 +170,18 @@ func sandboxEpisodes(ctx context.Context, c *apiClient, o rolloutOpts) rolloutRe
 		go func() {
 			defer wg.Done()
 			for range jobs {
-				if err := sandboxEpisode(ctx, c, o, r.steps, &live, &pssMax); err != nil {
+				if err := episode(); err != nil {
 					failed.Add(1)
 				}
 			}
 		}()
 	}
-	for i := range o.episodes {
-		jobs <- i
+	for range o.episodes {
+		jobs <- struct{}{}
 	}
 	close(jobs)
 	wg.Wait()
-	r.took, r.failed, r.peakLive, r.pssPerBox = time.Since(start), int(failed.Load()), live.peak.Load(), pssMax.Load()
-	return r
+	return time.Since(start), int(failed.Load())
 }
 
 func sandboxEpisode(ctx context.Context, c *apiClient, o rolloutOpts, st *stepTimes, live *liveCounter, pssMax *atomic.Int64) error {
@@ -347,59 +354,40 @@ func containerEpisodes(ctx context.Context, o rolloutOpts) rolloutReport {
 		return strings.TrimSpace(out.String()), nil
 	}
 	var live liveCounter
-	var failed atomic.Int64
 	var pssMax atomic.Int64
-	jobs := make(chan int)
-	var wg sync.WaitGroup
-	start := time.Now()
-	for range o.concurrency {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for range jobs {
-				err := func() error {
-					var id string
-					if err := r.steps.timed("create", func() error {
-						var err error
-						id, err = podman(ctx, nil, "run", "-d", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024",
-							"--network", "none", o.podmanImage, "sleep", "600")
-						return err
-					}); err != nil {
-						return err
-					}
-					live.inc()
-					defer live.dec()
-					defer r.steps.timed("kill", func() error { _, err := podman(context.WithoutCancel(ctx), nil, "rm", "-f", "-t", "0", id); return err })
-					for i := range o.commands {
-						if err := r.steps.timed("command", func() error { _, err := podman(ctx, nil, "exec", id, "bash", "-c", episodeCommand(i)); return err }); err != nil {
-							return err
-						}
-						if err := r.steps.timed("write file", func() error {
-							_, err := podman(ctx, strings.NewReader(fmt.Sprintf(`{"step": %d}`, i)), "exec", "-i", id, "sh", "-c", fmt.Sprintf("cat > /tmp/step-%d.json", i))
-							return err
-						}); err != nil {
-							return err
-						}
-					}
-					if pid, err := podman(ctx, nil, "inspect", "--format", "{{.State.Pid}}", id); err == nil {
-						if p := processTreePSS(pid); p > pssMax.Load() {
-							pssMax.Store(p)
-						}
-					}
-					return nil
-				}()
-				if err != nil {
-					failed.Add(1)
-				}
+	episode := func() error {
+		var id string
+		if err := r.steps.timed("create", func() error {
+			var err error
+			id, err = podman(ctx, nil, "run", "-d", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024",
+				"--network", "none", o.podmanImage, "sleep", "600")
+			return err
+		}); err != nil {
+			return err
+		}
+		live.inc()
+		defer live.dec()
+		defer r.steps.timed("kill", func() error { _, err := podman(context.WithoutCancel(ctx), nil, "rm", "-f", "-t", "0", id); return err })
+		for i := range o.commands {
+			if err := r.steps.timed("command", func() error { _, err := podman(ctx, nil, "exec", id, "bash", "-c", episodeCommand(i)); return err }); err != nil {
+				return err
 			}
-		}()
+			if err := r.steps.timed("write file", func() error {
+				_, err := podman(ctx, strings.NewReader(fmt.Sprintf(`{"step": %d}`, i)), "exec", "-i", id, "sh", "-c", fmt.Sprintf("cat > /tmp/step-%d.json", i))
+				return err
+			}); err != nil {
+				return err
+			}
+		}
+		if pid, err := podman(ctx, nil, "inspect", "--format", "{{.State.Pid}}", id); err == nil {
+			if p := processTreePSS(pid); p > pssMax.Load() {
+				pssMax.Store(p)
+			}
+		}
+		return nil
 	}
-	for i := range o.episodes {
-		jobs <- i
-	}
-	close(jobs)
-	wg.Wait()
-	r.took, r.failed, r.peakLive, r.pssPerBox = time.Since(start), int(failed.Load()), live.peak.Load(), pssMax.Load()
+	r.took, r.failed = runEpisodes(o, episode)
+	r.peakLive, r.pssPerBox = live.peak.Load(), pssMax.Load()
 	return r
 }
 

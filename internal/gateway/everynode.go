@@ -8,12 +8,14 @@ import (
 	"github.com/agentenv/agentenv/internal/httperr"
 )
 
-// Some routes concern every node (client leases, webhooks): the gateway
-// sends them to each ready node and merges the answers.
+// Some routes concern every node (listings, client leases, webhooks): the
+// gateway sends them to each ready node and merges the answers.
 
 // nodeReply is one node's answer to a request sent to every node.
 type nodeReply struct {
+	node   string
 	status int
+	hdr    http.Header
 	body   []byte
 }
 
@@ -32,8 +34,8 @@ func (g *Gateway) toEveryNode(w http.ResponseWriter, r *http.Request, body []byt
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			status, _, b, err := g.call(r, n.Url, body)
-			out[i], errs[i] = nodeReply{status, b}, err
+			status, hdr, b, err := g.call(r, n.Url, body)
+			out[i], errs[i] = nodeReply{n.NodeId, status, hdr, b}, err
 		}()
 	}
 	wg.Wait()
@@ -51,4 +53,28 @@ func writeReply(w http.ResponseWriter, a nodeReply) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(a.status)
 	w.Write(a.body)
+}
+
+// splitReplies parts the nodes' replies into the successes (2xx) and the
+// first refusal other than a 404 (a node that does not have the thing).
+func splitReplies(replies []nodeReply) (ok []nodeReply, refusal *nodeReply) {
+	for i, a := range replies {
+		switch {
+		case a.status/100 == 2:
+			ok = append(ok, a)
+		case a.status != http.StatusNotFound && refusal == nil:
+			refusal = &replies[i]
+		}
+	}
+	return ok, refusal
+}
+
+// passToEveryNode sends r with its own body to every ready node.
+func (g *Gateway) passToEveryNode(w http.ResponseWriter, r *http.Request) ([]nodeReply, bool) {
+	body, err := readBody(r)
+	if err != nil {
+		httperr.Write(w, http.StatusRequestEntityTooLarge, err.Error())
+		return nil, false
+	}
+	return g.toEveryNode(w, r, body)
 }

@@ -680,53 +680,28 @@ func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
 
 // fanOut sends a GET to every ready node and returns their answers.
 func (g *Gateway) fanOut(w http.ResponseWriter, r *http.Request) ([][]byte, []http.Header, bool) {
-	nodes, err := g.readyNodes(r.Context())
-	if err != nil {
-		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "the cluster's nodes are unavailable", err)
+	replies, ok := g.toEveryNode(w, r, nil)
+	if !ok {
 		return nil, nil, false
 	}
-	bodies := make([][]byte, len(nodes))
-	hdrs := make([]http.Header, len(nodes))
-	errs := make([]error, len(nodes))
-	var wg sync.WaitGroup
-	for i, n := range nodes {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			status, hdr, b, err := g.call(r, n.Url, nil)
-			if err == nil && status != http.StatusOK {
-				// A 4xx is the same on every node: pass the first on.
-				if status/100 == 4 {
-					err = &nodeAnswer{status, hdr, b}
-				} else {
-					err = fmt.Errorf("%d %s", status, bytes.TrimSpace(b))
-				}
-			}
-			bodies[i], hdrs[i], errs[i] = b, hdr, err
-		}()
-	}
-	wg.Wait()
-	for i, err := range errs {
-		var na *nodeAnswer
-		if errors.As(err, &na) {
-			copyResponse(w, na.status, na.hdr, na.body)
+	bodies := make([][]byte, len(replies))
+	hdrs := make([]http.Header, len(replies))
+	for i, a := range replies {
+		switch {
+		case a.status == http.StatusOK:
+			bodies[i], hdrs[i] = a.body, a.hdr
+		case a.status/100 == 4:
+			// A 4xx is the same on every node: pass the first on.
+			copyResponse(w, a.status, a.hdr, a.body)
 			return nil, nil, false
-		}
-		if err != nil {
-			httperr.Internal(w, g.log, http.StatusBadGateway, fmt.Sprintf("node %s did not answer", nodes[i].NodeId), err)
+		default:
+			httperr.Internal(w, g.log, http.StatusBadGateway, fmt.Sprintf("node %s did not answer", a.node),
+				fmt.Errorf("%d %s", a.status, bytes.TrimSpace(a.body)))
 			return nil, nil, false
 		}
 	}
 	return bodies, hdrs, true
 }
-
-type nodeAnswer struct {
-	status int
-	hdr    http.Header
-	body   []byte
-}
-
-func (a *nodeAnswer) Error() string { return fmt.Sprintf("%d %s", a.status, a.body) }
 
 // listed is the part of a listed sandbox the gateway sorts by.
 type listed struct {

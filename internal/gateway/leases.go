@@ -69,37 +69,25 @@ func (g *Gateway) listLeases(w http.ResponseWriter, r *http.Request) {
 // node's refusal (an expired lease's 409, a bad ttl's 400) when none
 // answered 200.
 func (g *Gateway) leaseOnNodes(w http.ResponseWriter, r *http.Request) {
-	body, err := readBody(r)
-	if err != nil {
-		httperr.Write(w, http.StatusRequestEntityTooLarge, err.Error())
-		return
-	}
-	answers, ok := g.toEveryNode(w, r, body)
+	answers, ok := g.passToEveryNode(w, r)
 	if !ok {
 		return
 	}
+	oks, refusal := splitReplies(answers)
 	var views []apispec.Lease
-	var refusal *nodeReply
-	for _, a := range answers {
-		switch {
-		case a.status == http.StatusOK:
-			var l apispec.Lease
-			if json.Unmarshal(a.body, &l) != nil {
-				httperr.Internal(w, g.log, http.StatusBadGateway, "a node's lease could not be read", fmt.Errorf("%s", a.body))
-				return
-			}
-			views = append(views, l)
-		case a.status != http.StatusNotFound && refusal == nil:
-			refusal = &a
+	for _, a := range oks {
+		var l apispec.Lease
+		if json.Unmarshal(a.body, &l) != nil {
+			httperr.Internal(w, g.log, http.StatusBadGateway, "a node's lease could not be read", fmt.Errorf("%s", a.body))
+			return
 		}
+		views = append(views, l)
 	}
 	switch {
 	case len(views) > 0:
 		writeJSONBody(w, http.StatusOK, mergeLeases(views)[0])
 	case refusal != nil:
-		w.Header().Set("Content-Type", "application/json")
-		w.WriteHeader(refusal.status)
-		w.Write(refusal.body)
+		writeReply(w, *refusal)
 	default:
 		httperr.Write(w, http.StatusNotFound, fmt.Sprintf("no node has lease %q", r.PathValue("leaseID")))
 	}
@@ -112,29 +100,23 @@ func (g *Gateway) deleteLease(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	killed := []string{}
-	found := false
-	for _, a := range answers {
-		switch a.status {
-		case http.StatusOK:
-			var out struct{ Killed []string }
-			if json.Unmarshal(a.body, &out) != nil {
-				httperr.Internal(w, g.log, http.StatusBadGateway, "a node's answer could not be read", fmt.Errorf("%s", a.body))
-				return
-			}
-			found = true
-			killed = append(killed, out.Killed...)
-		case http.StatusNotFound:
-		default:
-			w.Header().Set("Content-Type", "application/json")
-			w.WriteHeader(a.status)
-			w.Write(a.body)
-			return
-		}
+	oks, refusal := splitReplies(answers)
+	if refusal != nil {
+		writeReply(w, *refusal) // a sandbox it binds could not be killed there
+		return
 	}
-	if !found {
+	if len(oks) == 0 {
 		httperr.Write(w, http.StatusNotFound, fmt.Sprintf("no node has lease %q", r.PathValue("leaseID")))
 		return
+	}
+	killed := []string{}
+	for _, a := range oks {
+		var out struct{ Killed []string }
+		if json.Unmarshal(a.body, &out) != nil {
+			httperr.Internal(w, g.log, http.StatusBadGateway, "a node's answer could not be read", fmt.Errorf("%s", a.body))
+			return
+		}
+		killed = append(killed, out.Killed...)
 	}
 	slices.Sort(killed)
 	writeJSONBody(w, http.StatusOK, map[string]any{"leaseID": r.PathValue("leaseID"), "killed": killed})

@@ -72,34 +72,21 @@ func (g *Gateway) listWebhooks(w http.ResponseWriter, r *http.Request) {
 // first success of the nodes that have it, a refusal when none succeeded,
 // 404 when none has it.
 func (g *Gateway) webhookOnNodes(w http.ResponseWriter, r *http.Request) {
-	body, err := readBody(r)
-	if err != nil {
-		httperr.Write(w, http.StatusRequestEntityTooLarge, err.Error())
-		return
-	}
-	answers, ok := g.toEveryNode(w, r, body)
+	answers, ok := g.passToEveryNode(w, r)
 	if !ok {
 		return
 	}
-	var refusal *nodeReply
-	for _, a := range answers {
-		switch {
-		case a.status/100 == 2:
-			if a.status == http.StatusNoContent {
-				w.WriteHeader(a.status)
-				return
-			}
-			writeReply(w, a)
-			return
-		case a.status != http.StatusNotFound && refusal == nil:
-			refusal = &a
-		}
-	}
-	if refusal != nil {
+	oks, refusal := splitReplies(answers)
+	switch {
+	case len(oks) > 0 && oks[0].status == http.StatusNoContent:
+		w.WriteHeader(http.StatusNoContent)
+	case len(oks) > 0:
+		writeReply(w, oks[0])
+	case refusal != nil:
 		writeReply(w, *refusal)
-		return
+	default:
+		httperr.Write(w, http.StatusNotFound, fmt.Sprintf("no node has webhook %q", r.PathValue("webhookID")))
 	}
-	httperr.Write(w, http.StatusNotFound, fmt.Sprintf("no node has webhook %q", r.PathValue("webhookID")))
 }
 
 // webhookDeliveries serves GET /events/webhooks/{id}/deliveries: every
@@ -109,27 +96,23 @@ func (g *Gateway) webhookDeliveries(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	var out []apispec.WebhookDelivery
-	found := false
-	for _, a := range answers {
-		switch a.status {
-		case http.StatusOK:
-			var l []apispec.WebhookDelivery
-			if json.Unmarshal(a.body, &l) != nil {
-				httperr.Internal(w, g.log, http.StatusBadGateway, "a node's deliveries could not be read", fmt.Errorf("%s", a.body))
-				return
-			}
-			found = true
-			out = append(out, l...)
-		case http.StatusNotFound:
-		default:
-			writeReply(w, a)
-			return
-		}
+	oks, refusal := splitReplies(answers)
+	if refusal != nil {
+		writeReply(w, *refusal)
+		return
 	}
-	if !found {
+	if len(oks) == 0 {
 		httperr.Write(w, http.StatusNotFound, fmt.Sprintf("no node has webhook %q", r.PathValue("webhookID")))
 		return
+	}
+	var out []apispec.WebhookDelivery
+	for _, a := range oks {
+		var l []apispec.WebhookDelivery
+		if json.Unmarshal(a.body, &l) != nil {
+			httperr.Internal(w, g.log, http.StatusBadGateway, "a node's deliveries could not be read", fmt.Errorf("%s", a.body))
+			return
+		}
+		out = append(out, l...)
 	}
 	slices.SortFunc(out, func(a, b apispec.WebhookDelivery) int { return b.CreatedAt.Compare(a.CreatedAt) })
 	limit := 100

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/errkind"
+	"github.com/agentenv/agentenv/internal/statedb"
 )
 
 const schema = `
@@ -135,19 +136,7 @@ func (s *Store) Get(ctx context.Context, id string) (*Lease, error) {
 // List is every lease, oldest first.
 func (s *Store) List(ctx context.Context) ([]*Lease, error) {
 	rows, err := s.db.QueryContext(ctx, `SELECT id, ttl_ms, expires_at, expired, created_at FROM client_leases ORDER BY created_at, id`)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var out []*Lease
-	for rows.Next() {
-		l, err := scan(rows)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, l)
-	}
-	return out, rows.Err()
+	return statedb.Collect(rows, err, scan)
 }
 
 // Delete forgets a lease.
@@ -168,19 +157,11 @@ func (s *Store) Expire(ctx context.Context) ([]*Lease, error) {
 	now := s.now().UnixMilli()
 	rows, err := s.db.QueryContext(ctx, `UPDATE client_leases SET expired = 1 WHERE expired = 0 AND expires_at <= ?
 		RETURNING id, ttl_ms, expires_at, expired, created_at`, now)
+	out, err := statedb.Collect(rows, err, scan)
 	if err != nil {
 		return nil, fmt.Errorf("expire leases: %w", err)
 	}
-	defer rows.Close()
-	var out []*Lease
-	for rows.Next() {
-		l, err := scan(rows)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, l)
-	}
-	return out, rows.Err()
+	return out, nil
 }
 
 func scan(row interface{ Scan(...any) error }) (*Lease, error) {

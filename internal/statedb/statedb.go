@@ -59,3 +59,21 @@ func Columns(db *sql.DB, table string) (map[string]bool, error) {
 	}
 	return have, rows.Err()
 }
+
+// Collect reads every row of a query (rows, err as QueryContext returns
+// them) with scan, and closes the rows.
+func Collect[T any](rows *sql.Rows, err error, scan func(interface{ Scan(...any) error }) (T, error)) ([]T, error) {
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []T
+	for rows.Next() {
+		v, err := scan(rows)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, v)
+	}
+	return out, rows.Err()
+}

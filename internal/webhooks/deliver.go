@@ -13,6 +13,8 @@ import (
 	"net/http"
 	"sync"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/statedb"
 )
 
 // MaxAttempts is how many times a delivery is tried before it fails.
@@ -116,19 +118,7 @@ func (s *Store) claim(ctx context.Context, limit int) ([]*Delivery, error) {
 	rows, err := s.db.QueryContext(ctx, `UPDATE webhook_deliveries SET next_at = ? WHERE id IN (
 		SELECT id FROM webhook_deliveries WHERE state = ? AND next_at <= ? ORDER BY next_at LIMIT ?)
 		RETURNING `+deliveryColumns, now+claimFor.Milliseconds(), Pending, now, limit)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var out []*Delivery
-	for rows.Next() {
-		d, err := scanDelivery(rows)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, d)
-	}
-	return out, rows.Err()
+	return statedb.Collect(rows, err, scanDelivery)
 }
 
 // try sends one delivery and records how it went.

@@ -27,6 +27,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/events"
+	"github.com/agentenv/agentenv/internal/statedb"
 )
 
 const schema = `
@@ -272,19 +273,7 @@ func (s *Store) Get(ctx context.Context, id string) (*Webhook, error) {
 // List is every webhook, oldest first.
 func (s *Store) List(ctx context.Context) ([]*Webhook, error) {
 	rows, err := s.db.QueryContext(ctx, `SELECT `+webhookColumns+` FROM webhooks ORDER BY created_at, id`)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var out []*Webhook
-	for rows.Next() {
-		w, err := scanWebhook(rows)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, w)
-	}
-	return out, rows.Err()
+	return statedb.Collect(rows, err, scanWebhook)
 }
 
 // Emit records a delivery of ev to every enabled webhook subscribed to
@@ -374,19 +363,7 @@ func (s *Store) Deliveries(ctx context.Context, webhookID string, limit int) ([]
 	}
 	rows, err := s.db.QueryContext(ctx, `SELECT `+deliveryColumns+` FROM webhook_deliveries WHERE webhook_id = ?
 		ORDER BY created_at DESC, id DESC LIMIT ?`, webhookID, limit)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var out []*Delivery
-	for rows.Next() {
-		d, err := scanDelivery(rows)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, d)
-	}
-	return out, rows.Err()
+	return statedb.Collect(rows, err, scanDelivery)
 }
 
 // IDPattern is what a webhook id is.
