@@ -17,6 +17,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/httperr"
 )
 
@@ -204,7 +205,16 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if !route.Running && route.AutoResume {
 		if res, ok := p.resolver.(Resumer); ok {
 			route, err = res.Resume(r.Context(), t.SandboxID)
-			if err != nil {
+			var later interface{ RetryAfterSeconds() int }
+			switch {
+			case errors.Is(err, errkind.ErrCapacity):
+				// The node is at a limit: the client may try again.
+				if errors.As(err, &later) {
+					w.Header().Set("Retry-After", strconv.Itoa(later.RetryAfterSeconds()))
+				}
+				writeError(w, http.StatusTooManyRequests, fmt.Sprintf("sandbox %q is paused and the node cannot resume it now: %v", t.SandboxID, err))
+				return
+			case err != nil:
 				httperr.Internal(w, p.log, http.StatusBadGateway, fmt.Sprintf("sandbox %q is paused and resuming it failed", t.SandboxID), err)
 				return
 			}

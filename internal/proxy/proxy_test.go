@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"github.com/agentenv/agentenv/internal/errkind"
 	"io"
 	"net"
 	"net/http"
@@ -242,6 +243,16 @@ func (r *resumingResolver) Resume(ctx context.Context, id string) (Route, error)
 	return r.route, nil
 }
 
+// retryLater is a capacity refusal that says when to try again (as the
+// node's admission refusals do).
+type retryLater struct{}
+
+func (retryLater) Error() string {
+	return "the node is starting 4 sandboxes, its limit (--max-starting)"
+}
+func (retryLater) Unwrap() error          { return errkind.ErrCapacity }
+func (retryLater) RetryAfterSeconds() int { return 7 }
+
 func TestAutoResumeOnTraffic(t *testing.T) {
 	backend := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.WriteString(w, "ok")
@@ -257,7 +268,8 @@ func TestAutoResumeOnTraffic(t *testing.T) {
 	}{
 		{"paused with autoResume is resumed", true, nil, 200, 1},
 		{"paused without autoResume answers 502", false, nil, 502, 0},
-		{"failed resume answers 502", true, errors.New("no capacity"), 502, 1},
+		{"failed resume answers 502", true, errors.New("disk on fire"), 502, 1},
+		{"a resume the node's limits refuse answers 429", true, retryLater{}, 429, 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			res := &resumingResolver{fail: tc.fail}
@@ -269,6 +281,9 @@ func TestAutoResumeOnTraffic(t *testing.T) {
 			New(res, "", 49983, nil).ServeHTTP(rec, r)
 			if rec.Code != tc.status || res.resumes != tc.wantResumes {
 				t.Fatalf("status %d resumes %d, want %d and %d: %s", rec.Code, res.resumes, tc.status, tc.wantResumes, rec.Body)
+			}
+			if tc.status == 429 && rec.Header().Get("Retry-After") != "7" {
+				t.Fatalf("Retry-After %q", rec.Header().Get("Retry-After"))
 			}
 		})
 	}
