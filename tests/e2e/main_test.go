@@ -205,6 +205,34 @@ func prepareDataDir(testData, dataDir string, codeInterpreter bool) error {
 // template.
 var haveCodeInterpreter bool
 
+// waitCodeInterpreter waits until the server has the code-interpreter
+// template's snapshot (it makes it after it starts: minutes under TCG),
+// so that the SDK suites' creates of it restore instead of waiting longer
+// than the SDKs' request timeout (60 s). It fails when the server says the
+// snapshot could not be made.
+func (s *server) waitCodeInterpreter(t *testing.T) {
+	t.Helper()
+	if !haveCodeInterpreter {
+		return
+	}
+	ready := fmt.Sprintf(`msg="template snapshot ready" template=%s`, codeinterpreter.TemplateName)
+	failed := fmt.Sprintf(`msg="template snapshot" template=%s`, codeinterpreter.TemplateName)
+	start := time.Now()
+	for deadline := start.Add(20 * time.Minute); ; {
+		b, _ := os.ReadFile(s.logPath)
+		switch {
+		case bytes.Contains(b, []byte(ready)):
+			t.Logf("the %s template snapshot was ready after %s more", codeinterpreter.TemplateName, time.Since(start).Round(time.Second))
+			return
+		case bytes.Contains(b, []byte(failed)):
+			t.Fatalf("the server could not make the %s template snapshot:\n%s", codeinterpreter.TemplateName, s.log())
+		case time.Now().After(deadline):
+			t.Fatalf("the %s template snapshot is not ready after 20 minutes:\n%s", codeinterpreter.TemplateName, s.log())
+		}
+		time.Sleep(2 * time.Second)
+	}
+}
+
 func (s *server) log() string {
 	b, _ := os.ReadFile(s.logPath)
 	if len(b) > 8000 {

@@ -26,6 +26,7 @@ func TestOfficialPythonSDK(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	s.waitCodeInterpreter(t) // before the suite's own time starts
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
 	start := time.Now()

@@ -105,7 +105,12 @@ func TestOfficialJSSDK(t *testing.T) {
 	}
 	for _, f := range files {
 		name := strings.TrimSuffix(filepath.Base(f), ".test.cjs")
-		t.Run(name, func(t *testing.T) { runSDKFile(t, node, sdkDir, f, s.url, s.log) })
+		t.Run(name, func(t *testing.T) {
+			if name == "code_interpreter" {
+				s.waitCodeInterpreter(t)
+			}
+			runSDKFile(t, node, sdkDir, f, s.url, s.log)
+		})
 	}
 }
 
