@@ -192,8 +192,11 @@ func (n *Node) prepareTemplateSnapshots() {
 	}
 }
 
-// readyTimeout bounds how long a template's ready command may keep failing.
-const readyTimeout = 5 * time.Minute
+// readyTimeout bounds how long a template's ready command may keep
+// failing. The code-interpreter template's (Jupyter's kernel with numpy,
+// pandas and matplotlib imported) took more than 5 minutes under TCG on a
+// busy 2-core host.
+const readyTimeout = 15 * time.Minute
 
 // startAndWaitReady starts a template's start command in the background of
 // its boot sandbox and polls its ready command until it exits 0.
