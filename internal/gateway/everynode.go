@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"sync"
@@ -77,4 +78,35 @@ func (g *Gateway) passToEveryNode(w http.ResponseWriter, r *http.Request) ([]nod
 		return nil, false
 	}
 	return g.toEveryNode(w, r, body)
+}
+
+// holders are the successes of the nodes that have what a request named;
+// false: an answer was written (a node's refusal, or notFound as a 404
+// when no node has it).
+func holders(w http.ResponseWriter, replies []nodeReply, notFound string) ([]nodeReply, bool) {
+	oks, refusal := splitReplies(replies)
+	if refusal != nil {
+		writeReply(w, *refusal)
+		return nil, false
+	}
+	if len(oks) == 0 {
+		httperr.Write(w, http.StatusNotFound, notFound)
+		return nil, false
+	}
+	return oks, true
+}
+
+// decodeReplies reads each reply's body as a T; false: one could not be
+// read (a 502 saying what was written).
+func decodeReplies[T any](g *Gateway, w http.ResponseWriter, replies []nodeReply, what string) ([]T, bool) {
+	out := make([]T, 0, len(replies))
+	for _, a := range replies {
+		var v T
+		if json.Unmarshal(a.body, &v) != nil {
+			httperr.Internal(w, g.log, http.StatusBadGateway, what+" could not be read", fmt.Errorf("%s", a.body))
+			return nil, false
+		}
+		out = append(out, v)
+	}
+	return out, true
 }

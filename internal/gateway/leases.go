@@ -74,14 +74,9 @@ func (g *Gateway) leaseOnNodes(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	oks, refusal := splitReplies(answers)
-	var views []apispec.Lease
-	for _, a := range oks {
-		var l apispec.Lease
-		if json.Unmarshal(a.body, &l) != nil {
-			httperr.Internal(w, g.log, http.StatusBadGateway, "a node's lease could not be read", fmt.Errorf("%s", a.body))
-			return
-		}
-		views = append(views, l)
+	views, ok := decodeReplies[apispec.Lease](g, w, oks, "a node's lease")
+	if !ok {
+		return
 	}
 	switch {
 	case len(views) > 0:
@@ -100,23 +95,18 @@ func (g *Gateway) deleteLease(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	oks, refusal := splitReplies(answers)
-	if refusal != nil {
-		writeReply(w, *refusal) // a sandbox it binds could not be killed there
+	// A refusal: a sandbox it binds could not be killed there.
+	oks, ok := holders(w, answers, fmt.Sprintf("no node has lease %q", r.PathValue("leaseID")))
+	if !ok {
 		return
 	}
-	if len(oks) == 0 {
-		httperr.Write(w, http.StatusNotFound, fmt.Sprintf("no node has lease %q", r.PathValue("leaseID")))
+	ended, ok := decodeReplies[struct{ Killed []string }](g, w, oks, "a node's answer")
+	if !ok {
 		return
 	}
 	killed := []string{}
-	for _, a := range oks {
-		var out struct{ Killed []string }
-		if json.Unmarshal(a.body, &out) != nil {
-			httperr.Internal(w, g.log, http.StatusBadGateway, "a node's answer could not be read", fmt.Errorf("%s", a.body))
-			return
-		}
-		killed = append(killed, out.Killed...)
+	for _, e := range ended {
+		killed = append(killed, e.Killed...)
 	}
 	slices.Sort(killed)
 	writeJSONBody(w, http.StatusOK, map[string]any{"leaseID": r.PathValue("leaseID"), "killed": killed})

@@ -96,22 +96,16 @@ func (g *Gateway) webhookDeliveries(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	oks, refusal := splitReplies(answers)
-	if refusal != nil {
-		writeReply(w, *refusal)
+	oks, ok := holders(w, answers, fmt.Sprintf("no node has webhook %q", r.PathValue("webhookID")))
+	if !ok {
 		return
 	}
-	if len(oks) == 0 {
-		httperr.Write(w, http.StatusNotFound, fmt.Sprintf("no node has webhook %q", r.PathValue("webhookID")))
+	lists, ok := decodeReplies[[]apispec.WebhookDelivery](g, w, oks, "a node's deliveries")
+	if !ok {
 		return
 	}
 	var out []apispec.WebhookDelivery
-	for _, a := range oks {
-		var l []apispec.WebhookDelivery
-		if json.Unmarshal(a.body, &l) != nil {
-			httperr.Internal(w, g.log, http.StatusBadGateway, "a node's deliveries could not be read", fmt.Errorf("%s", a.body))
-			return
-		}
+	for _, l := range lists {
 		out = append(out, l...)
 	}
 	slices.SortFunc(out, func(a, b apispec.WebhookDelivery) int { return b.CreatedAt.Compare(a.CreatedAt) })
