@@ -32,6 +32,9 @@ const (
 	readChunk               = 32 << 10
 	subscriberBuffer        = 256
 	outputDrainAfterExitFor = 250 * time.Millisecond
+	// maxDrainReads bounds the reads of output already buffered once the
+	// drain's deadline has passed (a pipe holds 64 KiB, a pty less).
+	maxDrainReads = 64
 	// inputWriteTimeout bounds how long SendInput waits for a process that
 	// does not read its input.
 	inputWriteTimeout = 30 * time.Second
@@ -420,31 +423,70 @@ func (m *processManager) start(req *processpb.StartRequest, u *sysUser) (*proc, 
 
 // pump forwards one output stream as data events. After the process has
 // exited it keeps draining while data keeps coming, then stops even if a
-// leftover child still holds the write end.
+// leftover child still holds the write end. What is already in the pipe
+// when the drain's deadline passes is still read: a pump that comes back
+// to its pipe late (a slow subscriber, a loaded guest) loses nothing the
+// process wrote.
 func (p *proc) pump(r *os.File, kind int) {
 	buf := make([]byte, readChunk)
 	for {
 		n, err := r.Read(buf)
 		if n > 0 {
-			chunk := append([]byte(nil), buf[:n]...)
-			data := &processpb.ProcessEvent_DataEvent{}
-			switch {
-			case p.ptmx != nil:
-				data.Output = &processpb.ProcessEvent_DataEvent_Pty{Pty: chunk}
-			case kind == 1:
-				data.Output = &processpb.ProcessEvent_DataEvent_Stderr{Stderr: chunk}
-			default:
-				data.Output = &processpb.ProcessEvent_DataEvent_Stdout{Stdout: chunk}
-			}
-			p.broadcast(&processpb.ProcessEvent{Event: &processpb.ProcessEvent_Data{Data: data}})
+			p.emit(buf[:n], kind)
 			if p.exited.Load() {
 				_ = r.SetReadDeadline(time.Now().Add(outputDrainAfterExitFor))
 			}
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			p.drainBuffered(r, buf, kind)
+			return
 		}
 		if err != nil {
 			return
 		}
 	}
+}
+
+// drainBuffered forwards what r holds now, without waiting for more, up to
+// a bound (a leftover child writing without pause cannot keep it going).
+func (p *proc) drainBuffered(r *os.File, buf []byte, kind int) {
+	// A passed deadline fails every read before it is tried; with none,
+	// the read below still never waits.
+	if r.SetReadDeadline(time.Time{}) != nil {
+		return
+	}
+	rc, err := r.SyscallConn()
+	if err != nil {
+		return
+	}
+	for range maxDrainReads {
+		var n int
+		var rerr error
+		// The function reports done after one attempt: RawConn.Read does
+		// not wait for readiness, so an empty pipe answers EAGAIN.
+		if err := rc.Read(func(fd uintptr) bool {
+			n, rerr = syscall.Read(int(fd), buf)
+			return true
+		}); err != nil || rerr != nil || n <= 0 {
+			return
+		}
+		p.emit(buf[:n], kind)
+	}
+}
+
+// emit broadcasts one chunk of output (copied) as a data event.
+func (p *proc) emit(b []byte, kind int) {
+	chunk := append([]byte(nil), b...)
+	data := &processpb.ProcessEvent_DataEvent{}
+	switch {
+	case p.ptmx != nil:
+		data.Output = &processpb.ProcessEvent_DataEvent_Pty{Pty: chunk}
+	case kind == 1:
+		data.Output = &processpb.ProcessEvent_DataEvent_Stderr{Stderr: chunk}
+	default:
+		data.Output = &processpb.ProcessEvent_DataEvent_Stdout{Stdout: chunk}
+	}
+	p.broadcast(&processpb.ProcessEvent{Event: &processpb.ProcessEvent_Data{Data: data}})
 }
 
 func hasEnv(env []string, key string) bool {
