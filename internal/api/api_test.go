@@ -326,6 +326,18 @@ func TestGetDetailFields(t *testing.T) {
 	if rec := a.do("GET", "/sandboxes/"+sb["sandboxID"].(string)+"-aenv", ""); rec.Code != 200 {
 		t.Fatalf("id with client suffix: %d", rec.Code)
 	}
+	// A malformed suffix is not stripped and acted on (schemathesis, given
+	// a real id, snapshotted the sandbox through "<id>-<junk>").
+	for _, bad := range []string{"-", "-AENV", "-a-b", "-a%20b", "-%C3%A9", "-"} {
+		for _, req := range [][2]string{{"GET", ""}, {"POST", "/snapshots"}, {"POST", "/pause"}, {"DELETE", ""}} {
+			if rec := a.do(req[0], "/sandboxes/"+sb["sandboxID"].(string)+bad+req[1], ""); rec.Code != 400 {
+				t.Errorf("%s /sandboxes/<id>%s%s: %d %s", req[0], bad, req[1], rec.Code, rec.Body)
+			}
+		}
+	}
+	if rec := a.do("GET", "/sandboxes/"+sb["sandboxID"].(string), ""); rec.Code != 200 || !strings.Contains(rec.Body.String(), `"running"`) {
+		t.Fatalf("after the refused requests: %d %s", rec.Code, rec.Body)
+	}
 }
 
 func TestTimeoutsAndRefreshes(t *testing.T) {

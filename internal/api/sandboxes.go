@@ -26,9 +26,11 @@ import (
 )
 
 var (
-	sandboxIDPattern  = regexp.MustCompile(`^[a-z0-9]{1,64}$`)
-	templateIDPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._:/-]*$`)
-	envNamePattern    = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
+	sandboxIDPattern = regexp.MustCompile(`^[a-z0-9]{1,64}$`)
+	// sandboxPathPattern is a sandbox id in a path, as the document has it.
+	sandboxPathPattern = regexp.MustCompile(`^[a-z0-9]{1,64}(-[a-z0-9]+)?$`)
+	templateIDPattern  = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._:/-]*$`)
+	envNamePattern     = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
 )
 
 // Limits on user-supplied maps.
@@ -457,15 +459,14 @@ func (s *Server) volumeMounts(ctx context.Context, mounts []volumeMountJSON) ([]
 
 // sandboxID is the sandbox a path names (400 when it cannot be one).
 func (s *Server) sandboxID(w http.ResponseWriter, raw apispec.SandboxID) (string, bool) {
-	id := raw
-	// The SDKs may send "<sandboxID>-<clientID>"; the sandbox id is the first part.
-	if i := strings.IndexByte(id, '-'); i > 0 {
-		id = id[:i]
-	}
-	if !sandboxIDPattern.MatchString(id) {
-		writeError(w, http.StatusBadRequest, fmt.Sprintf("invalid sandbox id %q", raw))
+	// The SDKs may send "<sandboxID>-<clientID>"; the sandbox id is the
+	// first part. The whole is checked: a malformed suffix is no sandbox
+	// id, not one to strip and act on.
+	if !sandboxPathPattern.MatchString(raw) {
+		writeError(w, http.StatusBadRequest, fmt.Sprintf("invalid sandbox id %q: want 1-64 of [a-z0-9], optionally \"-<clientID>\" of [a-z0-9]", raw))
 		return "", false
 	}
+	id, _, _ := strings.Cut(raw, "-")
 	return id, true
 }
 
