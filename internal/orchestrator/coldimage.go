@@ -3,6 +3,7 @@ package orchestrator
 import (
 	"context"
 	"fmt"
+	"os"
 	"strings"
 	"sync"
 
@@ -28,7 +29,7 @@ func ParseImageRef(ref string) (image.Source, error) {
 		if dir == "" {
 			return image.Source{}, fmt.Errorf("%w: oci-layout: needs a directory", ErrInvalid)
 		}
-		return image.Source{Layout: dir}, nil
+		return layoutSource(dir), nil
 	case strings.HasPrefix(ref, "docker-archive:"):
 		file := strings.TrimPrefix(ref, "docker-archive:")
 		if file == "" {
@@ -39,6 +40,18 @@ func ParseImageRef(ref string) (image.Source, error) {
 		return image.Source{}, fmt.Errorf("%w: image %q is not an image reference", ErrInvalid, ref)
 	}
 	return image.Source{Ref: ref}, nil
+}
+
+// layoutSource reads DIR[:TAG]: a path that exists is the directory
+// whatever it holds; otherwise what follows the last colon is the tag.
+func layoutSource(ref string) image.Source {
+	if _, err := os.Stat(ref); err == nil {
+		return image.Source{Layout: ref}
+	}
+	if i := strings.LastIndexByte(ref, ':'); i > 0 && i < len(ref)-1 && !strings.Contains(ref[i+1:], "/") {
+		return image.Source{Layout: ref[:i], Tag: ref[i+1:]}
+	}
+	return image.Source{Layout: ref}
 }
 
 // imageDiskMiB is the size of the root filesystem of images' sandboxes.

@@ -5,14 +5,17 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
@@ -109,9 +112,32 @@ func TestSandboxFromImage(t *testing.T) {
 	if out, _ := cold(a); out != "a\nhello from an OCI layer\nfrom-the-image x\n1000\n" {
 		t.Fatalf("sandbox from image a again: %q", out)
 	}
-	for _, bad := range []string{"", "docker-archive:", "oci-layout:", "has spaces in it", "docker-archive:" + filepath.Join(dir, "missing.tar")} {
-		if _, err := n.CreateFromImage(ctx, bad, CreateRequest{}); !errors.Is(err, ErrInvalid) {
-			t.Errorf("image %q: %v", bad, err)
+	// An image without a shell cannot run a sandbox's commands.
+	noShell := filepath.Join(dir, "noshell.tar")
+	if err := tarball.WriteToFile(noShell, name.MustParseReference("test/noshell:1"), withLayer(t, empty.Image, "data/only", "x\n")); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		ref  string
+		want error
+	}{
+		{"", ErrInvalid}, {"docker-archive:", ErrInvalid}, {"oci-layout:", ErrInvalid}, {"has spaces in it", ErrInvalid},
+		{"docker-archive:" + noShell, ErrInvalid},
+		{"docker-archive:" + filepath.Join(dir, "missing.tar"), ErrNotFound},
+		{"oci-layout:" + filepath.Join(dir, "missing") + ":v1", ErrNotFound},
+	} {
+		_, err := n.CreateFromImage(ctx, tc.ref, CreateRequest{})
+		if !errors.Is(err, tc.want) {
+			t.Errorf("image %q: %v, want %v", tc.ref, err, tc.want)
 		}
+		t.Logf("image %q: %v", tc.ref, err)
+	}
+	if !strings.Contains(fmt.Sprint(n.CreateFromImage(ctx, "docker-archive:"+noShell, CreateRequest{})), "/bin/sh") {
+		t.Error("the refusal of an image without a shell does not say why")
+	}
+	var cached int
+	n.db.QueryRowContext(ctx, `SELECT count(*) FROM image_cache WHERE source = ?`, "docker-archive:"+noShell).Scan(&cached)
+	if cached != 0 {
+		t.Error("a refused image is in the image cache")
 	}
 }

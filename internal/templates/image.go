@@ -69,6 +69,9 @@ func (c *Catalog) imageLayers(ctx context.Context, src image.Source, sizeMiB int
 		Finish: e2bConventions, FinishID: finishLayerID,
 	})
 	if err != nil {
+		if errors.Is(err, image.ErrNotFound) {
+			return nil, fmt.Errorf("%w: %v", errkind.ErrNotFound, err)
+		}
 		if errors.Is(err, image.ErrImage) {
 			return nil, fmt.Errorf("%w: %v", errkind.ErrInvalid, err)
 		}
@@ -122,6 +125,10 @@ func layerID(path string) string { return strings.TrimSuffix(filepath.Base(path)
 // that E2B sandboxes run commands as, unless the image has it. Files of the
 // image are read and replaced only through paths resolved inside it.
 func e2bConventions(root string) error {
+	// Commands, the SDKs' and envd's own, run through /bin/sh.
+	if err := hasShell(root); err != nil {
+		return err
+	}
 	passwd, err := image.ReadFileInRoot(root, "etc/passwd")
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return err
@@ -158,6 +165,24 @@ func e2bConventions(root string) error {
 		return err
 	}
 	return image.ApplyTar(root, &buf)
+}
+
+// hasShell tells whether the tree at root has an executable /bin/sh
+// (resolved inside root, as busybox's and Debian's symlinks are).
+func hasShell(root string) error {
+	f, err := image.OpenInRoot(root, "bin/sh")
+	if err != nil {
+		return fmt.Errorf("%w: the image has no /bin/sh: a sandbox runs its commands with it", image.ErrImage)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return err
+	}
+	if !st.Mode().IsRegular() || st.Mode().Perm()&0o111 == 0 {
+		return fmt.Errorf("%w: the image's /bin/sh is not an executable file: a sandbox runs its commands with it", image.ErrImage)
+	}
+	return nil
 }
 
 func hasEntry(db []byte, name string) bool {

@@ -224,6 +224,17 @@ func ApplyTar(root string, r io.Reader) error { return applyLayer(root, r) }
 // ReadFileInRoot reads a file of the tree at root, resolving its path (and
 // any symlinks on the way) inside root.
 func ReadFileInRoot(root, name string) ([]byte, error) {
+	f, err := OpenInRoot(root, name)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return io.ReadAll(io.LimitReader(f, 16<<20))
+}
+
+// OpenInRoot opens a file of the tree at root for reading, resolving its
+// path (and any symlinks on the way) inside root.
+func OpenInRoot(root, name string) (*os.File, error) {
 	rootFD, err := unix.Open(root, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, err
@@ -236,7 +247,5 @@ func ReadFileInRoot(root, name string) ([]byte, error) {
 	if err != nil {
 		return nil, &os.PathError{Op: "open", Path: name, Err: err}
 	}
-	f := os.NewFile(uintptr(fd), name)
-	defer f.Close()
-	return io.ReadAll(io.LimitReader(f, 16<<20))
+	return os.NewFile(uintptr(fd), name), nil
 }

@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -25,6 +26,7 @@ import (
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/layout"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"github.com/google/go-containerregistry/pkg/v1/remote/transport"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
 	"golang.org/x/sys/unix"
@@ -32,15 +34,18 @@ import (
 	"github.com/agentenv/agentenv/internal/storage"
 )
 
-// Source names an image: exactly one field is set.
+// Source names an image: exactly one of Layout, Archive and Ref is set.
 type Source struct {
 	Layout  string // an OCI image layout directory
+	Tag     string // with Layout: the image's ref.name annotation (default: the only image)
 	Archive string // a `docker save` tarball
 	Ref     string // a registry reference (credentials from the docker config)
 }
 
 func (s Source) String() string {
 	switch {
+	case s.Layout != "" && s.Tag != "":
+		return "oci-layout:" + s.Layout + ":" + s.Tag
 	case s.Layout != "":
 		return "oci-layout:" + s.Layout
 	case s.Archive != "":
@@ -85,12 +90,27 @@ type Result struct {
 	Cmd        []string
 }
 
-// ErrImage marks a source that cannot be read as an image.
+// ErrImage marks a source that cannot be read as an image, or an image
+// whose filesystem cannot hold a sandbox.
 var ErrImage = errors.New("cannot read image")
 
+// ErrNotFound marks an image that is not there: no such file or directory,
+// or a registry that does not know the repository or the tag.
+var ErrNotFound = errors.New("image not found")
+
+// refNameAnnotation names an image of an OCI layout's index (its tag).
+const refNameAnnotation = "org.opencontainers.image.ref.name"
+
 func load(ctx context.Context, src Source) (v1.Image, error) {
+	missing := func(path string) bool {
+		_, err := os.Stat(path)
+		return errors.Is(err, os.ErrNotExist)
+	}
 	switch {
 	case src.Layout != "":
+		if missing(src.Layout) {
+			return nil, fmt.Errorf("%w: %s: no such OCI layout directory", ErrNotFound, src)
+		}
 		idx, err := layout.ImageIndexFromPath(src.Layout)
 		if err != nil {
 			return nil, fmt.Errorf("%w: OCI layout %s: %v", ErrImage, src.Layout, err)
@@ -106,14 +126,23 @@ func load(ctx context.Context, src Source) (v1.Image, error) {
 			if d.MediaType.IsIndex() {
 				continue
 			}
+			if src.Tag != "" && d.Annotations[refNameAnnotation] != src.Tag {
+				continue
+			}
 			img, err := idx.Image(d.Digest)
 			if err != nil {
 				return nil, fmt.Errorf("%w: OCI layout %s: %v", ErrImage, src.Layout, err)
 			}
 			return img, nil
 		}
+		if src.Tag != "" {
+			return nil, fmt.Errorf("%w: %s: the OCI layout has no linux/amd64 image tagged %q", ErrNotFound, src, src.Tag)
+		}
 		return nil, fmt.Errorf("%w: OCI layout %s has no linux/amd64 image", ErrImage, src.Layout)
 	case src.Archive != "":
+		if missing(src.Archive) {
+			return nil, fmt.Errorf("%w: %s: no such archive", ErrNotFound, src)
+		}
 		img, err := tarball.ImageFromPath(src.Archive, nil)
 		if err != nil {
 			return nil, fmt.Errorf("%w: archive %s: %v", ErrImage, src.Archive, err)
@@ -126,12 +155,33 @@ func load(ctx context.Context, src Source) (v1.Image, error) {
 		}
 		img, err := remote.Image(ref, remote.WithContext(ctx), remote.WithAuthFromKeychain(authn.DefaultKeychain),
 			remote.WithPlatform(v1.Platform{OS: "linux", Architecture: "amd64"}))
+		if registryNotFound(err) {
+			return nil, fmt.Errorf("%w: pull %s: the registry has no such image: %v", ErrNotFound, src.Ref, err)
+		}
 		if err != nil {
 			return nil, fmt.Errorf("%w: pull %s: %v", ErrImage, src.Ref, err)
 		}
 		return img, nil
 	}
 	return nil, fmt.Errorf("%w: no source given", ErrImage)
+}
+
+// registryNotFound tells whether a registry's answer means the repository
+// or the manifest does not exist.
+func registryNotFound(err error) bool {
+	var terr *transport.Error
+	if !errors.As(err, &terr) {
+		return false
+	}
+	if terr.StatusCode == http.StatusNotFound {
+		return true
+	}
+	for _, d := range terr.Errors {
+		if d.Code == transport.ManifestUnknownErrorCode || d.Code == transport.NameUnknownErrorCode {
+			return true
+		}
+	}
+	return false
 }
 
 // Import builds (or reuses) the disk layers of an image.

@@ -218,19 +218,33 @@ func TestImportBadSources(t *testing.T) {
 	blob := filepath.Join(dir, "blobs", "sha256", dg.Hex)
 	os.Chmod(blob, 0o600)
 	os.WriteFile(blob, []byte("garbage"), 0o600)
+	// A layout whose one image is tagged v1.
+	tagged := t.TempDir()
+	tp, _ := layout.Write(tagged, empty.Index)
+	tp.AppendImage(img, layout.WithAnnotations(map[string]string{refNameAnnotation: "v1"}))
 	for _, tc := range []struct {
 		name string
 		src  Source
+		want error
 	}{
-		{"missing layout", Source{Layout: "/nonexistent"}},
-		{"not a tarball", Source{Archive: bad}},
-		{"nothing", Source{}},
-		{"corrupt layer", Source{Layout: dir}},
-		{"unreachable registry", Source{Ref: "127.0.0.1:1/none/such:latest"}},
+		{"missing layout", Source{Layout: "/nonexistent"}, ErrNotFound},
+		{"missing archive", Source{Archive: filepath.Join(t.TempDir(), "none.tar")}, ErrNotFound},
+		{"unknown tag in a layout", Source{Layout: tagged, Tag: "v2"}, ErrNotFound},
+		{"not a tarball", Source{Archive: bad}, ErrImage},
+		{"nothing", Source{}, ErrImage},
+		{"corrupt layer", Source{Layout: dir}, nil},
+		{"unreachable registry", Source{Ref: "127.0.0.1:1/none/such:latest"}, ErrImage},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if _, err := Import(ctx, tc.src, Options{LayersDir: layers, SizeMiB: 32}); err == nil {
+			_, err := Import(ctx, tc.src, Options{LayersDir: layers, SizeMiB: 32})
+			if err == nil {
 				t.Fatal("imported")
+			}
+			if tc.want != nil && !errors.Is(err, tc.want) {
+				t.Fatalf("%v, want %v", err, tc.want)
+			}
+			if tc.want == ErrImage && errors.Is(err, ErrNotFound) {
+				t.Fatalf("%v: a source that is there but unreadable is not a missing one", err)
 			}
 		})
 	}
@@ -239,5 +253,9 @@ func TestImportBadSources(t *testing.T) {
 		if strings.HasSuffix(e.Name(), ".qcow2") || strings.HasPrefix(e.Name(), ".build-") {
 			t.Errorf("left behind: %s", e.Name())
 		}
+	}
+	// The tag picks the image.
+	if _, err := Import(ctx, Source{Layout: tagged, Tag: "v1"}, Options{LayersDir: layers, SizeMiB: 32}); err != nil {
+		t.Fatalf("tagged image: %v", err)
 	}
 }

@@ -67,7 +67,8 @@ func dockerConfig(t *testing.T, host, user, password string) {
 // TestImportFromRegistry pulls an image from a registry on loopback that
 // needs credentials, taken from the usual docker config; a registry that
 // refuses (no or wrong credentials, unknown tag) fails the import with
-// ErrImage and leaves no layer behind.
+// ErrImage (ErrNotFound for an image the registry does not have) and
+// leaves no layer behind.
 func TestImportFromRegistry(t *testing.T) {
 	needRoot(t)
 	ctx := context.Background()
@@ -82,16 +83,18 @@ func TestImportFromRegistry(t *testing.T) {
 
 	for _, tc := range []struct {
 		name, user, password, ref string
+		want                      error
 	}{
-		{"no credentials", "", "", host + "/team/app:v1"},
-		{"wrong password", "agent", "guess", host + "/team/app:v1"},
-		{"unknown tag", "agent", "s3cret", host + "/team/app:v2"},
+		{"no credentials", "", "", host + "/team/app:v1", ErrImage},
+		{"wrong password", "agent", "guess", host + "/team/app:v1", ErrImage},
+		{"unknown tag", "agent", "s3cret", host + "/team/app:v2", ErrNotFound},
+		{"unknown repository", "agent", "s3cret", host + "/team/none:v1", ErrNotFound},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dockerConfig(t, host, tc.user, tc.password)
 			_, err := Import(ctx, Source{Ref: tc.ref}, Options{LayersDir: layers, SizeMiB: 32})
-			if !errors.Is(err, ErrImage) {
-				t.Fatalf("import: %v", err)
+			if !errors.Is(err, tc.want) {
+				t.Fatalf("import: %v, want %v", err, tc.want)
 			}
 			t.Logf("refused: %v", err)
 			ents, _ := os.ReadDir(layers)
