@@ -27,6 +27,7 @@ type memoryCollector struct {
 
 	sandboxes, hostTotal, hostAvail         *prometheus.Desc
 	guest, rss, pss, anon, sumPSS, sumGuest *prometheus.Desc
+	cpu                                     *prometheus.Desc
 }
 
 func newMemoryCollector(node memorySource) *memoryCollector {
@@ -42,11 +43,12 @@ func newMemoryCollector(node memorySource) *memoryCollector {
 		rss:       prometheus.NewDesc("aenv_sandbox_memory_rss_bytes", "Resident memory of a sandbox's QEMU process.", sb, nil),
 		pss:       prometheus.NewDesc("aenv_sandbox_memory_pss_bytes", "Proportional memory of a sandbox's QEMU process (shared pages split among their users).", sb, nil),
 		anon:      prometheus.NewDesc("aenv_sandbox_memory_anon_bytes", "Private anonymous memory of a sandbox's QEMU process.", sb, nil),
+		cpu:       prometheus.NewDesc("aenv_sandbox_cpu_seconds_total", "CPU time (user and system) a sandbox's QEMU process has used.", sb, nil),
 	}
 }
 
 func (c *memoryCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.sandboxes, c.hostTotal, c.hostAvail, c.guest, c.rss, c.pss, c.anon, c.sumPSS, c.sumGuest} {
+	for _, d := range []*prometheus.Desc{c.sandboxes, c.hostTotal, c.hostAvail, c.guest, c.rss, c.pss, c.anon, c.sumPSS, c.sumGuest, c.cpu} {
 		ch <- d
 	}
 }
@@ -73,6 +75,7 @@ func (c *memoryCollector) Collect(ch chan<- prometheus.Metric) {
 		gauge(c.rss, s.RSSBytes, s.ID, s.TemplateID)
 		gauge(c.pss, s.PSSBytes, s.ID, s.TemplateID)
 		gauge(c.anon, s.AnonBytes, s.ID, s.TemplateID)
+		ch <- prometheus.MustNewConstMetric(c.cpu, prometheus.CounterValue, s.CPUSeconds, s.ID, s.TemplateID)
 		pss += s.PSSBytes
 		guest += s.GuestBytes
 	}

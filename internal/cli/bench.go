@@ -62,7 +62,7 @@ is also shown as a multiple of it. Sandboxes it creates are killed at the end.`,
 	conn.flags(cmd)
 	cmd.Flags().StringVar(&template, "template", "base", "template to create sandboxes from")
 	cmd.Flags().IntVarP(&n, "count", "n", 10, "runs of each operation")
-	cmd.AddCommand(rolloutCmd())
+	cmd.AddCommand(rolloutCmd(), idleCmd())
 	return cmd
 }
 

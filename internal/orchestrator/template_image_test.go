@@ -23,7 +23,7 @@ import (
 
 // busyboxImage is a two-layer image: a static busybox with its applets, and
 // a layer with data; its config sets an env var.
-func busyboxImage(t *testing.T) v1.Image {
+func busyboxImage(t testing.TB) v1.Image {
 	t.Helper()
 	bb, err := os.ReadFile("/bin/busybox")
 	if err != nil {

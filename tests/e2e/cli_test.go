@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -514,4 +515,45 @@ func TestCLIBenchRollout(t *testing.T) {
 		}
 	}
 	t.Logf("\n%s", out)
+}
+
+// TestCLIBenchIdle: `aenv bench idle` starts idle sandboxes, reads each
+// one's memory (PSS) and CPU from the node's /metrics and prints them
+// with how many the host holds; the sandboxes are gone afterwards.
+func TestCLIBenchIdle(t *testing.T) {
+	s := needServer(t)
+	home := t.TempDir()
+	if r := aenvCLI(t, s, home, apiKey+"\n", "auth", "login", "--url", s.url); r.code != 0 {
+		t.Fatalf("login: %+v", r)
+	}
+	running := func() int {
+		t.Helper()
+		var list []map[string]any
+		if err := s.rest(context.Background(), "GET", "/v2/sandboxes?state=running,paused", nil, &list); err != nil {
+			t.Fatal(err)
+		}
+		return len(list)
+	}
+	before := running()
+	out := mustCLI(t, s, home, "bench", "idle", "--template", "minimal", "--sandboxes", "2", "--settle", "2s", "--window", "3s")
+	t.Logf("\n%s", out)
+	var row []string
+	for _, line := range strings.Split(out, "\n") {
+		if strings.HasPrefix(line, "sandboxes (minimal)") {
+			row = strings.Fields(strings.TrimPrefix(line, "sandboxes (minimal)"))
+		}
+	}
+	// N, PSS median / max MiB, CPU median / max, holds by memory, by CPU.
+	if len(row) != 10 || row[0] != "2" {
+		t.Fatalf("no sandboxes row of 2 in:\n%s", out)
+	}
+	if pss, err := strconv.ParseFloat(row[1], 64); err != nil || pss < 1 || pss > 1024 {
+		t.Errorf("PSS each %q MiB", row[1])
+	}
+	if holds, err := strconv.Atoi(row[8]); err != nil || holds < 2 {
+		t.Errorf("the host holds %q by memory", row[8])
+	}
+	if after := running(); after != before {
+		t.Errorf("sandboxes before %d, after %d", before, after)
+	}
 }

@@ -1,0 +1,257 @@
+package orchestrator
+
+import (
+	"archive/tar"
+	"bytes"
+	"compress/gzip"
+	"context"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
+)
+
+// BenchmarkSandboxFromImage: time to the first command of a sandbox
+// straight from an image (POST /sandboxes-cold's path), for an image of
+// about 500 MB the node has never seen: the base template's Debian root
+// filesystem and a layer of 200 MB of files, under a layer of its own at
+// the bottom so every layer is new to the node (each iteration's image is
+// another; the layer store's bound of 1 MiB evicts the one before). The
+// baseline in the same run: a second sandbox of each image, its layers
+// already converted. Run with -benchtime=Nx.
+func BenchmarkSandboxFromImage(b *testing.B) {
+	n := testNode(b, func(c *Config) { c.LayerStoreMiB = 1 })
+	dir := b.TempDir()
+	rootTar := filepath.Join(dir, "root.tar")
+	baseRootTar(b, n, rootTar)
+	filesTar := filepath.Join(dir, "files.tar")
+	randomFilesTar(b, filesTar, 200, 1<<20, 1)
+	rootLayer := fileLayer(b, rootTar)
+	filesLayer := fileLayer(b, filesTar)
+	var imageBytes int64
+	for _, p := range []string{rootTar, filesTar} {
+		st, _ := os.Stat(p)
+		imageBytes += st.Size()
+	}
+
+	var first, second, convert []time.Duration
+	for i := 0; i < b.N; i++ {
+		b.StopTimer()
+		archive := filepath.Join(dir, fmt.Sprintf("image-%d.tar", i))
+		marker := fmt.Sprintf("image %d of %d\n", i, time.Now().UnixNano())
+		img, err := mutate.AppendLayers(empty.Image, tarLayer(b, map[string]string{"aenv-bench-id": marker}), rootLayer, filesLayer)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := tarball.WriteToFile(archive, benchRef(b, fmt.Sprintf("bench/image:%d", i)), img); err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
+		took, boot := imageSandboxUntilCommand(b, n, "docker-archive:"+archive, "cat /aenv-bench-id", marker)
+		first = append(first, took)
+		convert = append(convert, took-boot)
+		took, _ = imageSandboxUntilCommand(b, n, "docker-archive:"+archive, "cat /aenv-bench-id", marker)
+		second = append(second, took)
+		b.StopTimer()
+		os.Remove(archive)
+		b.StartTimer()
+	}
+	fmt.Fprintf(os.Stderr, "sandbox from a never-seen image of %d MB (uncompressed), until its first command: n=%d p50 %s p90 %s (converting its layers: p50 %s)\n"+
+		"baseline, a second sandbox of the same image (layers converted): n=%d p50 %s p90 %s\n",
+		imageBytes>>20, len(first), percentile(first, 50).Round(time.Millisecond), percentile(first, 90).Round(time.Millisecond),
+		percentile(convert, 50).Round(time.Millisecond),
+		len(second), percentile(second, 50).Round(time.Millisecond), percentile(second, 90).Round(time.Millisecond))
+	reportPercentiles(b, first)
+}
+
+// BenchmarkImageChurn: b.N distinct images (a shared busybox layer and 4
+// MiB of files of each image's own) through a layer store bounded to a
+// quarter of their sum, one sandbox each until its first command, as a
+// trainer walking through its tasks' images: the least recently used
+// images are evicted as it goes, and no create fails. Baseline in the same
+// run: a sandbox of an image whose layers are converted. Run with
+// -benchtime=50x.
+func BenchmarkImageChurn(b *testing.B) {
+	const ownMiB = 4
+	limit := max(8, b.N*ownMiB/4)
+	n := testNode(b, func(c *Config) { c.LayerStoreMiB = limit })
+	ctx := context.Background()
+	dir := b.TempDir()
+	base := busyboxImage(b)
+	mk := func(i int) string {
+		b.Helper()
+		own := filepath.Join(dir, fmt.Sprintf("own-%d.tar", i))
+		randomFilesTar(b, own, ownMiB, 1<<20, uint64(i)+100)
+		img, err := mutate.AppendLayers(base, fileLayer(b, own))
+		if err != nil {
+			b.Fatal(err)
+		}
+		archive := filepath.Join(dir, fmt.Sprintf("image-%d.tar", i))
+		if err := tarball.WriteToFile(archive, benchRef(b, fmt.Sprintf("bench/churn:%d", i+1)), img); err != nil {
+			b.Fatal(err)
+		}
+		os.Remove(own)
+		return "docker-archive:" + archive
+	}
+	warm := mk(-1)
+	imageSandboxUntilCommand(b, n, warm, "true", "")
+	var baseline []time.Duration
+	for range 3 {
+		took, _ := imageSandboxUntilCommand(b, n, warm, "true", "")
+		baseline = append(baseline, took)
+	}
+	var ds []time.Duration
+	var peak int64
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		b.StopTimer()
+		ref := mk(i)
+		b.StartTimer()
+		took, _ := imageSandboxUntilCommand(b, n, ref, "true", "")
+		ds = append(ds, took)
+		b.StopTimer()
+		if size, err := n.images.Size(); err == nil && size > peak {
+			peak = size
+		}
+		b.StartTimer()
+	}
+	var cached int
+	if err := n.db.QueryRowContext(ctx, `SELECT count(*) FROM image_cache`).Scan(&cached); err != nil {
+		b.Fatal(err)
+	}
+	fmt.Fprintf(os.Stderr, "%d distinct images through a layer store of %d MiB (their own layers: %d MiB): until the first command p50 %s p90 %s; %d evicted, %d cached at the end, store peak %d MiB, 0 failures\n"+
+		"baseline, a sandbox of an image already converted: n=%d p50 %s p90 %s\n",
+		b.N, limit, b.N*ownMiB, percentile(ds, 50).Round(time.Millisecond), percentile(ds, 90).Round(time.Millisecond),
+		b.N+1-cached, cached, peak>>20,
+		len(baseline), percentile(baseline, 50).Round(time.Millisecond), percentile(baseline, 90).Round(time.Millisecond))
+	reportPercentiles(b, ds)
+}
+
+// imageSandboxUntilCommand creates a sandbox from ref, runs cmd in it
+// (checking its output when want is set) and kills it: the time until the
+// command answered, and the part of it the create's own phases took (the
+// rest is the image's conversion).
+func imageSandboxUntilCommand(b *testing.B, n *Node, ref, cmd, want string) (took, create time.Duration) {
+	b.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	start := time.Now()
+	s, err := n.CreateFromImage(ctx, ref, CreateRequest{VCPUs: 1, MemoryMiB: 256})
+	if err != nil {
+		b.Fatalf("sandbox from %s: %v", ref, err)
+	}
+	out, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", cmd)
+	took = time.Since(start)
+	if err != nil || out.exit != 0 || (want != "" && out.stdout != want) {
+		b.Fatalf("%s in a sandbox from %s: %+v %v", cmd, ref, out, err)
+	}
+	for _, p := range s.Phases {
+		create += p.Duration
+	}
+	b.StopTimer()
+	if err := n.Kill(ctx, s.ID); err != nil {
+		b.Fatal(err)
+	}
+	b.StartTimer()
+	return took, create
+}
+
+// baseRootTar writes the base template's root filesystem as a tar.
+func baseRootTar(b *testing.B, n *Node, out string) {
+	b.Helper()
+	t, err := n.Template("base")
+	if err != nil {
+		b.Fatal(err)
+	}
+	work := b.TempDir()
+	raw, mnt := filepath.Join(work, "root.raw"), filepath.Join(work, "mnt")
+	os.Mkdir(mnt, 0o755)
+	for _, c := range [][]string{
+		{"qemu-img", "convert", "-O", "raw", t.RootDisk, raw},
+		{"mount", "-o", "loop,ro", raw, mnt},
+		{"tar", "-C", mnt, "--numeric-owner", "-cf", out, "."},
+		{"umount", mnt},
+	} {
+		if o, err := exec.Command(c[0], c[1:]...).CombinedOutput(); err != nil {
+			exec.Command("umount", mnt).Run()
+			b.Fatalf("%v: %v\n%s", c, err, o)
+		}
+	}
+	os.Remove(raw)
+}
+
+// randomFilesTar writes count files of size random bytes (from seed) as a
+// tar under data/.
+func randomFilesTar(b *testing.B, out string, count, size int, seed uint64) {
+	b.Helper()
+	f, err := os.Create(out)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer f.Close()
+	rng := rand.NewChaCha8([32]byte{byte(seed), byte(seed >> 8), byte(seed >> 16)})
+	tw := tar.NewWriter(f)
+	tw.WriteHeader(&tar.Header{Name: "data/", Typeflag: tar.TypeDir, Mode: 0o755})
+	buf := make([]byte, size)
+	for i := range count {
+		rng.Read(buf)
+		if err := tw.WriteHeader(&tar.Header{Name: fmt.Sprintf("data/f%04d", i), Typeflag: tar.TypeReg, Mode: 0o644, Size: int64(size)}); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := tw.Write(buf); err != nil {
+			b.Fatal(err)
+		}
+	}
+	if err := tw.Close(); err != nil {
+		b.Fatal(err)
+	}
+}
+
+// fileLayer is the uncompressed tar at path as an image layer (gzipped,
+// at the fastest level, where an archive is written).
+func fileLayer(b *testing.B, path string) v1.Layer {
+	b.Helper()
+	l, err := tarball.LayerFromFile(path, tarball.WithCompressionLevel(gzip.BestSpeed))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return l
+}
+
+// tarLayer is a layer of small files.
+func tarLayer(b *testing.B, files map[string]string) v1.Layer {
+	b.Helper()
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for p, body := range files {
+		tw.WriteHeader(&tar.Header{Name: p, Typeflag: tar.TypeReg, Mode: 0o644, Size: int64(len(body))})
+		tw.Write([]byte(body))
+	}
+	tw.Close()
+	data := buf.Bytes()
+	l, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil })
+	if err != nil {
+		b.Fatal(err)
+	}
+	return l
+}
+
+// benchRef is the tag an archive's image is written under.
+func benchRef(b *testing.B, s string) name.Reference {
+	b.Helper()
+	ref, err := name.ParseReference(s)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return ref
+}

@@ -1,0 +1,38 @@
+package orchestrator
+
+import (
+	"os"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestReadProcessCPUSeconds reads this process's CPU time around a busy
+// loop that uses 300 ms of CPU (by getrusage): /proc's figure grows by as
+// much, and a process that is not there is an error.
+func TestReadProcessCPUSeconds(t *testing.T) {
+	used := func() time.Duration {
+		var ru syscall.Rusage
+		if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+			t.Fatal(err)
+		}
+		return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	}
+	before, err := readProcessCPUSeconds(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := used()
+	for used()-start < 300*time.Millisecond {
+	}
+	after, err := readProcessCPUSeconds(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := after - before; d < 0.25 || d > 1 {
+		t.Fatalf("CPU time grew by %.2fs over a busy loop of 300 ms of CPU", d)
+	}
+	if _, err := readProcessCPUSeconds(1 << 30); err == nil {
+		t.Fatal("a process that is not there has CPU time")
+	}
+}
