@@ -73,6 +73,8 @@ type serverOptions struct {
 	// Idempotency-Key is kept.
 	idempotencyWindow time.Duration
 	layerStore        int
+	hotPausedMiB      int
+	hotPausedFor      time.Duration
 }
 
 func serverCmd() *cobra.Command {
@@ -118,6 +120,8 @@ func serverFlags(cmd *cobra.Command, o *serverOptions) {
 	cmd.Flags().Float64Var(&o.overcommit, "overcommit", 1.5, "guest memory the running and starting sandboxes may have per byte of host memory; a start beyond it waits its turn (-1: no limit)")
 	cmd.Flags().IntVar(&o.layerStore, "layer-store-mib", 0, "bound on the layer store in MiB: past it the images converted for sandboxes made from them (POST /sandboxes-cold) are evicted, least recently used first (0: no bound)")
 	cmd.Flags().DurationVar(&o.idempotencyWindow, "idempotency-window", 24*time.Hour, "how long the answer of a create or fork sent with an Idempotency-Key is kept for its retries")
+	cmd.Flags().IntVar(&o.hotPausedMiB, "hot-paused-mib", 2048, "guest memory the stopped QEMUs of paused sandboxes may hold, for resumes that only continue them (the state is on disk as for any pause); the least recently paused are demoted past it (-1: no hot pause)")
+	cmd.Flags().DurationVar(&o.hotPausedFor, "hot-paused-for", 10*time.Minute, "how long a paused sandbox's QEMU stays stopped for a hot resume before it exits")
 	cmd.Flags().DurationVar(&o.admissionWait, "admission-wait", 30*time.Second, "how long a start beyond --max-starting or --overcommit waits before it is refused with 429 and Retry-After")
 }
 
@@ -276,6 +280,8 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		AdmissionWait:     o.admissionWait,
 		Events:            hooks,
 		LayerStoreMiB:     o.layerStore,
+		HotPausedMiB:      o.hotPausedMiB,
+		HotPausedFor:      o.hotPausedFor,
 		Logger:            log,
 	})
 	if err != nil {

@@ -98,8 +98,10 @@ func reportPercentiles(b *testing.B, ds []time.Duration) {
 // accepted /init (so the sandbox answers requests), first with a RAM file of
 // its own, then with copy-on-write RAM over a snapshot's image (pause writes
 // the changed pages), and last without memory (the pause syncs the guest's
-// disks, the resume boots it again). Baseline in the same run: the bare QMP
-// stop/cont round trip on the running machine.
+// disks, the resume boots it again). Each resume with memory is measured
+// in both tiers, never mixed: cold (a new QEMU loads the state from disk)
+// and hot (the pause's QEMU, kept stopped, continues). Baseline in the same
+// run: the bare QMP stop/cont round trip on the running machine.
 func BenchmarkPauseResume(b *testing.B) {
 	n := testNode(b)
 	ctx := context.Background()
@@ -112,8 +114,14 @@ func BenchmarkPauseResume(b *testing.B) {
 		ds   []time.Duration
 	}
 	var all []*series
-	cycle := func(kind string) *series {
-		stopCont, pause, resume := &series{name: "baseline-stop-cont"}, &series{name: "pause" + kind}, &series{name: "resume" + kind}
+	// hot: the pause keeps its QEMU stopped and the resume continues it;
+	// otherwise the hot copy is dropped and the resume is a cold one.
+	cycle := func(kind string, hot bool) *series {
+		tier := "-cold"
+		if hot {
+			tier = "-hot"
+		}
+		stopCont, pause, resume := &series{name: "baseline-stop-cont"}, &series{name: "pause" + kind}, &series{name: "resume" + tier + kind}
 		all = append(all, stopCont, pause, resume)
 		for i := 0; i < b.N; i++ {
 			m := n.machines.get(s.ID)
@@ -130,6 +138,11 @@ func BenchmarkPauseResume(b *testing.B) {
 				b.Fatal(err)
 			}
 			pause.ds = append(pause.ds, time.Since(t0))
+			if !hot {
+				n.dropHot(s.ID)
+			} else if !n.hot.has(s.ID) {
+				b.Fatal("the pause kept no hot copy")
+			}
 			t0 = time.Now()
 			if _, err := n.Resume(ctx, s.ID, time.Hour); err != nil {
 				b.Fatal(err)
@@ -141,11 +154,13 @@ func BenchmarkPauseResume(b *testing.B) {
 	// A sandbox with a RAM file of its own (cold-booted or from a template
 	// snapshot), then the same sandbox once a snapshot has turned its RAM
 	// into a copy-on-write mapping of the snapshot's image.
-	resume := cycle("")
+	resume := cycle("", false)
+	cycle("", true)
 	if _, err := n.Snapshot(ctx, s.ID, "bench-cow"); err != nil {
 		b.Fatal(err)
 	}
-	cycle("-copy-on-write")
+	cycle("-copy-on-write", false)
+	cycle("-copy-on-write", true)
 	// Without memory: the pause syncs the guest's disks and keeps no RAM,
 	// the resume boots the guest again on its disk.
 	fsPause, reboot := &series{name: "pause-filesystem"}, &series{name: "resume-boot"}

@@ -92,15 +92,16 @@ func newAdmission(cfg Config, committed admission.Committed) (*admission.Control
 }
 
 // committedMemory is the guest memory of the sandboxes that hold it and
-// are not starting: creates, resumes and forks hold admission tickets for
-// theirs.
+// are not starting (creates, resumes and forks hold admission tickets for
+// theirs), and of the hot paused copies.
 func (n *Node) committedMemory(ctx context.Context) (int64, error) {
 	all, err := n.records.List(ctx, "state IN (?, ?, ?, ?)",
 		sandboxes.Running, sandboxes.Pausing, sandboxes.Snapshotting, sandboxes.Forking)
 	if err != nil {
 		return 0, err
 	}
-	var sum int64
+	// Hot paused copies hold theirs too.
+	sum := n.hot.bytes()
 	for _, s := range all {
 		sum += int64(s.MemoryMiB) << 20
 	}

@@ -148,6 +148,12 @@ type Config struct {
 	AdmissionWait time.Duration
 	// Events receives the sandboxes' lifecycle events (nil: none sent).
 	Events events.Sink
+	// HotPausedMiB is the guest memory the stopped QEMUs of paused
+	// sandboxes (hot copies, see hotpause.go) may hold at once, the least
+	// recently paused demoted past it (0: 2048; negative: no hot pause).
+	// HotPausedFor is how long a hot copy stays (0: 10 minutes).
+	HotPausedMiB int
+	HotPausedFor time.Duration
 	// LayerStoreMiB bounds the layer store: past it the images converted
 	// for sandboxes made straight from them are evicted, least recently
 	// used first (0: no bound).
@@ -198,6 +204,12 @@ func (c *Config) setDefaults() {
 	if c.AdmissionWait == 0 {
 		c.AdmissionWait = 30 * time.Second
 	}
+	if c.HotPausedMiB == 0 {
+		c.HotPausedMiB = 2048
+	}
+	if c.HotPausedFor <= 0 {
+		c.HotPausedFor = 10 * time.Minute
+	}
 	if abs, err := filepath.Abs(c.DataDir); err == nil {
 		c.DataDir = abs // the jail names paths inside it (vmm.Jail)
 	}
@@ -228,6 +240,7 @@ type Node struct {
 	// preparing are the template snapshots being prepared.
 	preparing templatePreps
 	machines  machineTable
+	hot       *hotPaused // stopped QEMUs of paused sandboxes (hotpause.go)
 	ops       opLocks
 	pool      *warmpool.Pool[*pooledSandbox]
 	builds    *builds.Builds
@@ -311,6 +324,7 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 		net:       netm,
 		log:       cfg.Logger,
 		stop:      make(chan struct{}),
+		hot:       newHotPaused(cfg.HotPausedMiB, cfg.HotPausedFor),
 	}
 	n.pool = warmpool.New(cfg.PoolSize, poolStarter{n}, n.log)
 	if n.admission, err = newAdmission(cfg, n.committedMemory); err != nil {
@@ -362,6 +376,8 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 	}
 	n.wg.Add(1)
 	go n.expiryLoop()
+	n.wg.Add(1)
+	go n.hotExpiryLoop()
 	if cfg.TemplateSnapshots {
 		n.wg.Add(1)
 		go n.prepareTemplateSnapshots()
@@ -386,7 +402,9 @@ func (n *Node) Close() error {
 	n.pool.Close(context.Background())
 	n.remote.Close()
 	n.net.Close() // the guests' resolvers and proxies: a next node attaches again
-	for _, m := range n.machines.all() {
+	// Running QEMUs stay for the next node to re-adopt; hot paused ones
+	// are stopped by its recovery (their sandboxes resume from disk).
+	for _, m := range append(n.machines.all(), n.hot.machines()...) {
 		if q := m.QMP(); q != nil {
 			q.Close()
 		}

@@ -75,6 +75,7 @@ func runStep(ctx context.Context) stepFunc {
 // leaves the table before it exits, so the exit watcher does not take the
 // exit for a crash.
 func (n *Node) stopMachine(id string) error {
+	n.dropHot(id)
 	m := n.machines.take(id)
 	if m == nil {
 		return nil
@@ -175,11 +176,10 @@ func (n *Node) pauseMachine(ctx context.Context, s *sandboxes.Sandbox, from sand
 		return err
 	}
 	s.State, s.PID = sandboxes.Paused, 0
-	// Paused: QEMU has nothing left to do.
-	if err := n.stopMachine(s.ID); err != nil {
-		n.log.Warn("stop the QEMU of a paused sandbox", "sandbox", s.ID, "err", err)
-	}
-	phase("qemu exit")
+	// Paused: QEMU has nothing left to do but wait, stopped, as the hot
+	// copy (see hotpause.go), or exit.
+	n.keepHot(s)
+	phase("qemu kept or exit")
 	return nil
 }
 
@@ -414,6 +414,9 @@ func (n *Node) resumeWith(ctx context.Context, id string, opts ResumeOptions) (*
 	if s != nil {
 		memMiB = s.MemoryMiB
 	}
+	if n.hot.has(id) && !opts.Reboot {
+		memMiB = 0 // a hot copy's memory is committed already
+	}
 	ticket, err := n.admit(ctx, "a resume", 1, memMiB)
 	if err != nil {
 		return nil, err
@@ -477,6 +480,14 @@ func (n *Node) resumeMachine(o *operation.Op, s *sandboxes.Sandbox, reboot bool)
 	})
 	dir := n.sandboxDir(s.ID)
 	state := filepath.Join(dir, stateFileName)
+	if !reboot {
+		// The hot copy, if the pause left one that can still run.
+		if rec, err := readPauseRecord(dir); err == nil && !rec.FilesystemOnly {
+			if c := n.takeHot(o.Context(), s, rec); c != nil {
+				return n.resumeHot(o, s, c, s.PhaseTimer())
+			}
+		}
+	}
 	if err := o.Do("verify", func(context.Context) error { return n.verifyPausedState(s) }); err != nil {
 		return err
 	}
@@ -508,12 +519,18 @@ func (n *Node) resumeMachine(o *operation.Op, s *sandboxes.Sandbox, reboot bool)
 		return err
 	}
 	phase("resume vcpus")
-	// The guest runs: its paused state is history (and goes, so that a
-	// restart never takes it for the present). A failure from here pauses
-	// it again, as it is now.
+	return n.guestRuns(o, s, ep, phase)
+}
+
+// guestRuns finishes a resume once the guest's vCPUs run: its paused state
+// is history (and goes, so that a restart never takes it for the present),
+// a failure from here pauses it again as it is now, and envd gets a fresh
+// /init (the guest's clock).
+func (n *Node) guestRuns(o *operation.Op, s *sandboxes.Sandbox, ep *network.Endpoint, phase func(string)) error {
+	dir := n.sandboxDir(s.ID)
 	o.Settle()
 	os.Remove(filepath.Join(dir, pauseRecordName))
-	os.Remove(state)
+	os.Remove(filepath.Join(dir, stateFileName))
 	o.OnFailure("pause again", func(ctx context.Context) error {
 		if m := n.machines.get(s.ID); alive(m) {
 			if err := n.pauseMachine(ctx, s, sandboxes.Resuming, runStep(ctx)); err == nil {
@@ -639,6 +656,8 @@ func (n *Node) rebootPaused(o *operation.Op, s *sandboxes.Sandbox) error {
 // if it is gone) and starts its QEMU (incoming: waiting for saved state),
 // as the steps network and qemu-start of o.
 func (n *Node) startMachine(o *operation.Op, s *sandboxes.Sandbox, ep *network.Endpoint, incoming bool, phase func(string)) (*vmm.Machine, error) {
+	// Never two QEMUs on one sandbox's files.
+	n.dropHot(s.ID)
 	var tap *os.File
 	if err := o.Do("network", func(ctx context.Context) error {
 		var err error

@@ -17,7 +17,8 @@ func TestPauseResume(t *testing.T) {
 	dir := newTestDataDir(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	n := openTestNode(t, dir)
+	// The cold tier: the pause's QEMU exits (hot_test.go has the hot one).
+	n := openTestNodeIn(t, dir, 0, coldPauseOnly)
 	s := create(t, n, CreateRequest{TemplateID: "base", Secure: true, EnvVars: map[string]string{"K": "v"}})
 	c := newEnvdClient(s)
 	// A background process that counts, and a file.
