@@ -4,7 +4,9 @@ package cli
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,6 +17,7 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/sys/unix"
 
+	"github.com/agentenv/agentenv/internal/guestsource"
 	tpl "github.com/agentenv/agentenv/internal/templates"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
@@ -36,7 +39,8 @@ func doctorCmd() *cobra.Command {
 		Use:   "doctor",
 		Short: "Check this machine for running a server or node, and say how to fix each problem",
 		Long: `Checks: KVM or TCG, QEMU and its version, the host kernel, root and network permissions
-(network namespaces, tap devices, nftables), free disk space and the data dir's kernel and templates.
+(network namespaces, tap devices, nftables), free disk space, the data dir's kernel and templates, and
+where the guest kernel and base image come from (recorded by aenv setup, or what it would choose here).
 Exits 1 when a check fails (warnings do not fail).`,
 		Example: `  sudo aenv doctor
   sudo aenv doctor --data-dir /srv/aenv`,
@@ -173,7 +177,33 @@ func runChecks(dataDir string) []check {
 	default:
 		add(check{"data dir", checkOK, fmt.Sprintf("%s: kernel, initramfs, %d template(s)", dataDir, len(tpls)), ""})
 	}
+	add(guestSourceCheck(dataDir, paths.KernelDir))
 	return out
+}
+
+// guestSourceCheck reports where the guest kernel and base image come
+// from: what aenv setup recorded in the data dir or, before any setup, what
+// it would choose on this host, and why.
+func guestSourceCheck(dataDir, kernelDir string) check {
+	const name = "guest source"
+	src, err := guestsource.Load(filepath.Join(kernelDir, guestsource.FileName))
+	var detail string
+	switch {
+	case err == nil:
+		detail = fmt.Sprintf("%s (recorded by aenv setup): %s", src, src.Reason)
+	case errors.Is(err, fs.ErrNotExist):
+		if src, err = guestsource.Resolve(guestsource.ReadHost("/")); err != nil {
+			return check{name, checkWarn, "none recorded, and aenv setup cannot choose one on this host: " + err.Error(),
+				"aenv setup --data-dir " + dataDir + " --guest-distro DISTRO --guest-mirror URL"}
+		}
+		detail = fmt.Sprintf("none recorded; aenv setup would use %s: %s", src, src.Reason)
+	default:
+		return check{name, checkWarn, err.Error(), "aenv setup --data-dir " + dataDir}
+	}
+	if err := src.CheckHostFiles(false, pathExists); err != nil {
+		return check{name, checkWarn, detail + "; " + err.Error(), "apt-get install " + src.KeyringPackage}
+	}
+	return check{name, checkOK, detail, ""}
 }
 
 var qemuVersionRE = regexp.MustCompile(`version (\d+)\.(\d+)`)

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"os/user"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/codeinterpreter"
 	"github.com/agentenv/agentenv/internal/datadir"
+	"github.com/agentenv/agentenv/internal/guestsource"
 	"github.com/agentenv/agentenv/internal/store"
 	"github.com/agentenv/agentenv/internal/templates"
 
@@ -26,10 +28,12 @@ import (
 )
 
 type setupOptions struct {
-	dataDir   string
-	envd      string
-	templates []string
-	rebuild   bool
+	dataDir     string
+	envd        string
+	templates   []string
+	rebuild     bool
+	guestDistro string
+	guestMirror string
 }
 
 func setupCmd() *cobra.Command {
@@ -39,13 +43,21 @@ func setupCmd() *cobra.Command {
 		Short: "Prepare a node: fetch the guest kernel, build the initramfs and the default templates",
 		Long: `Prepare a node's data directory. Steps (each skipped when already done):
   1. check the host tools (QEMU, qemu-img, nftables, iproute2, debootstrap)
-  2. fetch the Debian cloud kernel package and unpack it
+  2. fetch the guest kernel package (Debian linux-image-cloud-amd64, Ubuntu linux-image-kvm) and unpack it
   3. build the initramfs holding envd (our in-guest daemon and PID 1) and the kernel modules it needs
   4. build the templates (base: Debian bookworm with bash, python3, git, curl; minimal: busybox;
      code-interpreter: base with ipykernel, numpy, pandas, matplotlib and the code-interpreter
-     server, as template code-interpreter-v1)`,
+     server, as template code-interpreter-v1)
+
+The guest kernel and the base image come from --guest-distro: debian-bookworm by default, ubuntu-noble
+by default on an Ubuntu host. Their mirror is --guest-mirror, by default the host's apt source carrying
+the suite (a Debian guest on an Ubuntu host needs --guest-mirror). A mirror that is not the host's own
+apt source is asked before anything is written, and apt then reads it with a private configuration:
+the distribution's archive keyring (debian-archive-keyring, ubuntu-keyring) must be installed. The
+choice is recorded in the data dir (` + "`aenv doctor`" + ` shows it).`,
 		Example: `  aenv setup --data-dir /var/lib/aenv
-  aenv setup --templates base,minimal --envd ./bin/envd`,
+  aenv setup --templates base,minimal --envd ./bin/envd
+  aenv setup --guest-distro debian-bookworm --guest-mirror http://mirror.example/debian`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return runSetup(cmd.Context(), cmd.OutOrStdout(), o)
@@ -55,6 +67,9 @@ func setupCmd() *cobra.Command {
 	cmd.Flags().StringVar(&o.envd, "envd", "", "static envd binary to put in the initramfs (default: envd next to the aenv binary)")
 	cmd.Flags().StringSliceVar(&o.templates, "templates", []string{"base"}, "templates to build: base, minimal, code-interpreter")
 	cmd.Flags().BoolVar(&o.rebuild, "rebuild", false, "rebuild templates that already exist")
+	cmd.Flags().StringVar(&o.guestDistro, "guest-distro", "", "guest kernel and base image distribution: "+
+		strings.Join(guestsource.Distros(), " or ")+" (default: debian-bookworm, ubuntu-noble on an Ubuntu host)")
+	cmd.Flags().StringVar(&o.guestMirror, "guest-mirror", "", "http(s) archive mirror of the guest distribution (default: the host's apt source carrying its suite)")
 	return cmd
 }
 
@@ -80,6 +95,10 @@ func runSetup(ctx context.Context, out io.Writer, o setupOptions) error {
 			return fmt.Errorf("unknown template kind %q (want base, minimal or code-interpreter)", t)
 		}
 	}
+	src, err := resolveGuestSource(ctx, o)
+	if err != nil {
+		return err
+	}
 	lock, err := datadir.Acquire(o.dataDir, "aenv setup")
 	if err != nil {
 		return err
@@ -97,8 +116,13 @@ func runSetup(ctx context.Context, out io.Writer, o setupOptions) error {
 	}
 
 	paths := pathsOf(o.dataDir)
-	done = step(out, 2, total, "fetching the guest kernel (Debian linux-image-cloud-amd64)")
-	k, err := guest.FetchKernel(ctx, paths.KernelDir, logf)
+	done = step(out, 2, total, "fetching the guest kernel ("+src.KernelPackage+")")
+	logf("guest source: %s", src)
+	logf("chosen because: %s", src.Reason)
+	k, err := guest.FetchKernelFrom(ctx, paths.KernelDir, src, logf)
+	if err == nil {
+		err = guestsource.Save(filepath.Join(paths.KernelDir, guestsource.FileName), src)
+	}
 	if err = done(err); err != nil {
 		return err
 	}
@@ -130,6 +154,9 @@ func runSetup(ctx context.Context, out io.Writer, o setupOptions) error {
 	defer closeCat()
 	for i, kind := range o.templates {
 		st := setupTemplates[kind]
+		if st.rootfs.Kind == guest.RootfsBase {
+			st.rootfs.Suite, st.rootfs.Mirror, st.rootfs.Components = src.Suite, src.Mirror, src.Components
+		}
 		done = step(out, 4+i, total, "building template "+st.template.Name)
 		if t, err := cat.Get(ctx, st.template.Name); err == nil && !o.rebuild {
 			if m, err := guest.ReadManifest(strings.TrimSuffix(t.RootDisk, ".qcow2")); err == nil && m.Recipe == st.rootfs.Recipe() {
@@ -145,6 +172,41 @@ func runSetup(ctx context.Context, out io.Writer, o setupOptions) error {
 	}
 	fmt.Fprintf(out, "setup complete: data dir %s\n", o.dataDir)
 	return nil
+}
+
+// resolveGuestSource chooses where the guest kernel and base image come
+// from (guestsource.Resolve over the flags and the host's files) and checks
+// the host has what that needs. The mirror is asked too, unless nothing was
+// asked for and it is the host's own apt source: then setup works as it
+// always has, offline too when everything is in place.
+func resolveGuestSource(ctx context.Context, o setupOptions) (guestsource.Source, error) {
+	opts := guestsource.ReadHost("/")
+	opts.Distro, opts.Mirror = o.guestDistro, o.guestMirror
+	src, err := guestsource.Resolve(opts)
+	if err != nil {
+		return src, err
+	}
+	// A missing debootstrap is step 1's to report, with the other tools.
+	debootstrap := false
+	if _, err := exec.LookPath("debootstrap"); err == nil {
+		for _, t := range o.templates {
+			debootstrap = debootstrap || setupTemplates[t].rootfs.Kind == guest.RootfsBase
+		}
+	}
+	if err := src.CheckHostFiles(debootstrap, pathExists); err != nil {
+		return src, err
+	}
+	if o.guestDistro == "" && o.guestMirror == "" && src.HostMirror {
+		return src, nil
+	}
+	checkCtx, cancel := context.WithTimeout(ctx, guestsource.CheckTimeout)
+	defer cancel()
+	return src, guestsource.Check(checkCtx, src, &http.Client{Timeout: guestsource.CheckTimeout})
+}
+
+func pathExists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
 }
 
 // setupTemplate is a template aenv setup builds: its root file system and

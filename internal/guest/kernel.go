@@ -1,18 +1,19 @@
 package guest
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
 	"fmt"
-	"github.com/agentenv/agentenv/internal/storage"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"sort"
 	"strings"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/guestsource"
+	"github.com/agentenv/agentenv/internal/storage"
 )
 
 // KernelMetaPackage is the Debian metapackage whose dependency names the
@@ -50,29 +51,59 @@ func (k *Kernel) BootImage() string {
 // FetchKernel resolves the concrete kernel package behind
 // linux-image-cloud-amd64 with apt-cache, downloads it with apt-get download
 // and unpacks it with dpkg-deb into dir/<version>/. It is idempotent: a
-// kernel already unpacked completely is returned without downloading.
+// kernel already unpacked completely is returned without downloading. It
+// uses the host's apt: its sources, lists and keys.
 func FetchKernel(ctx context.Context, dir string, log func(format string, args ...any)) (*Kernel, error) {
+	return FetchKernelFrom(ctx, dir, guestsource.Source{KernelPackage: KernelMetaPackage, HostMirror: true}, log)
+}
+
+// FetchKernelFrom is FetchKernel for src's kernel metapackage
+// (src.KernelPackage). With src.HostMirror it uses the host's apt, as
+// FetchKernel does. Otherwise apt-get and apt-cache run with a private
+// configuration in dir/.apt (guestsource.AptOptions) that reads only src's
+// mirror, suite and components, after an apt-get update of its own: the
+// host's lists and distribution do not matter, but the archive keyring
+// src.Keyring must be installed on the host. A kernel package without its
+// modules (Ubuntu ships them in linux-modules-<version>) is completed with
+// that package.
+func FetchKernelFrom(ctx context.Context, dir string, src guestsource.Source, log func(format string, args ...any)) (*Kernel, error) {
 	if log == nil {
 		log = func(string, ...any) {}
+	}
+	meta := src.KernelPackage
+	if meta == "" {
+		meta = KernelMetaPackage
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, fmt.Errorf("create kernel dir: %w", err)
 	}
-	pkg, err := resolveKernelPackage(ctx)
-	if err != nil {
-		log("guest kernel: %v; running apt-get update", err)
-		if out, uerr := exec.CommandContext(ctx, "apt-get", "update").CombinedOutput(); uerr != nil {
-			err = fmt.Errorf("%w (apt-get update also failed: %v: %s)", err, uerr, lastLines(out, 5))
-		} else {
-			pkg, err = resolveKernelPackage(ctx)
-		}
+	var apt aptConfig
+	var pkg string
+	var err error
+	if src.HostMirror {
+		pkg, err = resolveKernelPackage(ctx, apt, meta)
 		if err != nil {
-			// Offline, or apt is broken: a kernel fetched earlier will do.
-			if k, lerr := LoadKernel(dir); lerr == nil {
-				log("guest kernel: cannot resolve %s (%v); using %s fetched earlier", KernelMetaPackage, err, k.Version)
-				return k, nil
+			log("guest kernel: %v; running apt-get update", err)
+			if out, uerr := exec.CommandContext(ctx, "apt-get", "update").CombinedOutput(); uerr != nil {
+				err = fmt.Errorf("%w (apt-get update also failed: %v: %s)", err, uerr, lastLines(out, 5))
+			} else {
+				pkg, err = resolveKernelPackage(ctx, apt, meta)
 			}
-			return nil, fmt.Errorf("resolve %s: %w", KernelMetaPackage, err)
+			if err != nil {
+				// Offline, or apt is broken: a kernel fetched earlier will do.
+				if k, lerr := LoadKernel(dir); lerr == nil {
+					log("guest kernel: cannot resolve %s (%v); using %s fetched earlier", meta, err, k.Version)
+					return k, nil
+				}
+				return nil, fmt.Errorf("resolve %s: %w", meta, err)
+			}
+		}
+	} else {
+		if apt, err = privateApt(ctx, dir, src, log); err != nil {
+			return nil, err
+		}
+		if pkg, err = resolveKernelPackage(ctx, apt, meta); err != nil {
+			return nil, fmt.Errorf("resolve %s from %s: %w", meta, src.Mirror, err)
 		}
 	}
 	version := strings.TrimPrefix(pkg, "linux-image-")
@@ -101,24 +132,33 @@ func FetchKernel(ctx context.Context, dir string, log func(format string, args .
 	}
 	log("guest kernel: downloading %s", pkg)
 	start := time.Now()
-	cmd := exec.CommandContext(ctx, "apt-get", "download", pkg)
-	cmd.Dir = tmp
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return nil, fmt.Errorf("apt-get download %s: %w: %s", pkg, err, lastLines(out, 5))
-	}
-	debs, _ := filepath.Glob(filepath.Join(tmp, pkg+"_*.deb"))
-	if len(debs) != 1 {
-		return nil, fmt.Errorf("apt-get download %s: expected one .deb in %s, found %d", pkg, tmp, len(debs))
-	}
 	unpack := filepath.Join(tmp, "unpack")
-	if out, err := exec.CommandContext(ctx, "dpkg-deb", "-x", debs[0], unpack).CombinedOutput(); err != nil {
-		return nil, fmt.Errorf("dpkg-deb -x %s: %w: %s", filepath.Base(debs[0]), err, lastLines(out, 5))
+	deb, err := apt.fetchDeb(ctx, tmp, pkg, unpack)
+	if err != nil {
+		return nil, err
 	}
+	marker := fmt.Sprintf("package=%s\ndeb=%s\n", pkg, deb)
 	if _, err := findKernelFiles(unpack, version); err != nil {
-		return nil, fmt.Errorf("unpacked %s: %w", filepath.Base(debs[0]), err)
+		modules := "linux-modules-" + version
+		if !fileExists(filepath.Join(unpack, "boot", "vmlinuz-"+version)) {
+			return nil, fmt.Errorf("unpacked %s: %w", deb, err)
+		}
+		log("guest kernel: %s holds no modules; downloading %s", pkg, modules)
+		mdeb, merr := apt.fetchDeb(ctx, tmp, modules, unpack)
+		if merr != nil {
+			return nil, fmt.Errorf("unpacked %s: %w; and %w", deb, err, merr)
+		}
+		if _, err := findKernelFiles(unpack, version); err != nil {
+			return nil, fmt.Errorf("unpacked %s and %s: %w", deb, mdeb, err)
+		}
+		marker += fmt.Sprintf("modules=%s\n", mdeb)
+	}
+	// QEMU, running unprivileged, reads the image (Ubuntu's is mode 0600).
+	if err := os.Chmod(filepath.Join(unpack, "boot", "vmlinuz-"+version), 0o644); err != nil {
+		return nil, fmt.Errorf("chmod kernel image: %w", err)
 	}
 	ensureVmlinux(unpack, version, log)
-	marker := fmt.Sprintf("package=%s\ndeb=%s\nfetched=%s\n", pkg, filepath.Base(debs[0]), time.Now().UTC().Format(time.RFC3339))
+	marker += fmt.Sprintf("fetched=%s\n", time.Now().UTC().Format(time.RFC3339))
 	if err := os.WriteFile(filepath.Join(unpack, completeMarker), []byte(marker), 0o644); err != nil {
 		return nil, fmt.Errorf("write marker: %w", err)
 	}
@@ -137,6 +177,48 @@ func FetchKernel(ctx context.Context, dir string, log func(format string, args .
 	}
 	log("guest kernel %s unpacked into %s in %s", version, dest, time.Since(start).Round(time.Millisecond))
 	return kernelAt(dest, version)
+}
+
+// aptConfig holds the options that point apt-get and apt-cache at a private
+// configuration; none means the host's.
+type aptConfig []string
+
+func (a aptConfig) command(ctx context.Context, name string, args ...string) *exec.Cmd {
+	return exec.CommandContext(ctx, name, append(append([]string(nil), a...), args...)...)
+}
+
+// privateApt lays out dir/.apt for src (kept between runs, so that apt-get
+// update fetches only what changed) and updates its lists.
+func privateApt(ctx context.Context, dir string, src guestsource.Source, log func(string, ...any)) (aptConfig, error) {
+	aptDir := filepath.Join(dir, ".apt")
+	if err := src.WriteAptDir(aptDir); err != nil {
+		return nil, err
+	}
+	apt := aptConfig(guestsource.AptOptions(aptDir))
+	log("guest kernel: apt-get update from %s (private apt configuration in %s)", src.Mirror, aptDir)
+	if out, err := apt.command(ctx, "apt-get", "update", "-q").CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("apt-get update from %s (keyring %s, from package %s): %w: %s",
+			src.Mirror, src.Keyring, src.KeyringPackage, err, lastLines(out, 5))
+	}
+	return apt, nil
+}
+
+// fetchDeb downloads pkg into tmp with apt-get download and unpacks it into
+// unpack, returning the .deb's name.
+func (a aptConfig) fetchDeb(ctx context.Context, tmp, pkg, unpack string) (string, error) {
+	cmd := a.command(ctx, "apt-get", "download", pkg)
+	cmd.Dir = tmp
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("apt-get download %s: %w: %s", pkg, err, lastLines(out, 5))
+	}
+	debs, _ := filepath.Glob(filepath.Join(tmp, pkg+"_*.deb"))
+	if len(debs) != 1 {
+		return "", fmt.Errorf("apt-get download %s: expected one .deb in %s, found %d", pkg, tmp, len(debs))
+	}
+	if out, err := exec.CommandContext(ctx, "dpkg-deb", "-x", debs[0], unpack).CombinedOutput(); err != nil {
+		return "", fmt.Errorf("dpkg-deb -x %s: %w: %s", filepath.Base(debs[0]), err, lastLines(out, 5))
+	}
+	return filepath.Base(debs[0]), nil
 }
 
 // LoadKernel finds a kernel previously fetched into dir by FetchKernel.
@@ -200,31 +282,23 @@ func findKernelFiles(root, version string) (*Kernel, error) {
 	return nil, fmt.Errorf("no modules directory for %s under %s", version, abs)
 }
 
-// resolveKernelPackage asks apt-cache which linux-image-*-cloud-amd64
-// package the metapackage depends on.
-func resolveKernelPackage(ctx context.Context) (string, error) {
-	out, err := exec.CommandContext(ctx, "apt-cache", "depends", KernelMetaPackage).CombinedOutput()
+// resolveKernelPackage asks apt-cache which linux-image-<version>-<flavour>
+// package the metapackage meta depends on.
+func resolveKernelPackage(ctx context.Context, apt aptConfig, meta string) (string, error) {
+	out, err := apt.command(ctx, "apt-cache", "depends", meta).CombinedOutput()
 	if err != nil {
-		return "", fmt.Errorf("apt-cache depends %s: %w: %s", KernelMetaPackage, err, lastLines(out, 3))
+		return "", fmt.Errorf("apt-cache depends %s: %w: %s", meta, err, lastLines(out, 3))
 	}
-	if pkg := parseKernelDepends(string(out)); pkg != "" {
+	if pkg := guestsource.KernelPackage(string(out), meta); pkg != "" {
 		return pkg, nil
 	}
-	return "", fmt.Errorf("apt-cache depends %s names no linux-image-*-cloud-amd64 package", KernelMetaPackage)
+	return "", fmt.Errorf("apt-cache depends %s names no %s-<version> package", meta, meta)
 }
 
 // parseKernelDepends picks the concrete kernel package from apt-cache
 // depends output ("  Depends: linux-image-6.1.0-57-cloud-amd64").
 func parseKernelDepends(out string) string {
-	sc := bufio.NewScanner(strings.NewReader(out))
-	for sc.Scan() {
-		f := strings.Fields(strings.TrimLeft(sc.Text(), " |"))
-		if len(f) == 2 && f[0] == "Depends:" && strings.HasPrefix(f[1], "linux-image-") &&
-			strings.HasSuffix(f[1], "-cloud-amd64") && f[1] != KernelMetaPackage && !strings.HasSuffix(f[1], "-unsigned") {
-			return f[1]
-		}
-	}
-	return ""
+	return guestsource.KernelPackage(out, KernelMetaPackage)
 }
 
 func lastLines(b []byte, n int) string {

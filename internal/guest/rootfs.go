@@ -18,6 +18,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/guestsource"
 	"github.com/agentenv/agentenv/internal/storage"
 )
 
@@ -38,6 +39,7 @@ type RootfsSpec struct {
 	Kind          string   // RootfsBase or RootfsMinimal
 	Suite         string   // Debian suite for base, default "bookworm"
 	Mirror        string   // Debian mirror URL for base; default: read from /etc/apt/sources.list(.d)
+	Components    []string // archive components for base (debootstrap --components); default: the suite's own (main)
 	ExtraPackages []string // added to BasePackages (base only)
 	ExtraFiles    []File   // written into the tree last (base only)
 	Hostname      string   // written to /etc/hostname, default "aenv"
@@ -234,7 +236,11 @@ func buildBaseTree(ctx context.Context, spec RootfsSpec, pkgs []string, tree str
 		base, extra = pkgs[:len(BasePackages)], pkgs[len(BasePackages):]
 	}
 	log("debootstrap %s (packages: %s)", spec.Suite, strings.Join(base, ","))
-	cmd := exec.CommandContext(ctx, "debootstrap", "--variant=minbase", "--include="+strings.Join(base, ","), spec.Suite, tree, mirror)
+	args := []string{"--variant=minbase", "--include=" + strings.Join(base, ",")}
+	if len(spec.Components) > 0 {
+		args = append(args, "--components="+strings.Join(spec.Components, ","))
+	}
+	cmd := exec.CommandContext(ctx, "debootstrap", append(args, spec.Suite, tree, mirror)...)
 	if err := runLogged(cmd, log, 2*time.Second); err != nil {
 		return err
 	}
@@ -402,75 +408,20 @@ func buildMinimalTree(ctx context.Context, spec RootfsSpec, tree string) error {
 // suite, from /etc/apt/sources.list and /etc/apt/sources.list.d (both the
 // one-line and the deb822 formats).
 func DebianMirror(suite string) (string, error) {
-	var files []string
-	files = append(files, "/etc/apt/sources.list")
-	more, _ := filepath.Glob("/etc/apt/sources.list.d/*")
-	files = append(files, more...)
-	for _, f := range files {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			continue
-		}
-		var m string
-		switch {
-		case strings.HasSuffix(f, ".sources"):
-			m = mirrorFromDeb822(string(b), suite)
-		case strings.HasSuffix(f, ".list"):
-			m = mirrorFromList(string(b), suite)
-		}
-		if m != "" {
-			return m, nil
-		}
+	if m, _ := guestsource.MirrorFor(guestsource.ReadHost("/").AptSources, suite); m != "" {
+		return m, nil
 	}
 	return "", fmt.Errorf("no apt source for suite %q in /etc/apt/sources.list(.d); set the mirror explicitly", suite)
 }
 
 func mirrorFromList(s, suite string) string {
-	for _, l := range strings.Split(s, "\n") {
-		f := strings.Fields(l)
-		if len(f) < 3 || f[0] != "deb" {
-			continue
-		}
-		f = f[1:]
-		if strings.HasPrefix(f[0], "[") { // options: [arch=amd64 signed-by=…]
-			for len(f) > 0 && !strings.HasSuffix(f[0], "]") {
-				f = f[1:]
-			}
-			if len(f) == 0 {
-				continue
-			}
-			f = f[1:]
-		}
-		if len(f) >= 2 && f[1] == suite {
-			return f[0]
-		}
-	}
-	return ""
+	m, _ := guestsource.MirrorFor([]guestsource.AptFile{{Name: "sources.list", Text: s}}, suite)
+	return m
 }
 
 func mirrorFromDeb822(s, suite string) string {
-	for _, stanza := range strings.Split(s, "\n\n") {
-		fields := map[string]string{}
-		for _, l := range strings.Split(stanza, "\n") {
-			if strings.HasPrefix(strings.TrimSpace(l), "#") {
-				continue
-			}
-			if k, v, ok := strings.Cut(l, ":"); ok && !strings.HasPrefix(l, " ") {
-				fields[strings.ToLower(strings.TrimSpace(k))] = strings.TrimSpace(v)
-			}
-		}
-		if strings.EqualFold(fields["enabled"], "no") || !strings.Contains(" "+fields["types"]+" ", " deb ") {
-			continue
-		}
-		for _, st := range strings.Fields(fields["suites"]) {
-			if st == suite {
-				if uris := strings.Fields(fields["uris"]); len(uris) > 0 {
-					return uris[0]
-				}
-			}
-		}
-	}
-	return ""
+	m, _ := guestsource.MirrorFor([]guestsource.AptFile{{Name: "x.sources", Text: s}}, suite)
+	return m
 }
 
 func run(ctx context.Context, name string, args ...string) error {

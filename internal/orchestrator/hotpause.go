@@ -157,13 +157,6 @@ func (h *hotPaused) bytes() int64 {
 	return sum
 }
 
-// count is how many hot copies the table holds.
-func (h *hotPaused) count() int {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return len(h.copies)
-}
-
 // machines returns every hot copy's machine (the node closes).
 func (h *hotPaused) machines() []*vmm.Machine {
 	h.mu.Lock()
