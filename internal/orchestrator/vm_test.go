@@ -39,7 +39,12 @@ import (
 // no prepared data dir.
 func testNode(t testing.TB, opts ...func(*Config)) *Node {
 	t.Helper()
-	dir := newTestDataDir(t)
+	return testNodeIn(t, newTestDataDir(t), opts...)
+}
+
+// testNodeIn is testNode on the data dir dir (a newTestDataDir).
+func testNodeIn(t testing.TB, dir string, opts ...func(*Config)) *Node {
+	t.Helper()
 	slot := takeTestSlot()
 	n := openTestNodeIn(t, dir, slot, opts...)
 	t.Cleanup(func() {
