@@ -10,7 +10,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 
@@ -206,28 +205,19 @@ func guestSourceCheck(dataDir, kernelDir string) check {
 	return check{name, checkOK, detail, ""}
 }
 
-var qemuVersionRE = regexp.MustCompile(`version (\d+)\.(\d+)`)
-
 func qemuCheck() check {
-	path, err := exec.LookPath("qemu-system-x86_64")
+	if _, err := vmm.FindQEMU(os.Getenv("AENV_QEMU")); err != nil {
+		return check{"qemu", checkFail, err.Error(), "apt-get install qemu-system-x86"}
+	}
+	info, err := vmm.ProbeQEMU(context.Background(), os.Getenv("AENV_QEMU"))
 	if err != nil {
-		return check{"qemu", checkFail, "qemu-system-x86_64 not installed", "apt-get install qemu-system-x86"}
+		return check{"qemu", checkFail, err.Error(), "install QEMU 7.2+ (Debian 12's qemu-system-x86)"}
 	}
-	b, err := exec.Command(path, "--version").Output()
-	if err != nil {
-		return check{"qemu", checkFail, "qemu-system-x86_64 --version: " + err.Error(), "reinstall qemu-system-x86"}
+	drop := "-runas"
+	if info.RunWithUser() {
+		drop = "-run-with user="
 	}
-	m := qemuVersionRE.FindStringSubmatch(string(b))
-	if m == nil {
-		return check{"qemu", checkWarn, "unknown version: " + strings.TrimSpace(string(b)), ""}
-	}
-	major, _ := strconv.Atoi(m[1])
-	minor, _ := strconv.Atoi(m[2])
-	v := fmt.Sprintf("QEMU %d.%d", major, minor)
-	if major < 7 || (major == 7 && minor < 2) {
-		return check{"qemu", checkFail, v + " (7.2 or newer needed: microvm, migration format)", "install QEMU 7.2+ (Debian 12's qemu-system-x86)"}
-	}
-	return check{"qemu", checkOK, v, ""}
+	return check{"qemu", checkOK, fmt.Sprintf("QEMU %s at %s (drops privileges with %s)", info.Version, info.Path, drop), ""}
 }
 
 // kernelVersion parses "6.1.0-18-amd64" into 6, 1.

@@ -74,6 +74,7 @@ type serverOptions struct {
 	idempotencyWindow time.Duration
 	layerStore        int
 	hotPausedMiB      int
+	qemu              string
 	hotPausedFor      time.Duration
 }
 
@@ -120,6 +121,7 @@ func serverFlags(cmd *cobra.Command, o *serverOptions) {
 	cmd.Flags().Float64Var(&o.overcommit, "overcommit", 1.5, "guest memory the running and starting sandboxes may have per byte of host memory; a start beyond it waits its turn (-1: no limit)")
 	cmd.Flags().IntVar(&o.layerStore, "layer-store-mib", 0, "bound on the layer store in MiB: past it the images converted for sandboxes made from them (POST /sandboxes-cold) are evicted, least recently used first (0: no bound)")
 	cmd.Flags().DurationVar(&o.idempotencyWindow, "idempotency-window", 24*time.Hour, "how long the answer of a create or fork sent with an Idempotency-Key is kept for its retries")
+	cmd.Flags().StringVar(&o.qemu, "qemu", os.Getenv("AENV_QEMU"), "the qemu-system-x86_64 binary sandboxes run in, probed at start (7.2 or newer; env AENV_QEMU; default: the one in PATH)")
 	cmd.Flags().IntVar(&o.hotPausedMiB, "hot-paused-mib", 2048, "guest memory the stopped QEMUs of paused sandboxes may hold, for resumes that only continue them (the state is on disk as for any pause); the least recently paused are demoted past it (-1: no hot pause)")
 	cmd.Flags().DurationVar(&o.hotPausedFor, "hot-paused-for", 10*time.Minute, "how long a paused sandbox's QEMU stays stopped for a hot resume before it exits")
 	cmd.Flags().DurationVar(&o.admissionWait, "admission-wait", 30*time.Second, "how long a start beyond --max-starting or --overcommit waits before it is refused with 429 and Retry-After")
@@ -281,6 +283,7 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		Events:            hooks,
 		LayerStoreMiB:     o.layerStore,
 		HotPausedMiB:      o.hotPausedMiB,
+		QEMU:              o.qemu,
 		HotPausedFor:      o.hotPausedFor,
 		Logger:            log,
 	})

@@ -66,8 +66,10 @@ type Config struct {
 	Initrd string
 	// KernelArgs are appended to every guest's kernel command line.
 	KernelArgs []string
-	QEMU       string
-	Accel      vmm.Accel
+	// QEMU is the qemu-system-x86_64 binary (empty: the one in PATH),
+	// probed at Open (vmm.ProbeQEMU).
+	QEMU  string
+	Accel vmm.Accel
 	// NetworkCIDR numbers the sandboxes' veth pairs (network.DefaultCIDR).
 	NetworkCIDR string
 	// Instance prefixes host object names (network.DefaultInstance); nodes
@@ -239,6 +241,7 @@ type Node struct {
 	imports imageImports
 	// preparing are the template snapshots being prepared.
 	preparing templatePreps
+	qemu      vmm.QEMUInfo // the probed binary
 	machines  machineTable
 	hot       *hotPaused // stopped QEMUs of paused sandboxes (hotpause.go)
 	ops       opLocks
@@ -276,14 +279,19 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 			return nil, fmt.Errorf("%w: %s %s missing: run `aenv setup --data-dir %s`", ErrSetup, name, p, cfg.DataDir)
 		}
 	}
-	if _, err := vmm.FindQEMU(cfg.QEMU); err != nil {
+	// The QEMU binary decides mechanisms (how QEMU drops privileges) and
+	// one too old is refused before anything changes.
+	qemu, err := vmm.ProbeQEMU(ctx, cfg.QEMU)
+	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrSetup, err)
 	}
+	cfg.QEMU = qemu.Path
+	cfg.Logger.Info("QEMU", "path", qemu.Path, "version", qemu.Version.String(), "run-with-user", qemu.RunWithUser())
 	lock, err := datadir.Acquire(cfg.DataDir, "aenv server")
 	if err != nil {
 		return nil, err
 	}
-	n, err := open(ctx, cfg, lock)
+	n, err := open(ctx, cfg, qemu, lock)
 	if err != nil {
 		lock.Release()
 		return nil, err
@@ -291,7 +299,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	return n, nil
 }
 
-func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
+func open(ctx context.Context, cfg Config, qemu vmm.QEMUInfo, lock *datadir.Lock) (*Node, error) {
 	if err := os.MkdirAll(filepath.Join(cfg.DataDir, "sandboxes"), 0o700); err != nil {
 		return nil, fmt.Errorf("create data dir: %w", err)
 	}
@@ -325,6 +333,7 @@ func open(ctx context.Context, cfg Config, lock *datadir.Lock) (*Node, error) {
 		log:       cfg.Logger,
 		stop:      make(chan struct{}),
 		hot:       newHotPaused(cfg.HotPausedMiB, cfg.HotPausedFor),
+		qemu:      qemu,
 	}
 	n.pool = warmpool.New(cfg.PoolSize, poolStarter{n}, n.log)
 	if n.admission, err = newAdmission(cfg, n.committedMemory); err != nil {

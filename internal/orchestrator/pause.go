@@ -689,6 +689,7 @@ func (n *Node) vmConfig(s *sandboxes.Sandbox, tap *os.File, incoming bool) vmm.C
 	dir := n.sandboxDir(s.ID)
 	cfg := vmm.Config{
 		QEMU:          n.cfg.QEMU,
+		RunWithUser:   n.qemu.RunWithUser(),
 		Accel:         n.cfg.Accel,
 		VCPUs:         s.VCPUs,
 		MemoryMiB:     s.MemoryMiB,

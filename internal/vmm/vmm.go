@@ -61,6 +61,9 @@ type Config struct {
 	// has opened its files and devices (-runas): a user name, or
 	// "uid:gid" (ids no user need have, as Firecracker's jailer takes).
 	User string
+	// RunWithUser drops privileges with -run-with user= (QEMU 9.1 and
+	// later, see QEMUInfo.RunWithUser) instead of -runas.
+	RunWithUser bool
 	// NetNS, when set, is the network namespace (a file such as
 	// /run/netns/<name>) QEMU is started in: the sandbox's own, so that
 	// QEMU itself reaches nothing of the host's network (not even the
@@ -197,7 +200,10 @@ func (c *Config) Args() []string {
 		"-qmp", "unix:" + filepath.Join(c.RunDir, QMPSocketName) + ",server=on,wait=off",
 		"-pidfile", filepath.Join(c.RunDir, PIDFileName),
 	}
-	if c.User != "" {
+	switch {
+	case c.User != "" && c.RunWithUser:
+		args = append(args, "-run-with", "user="+c.User)
+	case c.User != "":
 		args = append(args, "-runas", c.User)
 	}
 	if c.Incoming {
