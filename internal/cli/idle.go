@@ -249,13 +249,7 @@ func idleContainers(ctx context.Context, o idleOpts) (idleUse, error) {
 // process and its descendants have used, from /proc.
 func processTreeCPUSeconds(pid string) float64 {
 	var total float64
-	seen := map[string]bool{}
-	var walk func(p string)
-	walk = func(p string) {
-		if seen[p] || len(seen) > 4096 {
-			return
-		}
-		seen[p] = true
+	walkProcessTree(pid, func(p string) {
 		if b, err := os.ReadFile("/proc/" + p + "/stat"); err == nil {
 			if i := strings.LastIndexByte(string(b), ')'); i >= 0 {
 				if f := strings.Fields(string(b[i+1:])); len(f) >= 13 {
@@ -265,13 +259,7 @@ func processTreeCPUSeconds(pid string) float64 {
 				}
 			}
 		}
-		if b, err := os.ReadFile("/proc/" + p + "/task/" + p + "/children"); err == nil {
-			for _, c := range strings.Fields(string(b)) {
-				walk(c)
-			}
-		}
-	}
-	walk(pid)
+	})
 	return total
 }
 

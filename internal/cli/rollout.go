@@ -424,13 +424,7 @@ func printRollout(w io.Writer, o rolloutOpts, reports []rolloutReport) {
 // /proc (0 where it cannot be read).
 func processTreePSS(pid string) int64 {
 	var total int64
-	seen := map[string]bool{}
-	var walk func(p string)
-	walk = func(p string) {
-		if seen[p] || len(seen) > 4096 {
-			return
-		}
-		seen[p] = true
+	walkProcessTree(pid, func(p string) {
 		if b, err := os.ReadFile("/proc/" + p + "/smaps_rollup"); err == nil {
 			for _, line := range strings.Split(string(b), "\n") {
 				if rest, ok := strings.CutPrefix(line, "Pss:"); ok {
@@ -439,6 +433,21 @@ func processTreePSS(pid string) int64 {
 				}
 			}
 		}
+	})
+	return total
+}
+
+// walkProcessTree calls fn for a process and each of its descendants (at
+// most 4096), from /proc's children lists.
+func walkProcessTree(pid string, fn func(pid string)) {
+	seen := map[string]bool{}
+	var walk func(p string)
+	walk = func(p string) {
+		if seen[p] || len(seen) > 4096 {
+			return
+		}
+		seen[p] = true
+		fn(p)
 		if b, err := os.ReadFile("/proc/" + p + "/task/" + p + "/children"); err == nil {
 			for _, c := range strings.Fields(string(b)) {
 				walk(c)
@@ -446,5 +455,4 @@ func processTreePSS(pid string) int64 {
 		}
 	}
 	walk(pid)
-	return total
 }
