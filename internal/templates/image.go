@@ -72,7 +72,7 @@ func (c *Catalog) imageLayers(ctx context.Context, src image.Source, sizeMiB int
 		if errors.Is(err, image.ErrNotFound) {
 			return nil, fmt.Errorf("%w: %v", errkind.ErrNotFound, err)
 		}
-		if errors.Is(err, image.ErrImage) {
+		if errors.Is(err, image.ErrImage) || errors.Is(err, image.ErrUnusable) {
 			return nil, fmt.Errorf("%w: %v", errkind.ErrInvalid, err)
 		}
 		return nil, fmt.Errorf("import %s: %w", src, err)
@@ -172,7 +172,7 @@ func e2bConventions(root string) error {
 func hasShell(root string) error {
 	f, err := image.OpenInRoot(root, "bin/sh")
 	if err != nil {
-		return fmt.Errorf("%w: the image has no /bin/sh: a sandbox runs its commands with it", image.ErrImage)
+		return fmt.Errorf("%w: it has no /bin/sh, which a sandbox runs its commands with", image.ErrUnusable)
 	}
 	defer f.Close()
 	st, err := f.Stat()
@@ -180,7 +180,7 @@ func hasShell(root string) error {
 		return err
 	}
 	if !st.Mode().IsRegular() || st.Mode().Perm()&0o111 == 0 {
-		return fmt.Errorf("%w: the image's /bin/sh is not an executable file: a sandbox runs its commands with it", image.ErrImage)
+		return fmt.Errorf("%w: its /bin/sh is not an executable file, which a sandbox runs its commands with", image.ErrUnusable)
 	}
 	return nil
 }

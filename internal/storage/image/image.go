@@ -94,6 +94,10 @@ type Result struct {
 // whose filesystem cannot hold a sandbox.
 var ErrImage = errors.New("cannot read image")
 
+// ErrUnusable marks an image that was read but whose filesystem cannot
+// hold a sandbox (what Options.Finish refuses, e.g. no /bin/sh).
+var ErrUnusable = errors.New("cannot hold a sandbox")
+
 // ErrNotFound marks an image that is not there: no such file or directory,
 // or a registry that does not know the repository or the tag.
 var ErrNotFound = errors.New("image not found")
@@ -255,6 +259,9 @@ func Import(ctx context.Context, src Source, opt Options) (*Result, error) {
 		chain := chainID(parent, "finish:"+opt.FinishID)
 		built, err := buildLayer(ctx, opt, chain, parent, "finish:"+opt.FinishID, opt.Finish)
 		if err != nil {
+			if errors.Is(err, ErrUnusable) {
+				return nil, fmt.Errorf("%s %w", src, err)
+			}
 			return nil, fmt.Errorf("final layer: %w", err)
 		}
 		res.Layers = append(res.Layers, *built)
