@@ -157,6 +157,7 @@ func openTestNodeIn(t testing.TB, dir string, slot int, opts ...func(*Config)) *
 		KernelArgs:  k.BootArgs(accel == vmm.AccelTCG),
 		Initrd:      filepath.Join(shared, "cache", "initramfs.img"),
 		Accel:       accel,
+		QEMU:        os.Getenv("AENV_QEMU"), // another QEMU than PATH's (e.g. 10.0 unpacked from backports)
 		NetworkCIDR: cidr,
 		Instance:    instance,
 		QEMUUIDBase: testQEMUUIDBase + slot*100000, // ids of its own per test node
