@@ -41,6 +41,7 @@ const (
 	secFull          = 0x04
 	secSubsection    = 0x05
 	secConfiguration = 0x07
+	secCommand       = 0x08 // QEMU_VM_COMMAND: be16 command, be16 length, data (QEMU 8 and later send some in a save)
 	secFooter        = 0x7e
 
 	ramFlagZero     = 0x002
@@ -232,6 +233,15 @@ func (w *ramDiffWriter) run() error {
 			}
 			if err := w.ramRecords(); err != nil {
 				return err
+			}
+		case secCommand:
+			var h [4]byte
+			if _, err := io.ReadFull(w.src, h[:]); err != nil {
+				return streamErr("command: %v", err)
+			}
+			w.dst.Write(h[:])
+			if err := w.copyN(int64(binary.BigEndian.Uint16(h[2:]))); err != nil {
+				return streamErr("command %d: %v", binary.BigEndian.Uint16(h[:2]), err)
 			}
 		case secFull, secEOF:
 			// Device state (no lengths to parse by) and the trailing

@@ -19,6 +19,15 @@ func (b *streamBuilder) be32(v uint32) { binary.Write(&b.Buffer, binary.BigEndia
 func (b *streamBuilder) be64(v uint64) { binary.Write(&b.Buffer, binary.BigEndian, v) }
 func (b *streamBuilder) str(s string)  { b.WriteByte(byte(len(s))); b.WriteString(s) }
 
+// command writes a QEMU_VM_COMMAND, as QEMU 8 and later send in a save
+// (e.g. the switchover's start).
+func (b *streamBuilder) command(cmd uint16, data []byte) {
+	b.WriteByte(secCommand)
+	binary.Write(&b.Buffer, binary.BigEndian, cmd)
+	binary.Write(&b.Buffer, binary.BigEndian, uint16(len(data)))
+	b.Write(data)
+}
+
 func (b *streamBuilder) header(ignoreShared bool) {
 	b.be32(migMagic)
 	b.be32(migVersion)
@@ -154,6 +163,8 @@ func TestRAMDiffKeepsOnlyChangedPages(t *testing.T) {
 		in.page("mem", 5, filled(6)) // equal: dropped
 		in.eos()
 		in.footer(2)
+		in.command(11, nil)
+		in.command(3, []byte{1, 2, 3})
 		in.devicesAndEOF()
 
 		want := &streamBuilder{}
@@ -169,6 +180,8 @@ func TestRAMDiffKeepsOnlyChangedPages(t *testing.T) {
 		want.page("mem", 4, filled(5))
 		want.eos()
 		want.footer(2)
+		want.command(11, nil) // commands pass as they are
+		want.command(3, []byte{1, 2, 3})
 		want.devicesAndEOF()
 
 		var out bytes.Buffer
@@ -199,6 +212,7 @@ func TestRAMDiffRejectsWhatItCannotParse(t *testing.T) {
 	}{
 		{"bad magic", func() []byte { return []byte("QEVX\x00\x00\x00\x03") }},
 		{"truncated", func() []byte { b := valid(); return b.Bytes()[:b.Len()-3] }},
+		{"truncated command", func() []byte { b := valid(); b.command(3, []byte{1, 2, 3}); return b.Bytes()[:b.Len()-1] }},
 		{"compressed pages", func() []byte {
 			b := valid()
 			b.section(secPart, 2)
