@@ -7,8 +7,6 @@ import (
 	"fmt"
 	"io"
 	"net/url"
-	"os"
-	"os/exec"
 	"runtime"
 	"sort"
 	"strconv"
@@ -18,6 +16,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/agentenv/agentenv/internal/apispec"
+	"github.com/agentenv/agentenv/internal/procstat"
 )
 
 // idleOpts configure `aenv bench idle`.
@@ -196,18 +195,9 @@ func labelValue(labels, key string) string {
 // their process trees the same way (PSS; CPU from /proc over the window).
 func idleContainers(ctx context.Context, o idleOpts) (idleUse, error) {
 	use := idleUse{name: "containers (podman, runc)"}
-	podman := func(args ...string) (string, error) {
-		out, err := exec.CommandContext(ctx, "podman", append([]string{"--runtime", "runc"}, args...)...).Output()
-		if err != nil {
-			var ee *exec.ExitError
-			if errors.As(err, &ee) {
-				return "", fmt.Errorf("podman %s: %v: %s", args[0], err, strings.TrimSpace(string(ee.Stderr)))
-			}
-			return "", fmt.Errorf("podman %s: %v", args[0], err)
-		}
-		return strings.TrimSpace(string(out)), nil
-	}
-	var ids, pids []string
+	podman := func(args ...string) (string, error) { return runPodman(ctx, nil, args...) }
+	var ids []string
+	var pids []int
 	defer func() {
 		for _, id := range ids {
 			_, _ = podman("rm", "-f", "-t", "0", id)
@@ -220,7 +210,7 @@ func idleContainers(ctx context.Context, o idleOpts) (idleUse, error) {
 			return use, err
 		}
 		ids = append(ids, id)
-		pid, err := podman("inspect", "--format", "{{.State.Pid}}", id)
+		pid, err := podmanPID(ctx, id)
 		if err != nil {
 			return use, err
 		}
@@ -231,7 +221,7 @@ func idleContainers(ctx context.Context, o idleOpts) (idleUse, error) {
 	}
 	before := make([]float64, len(pids))
 	for i, p := range pids {
-		before[i] = processTreeCPUSeconds(p)
+		before[i] = procstat.TreeCPUSeconds(p)
 	}
 	start := time.Now()
 	if err := sleepCtx(ctx, o.watch); err != nil {
@@ -239,28 +229,10 @@ func idleContainers(ctx context.Context, o idleOpts) (idleUse, error) {
 	}
 	window := time.Since(start).Seconds()
 	for i, p := range pids {
-		use.pss = append(use.pss, float64(processTreePSS(p)))
-		use.cpu = append(use.cpu, (processTreeCPUSeconds(p)-before[i])/window)
+		use.pss = append(use.pss, float64(procstat.TreePSS(p)))
+		use.cpu = append(use.cpu, (procstat.TreeCPUSeconds(p)-before[i])/window)
 	}
 	return use, nil
-}
-
-// processTreeCPUSeconds is the CPU time (user and system, USER_HZ 100) a
-// process and its descendants have used, from /proc.
-func processTreeCPUSeconds(pid string) float64 {
-	var total float64
-	walkProcessTree(pid, func(p string) {
-		if b, err := os.ReadFile("/proc/" + p + "/stat"); err == nil {
-			if i := strings.LastIndexByte(string(b), ')'); i >= 0 {
-				if f := strings.Fields(string(b[i+1:])); len(f) >= 13 {
-					u, _ := strconv.ParseFloat(f[11], 64)
-					s, _ := strconv.ParseFloat(f[12], 64)
-					total += (u + s) / 100
-				}
-			}
-		}
-	})
-	return total
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) error {

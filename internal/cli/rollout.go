@@ -1,14 +1,12 @@
 package cli
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"net/url"
-	"os"
 	"os/exec"
 	"strconv"
 	"strings"
@@ -20,6 +18,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/envd/gen/processpb"
+	"github.com/agentenv/agentenv/internal/procstat"
 )
 
 // aenv bench rollout: the episodes of an RL rollout against a server, and
@@ -319,22 +318,11 @@ func forkEpisode(ctx context.Context, c *apiClient, o rolloutOpts) rolloutReport
 // sandboxPSS is a sandbox's QEMU's PSS from the server's /metrics (0 when
 // the server does not report it, e.g. a gateway).
 func sandboxPSS(ctx context.Context, c *apiClient, id string) int64 {
-	resp, err := c.send(ctx, "GET", "/metrics", nil)
+	figures, _, err := scrapeSandboxes(ctx, c)
 	if err != nil {
 		return 0
 	}
-	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		if strings.HasPrefix(line, "aenv_sandbox_memory_pss_bytes{") && strings.Contains(line, `sandbox_id="`+id+`"`) {
-			f := strings.Fields(line)
-			v, _ := strconv.ParseFloat(f[len(f)-1], 64)
-			return int64(v)
-		}
-	}
-	return 0
+	return int64(figures[id].pss)
 }
 
 // containerEpisodes runs the first episode in podman containers (runc):
@@ -343,16 +331,7 @@ func sandboxPSS(ctx context.Context, c *apiClient, id string) int64 {
 func containerEpisodes(ctx context.Context, o rolloutOpts) rolloutReport {
 	r := rolloutReport{name: "containers (podman, runc)", episodes: o.episodes, steps: newStepTimes(),
 		note: "containers cannot fork a running process tree: no fork row"}
-	podman := func(ctx context.Context, stdin io.Reader, args ...string) (string, error) {
-		cmd := exec.CommandContext(ctx, "podman", append([]string{"--runtime", "runc"}, args...)...)
-		cmd.Stdin = stdin
-		var out, errb bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &out, &errb
-		if err := cmd.Run(); err != nil {
-			return "", fmt.Errorf("podman %s: %v: %s", args[0], err, strings.TrimSpace(errb.String()))
-		}
-		return strings.TrimSpace(out.String()), nil
-	}
+	podman := runPodman
 	var live liveCounter
 	var pssMax atomic.Int64
 	episode := func() error {
@@ -379,8 +358,8 @@ func containerEpisodes(ctx context.Context, o rolloutOpts) rolloutReport {
 				return err
 			}
 		}
-		if pid, err := podman(ctx, nil, "inspect", "--format", "{{.State.Pid}}", id); err == nil {
-			if p := processTreePSS(pid); p > pssMax.Load() {
+		if pid, err := podmanPID(ctx, id); err == nil {
+			if p := procstat.TreePSS(pid); p > pssMax.Load() {
 				pssMax.Store(p)
 			}
 		}
@@ -420,39 +399,24 @@ func printRollout(w io.Writer, o rolloutOpts, reports []rolloutReport) {
 	}
 }
 
-// processTreePSS is the PSS of a process and its descendants, from
-// /proc (0 where it cannot be read).
-func processTreePSS(pid string) int64 {
-	var total int64
-	walkProcessTree(pid, func(p string) {
-		if b, err := os.ReadFile("/proc/" + p + "/smaps_rollup"); err == nil {
-			for _, line := range strings.Split(string(b), "\n") {
-				if rest, ok := strings.CutPrefix(line, "Pss:"); ok {
-					kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
-					total += kb << 10
-				}
-			}
-		}
-	})
-	return total
+// runPodman runs podman with runc (crun refuses this kind of host's hybrid
+// cgroups) and returns its trimmed output, or an error with its stderr.
+func runPodman(ctx context.Context, stdin io.Reader, args ...string) (string, error) {
+	cmd := exec.CommandContext(ctx, "podman", append([]string{"--runtime", "runc"}, args...)...)
+	cmd.Stdin = stdin
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	if err := cmd.Run(); err != nil {
+		return "", fmt.Errorf("podman %s: %v: %s", args[0], err, strings.TrimSpace(errb.String()))
+	}
+	return strings.TrimSpace(out.String()), nil
 }
 
-// walkProcessTree calls fn for a process and each of its descendants (at
-// most 4096), from /proc's children lists.
-func walkProcessTree(pid string, fn func(pid string)) {
-	seen := map[string]bool{}
-	var walk func(p string)
-	walk = func(p string) {
-		if seen[p] || len(seen) > 4096 {
-			return
-		}
-		seen[p] = true
-		fn(p)
-		if b, err := os.ReadFile("/proc/" + p + "/task/" + p + "/children"); err == nil {
-			for _, c := range strings.Fields(string(b)) {
-				walk(c)
-			}
-		}
+// podmanPID is the host pid of a container's first process.
+func podmanPID(ctx context.Context, id string) (int, error) {
+	out, err := runPodman(ctx, nil, "inspect", "--format", "{{.State.Pid}}", id)
+	if err != nil {
+		return 0, err
 	}
-	walk(pid)
+	return strconv.Atoi(out)
 }

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/procstat"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
@@ -24,7 +25,7 @@ func settledRSS(pid int, limit time.Duration) int64 {
 	deadline := time.Now().Add(limit)
 	last := int64(-1)
 	for {
-		m, _ := readProcessMemory(pid)
+		m, _ := procstat.ReadMemory(pid)
 		if time.Now().After(deadline) || (last >= 0 && m.RSSBytes >= last) {
 			return m.RSSBytes
 		}
@@ -77,7 +78,7 @@ func BenchmarkBalloon(b *testing.B) {
 			var t int64
 			for _, s := range sbs {
 				settledRSS(s.PID, 20*time.Second)
-				m, _ := readProcessMemory(s.PID)
+				m, _ := procstat.ReadMemory(s.PID)
 				t += m.PSSBytes
 			}
 			return t

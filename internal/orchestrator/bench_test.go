@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/procstat"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
@@ -254,7 +255,7 @@ func (r rssInfo) String() string {
 }
 
 func rss(pid int) rssInfo {
-	m, _ := readProcessMemory(pid)
+	m, _ := procstat.ReadMemory(pid)
 	return rssInfo{anonKB: m.AnonBytes >> 10, fileKB: (m.RSSBytes - m.AnonBytes) >> 10, pssKB: m.PSSBytes >> 10}
 }
 

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/procstat"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
@@ -78,9 +79,9 @@ func TestHotPause(t *testing.T) {
 	if err := n.verifyPausedState(a); err != nil {
 		t.Fatalf("the hot paused sandbox's state on disk: %v", err)
 	}
-	cpu0, _ := readProcessCPUSeconds(qemuA)
+	cpu0, _ := procstat.CPUSeconds(qemuA)
 	time.Sleep(2 * time.Second)
-	if cpu1, _ := readProcessCPUSeconds(qemuA); cpu1-cpu0 > 0.1 {
+	if cpu1, _ := procstat.CPUSeconds(qemuA); cpu1-cpu0 > 0.1 {
 		t.Errorf("a stopped QEMU used %.2fs of CPU in 2 s", cpu1-cpu0)
 	}
 	time.Sleep(3 * time.Second) // the guest's clock falls behind
