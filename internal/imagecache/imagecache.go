@@ -57,9 +57,18 @@ func (c *Cache) Used(ctx context.Context, top, source string) error {
 }
 
 // Size is the bytes the layer store takes on disk.
-func (c *Cache) Size() (int64, error) {
+func (c *Cache) Size() (int64, error) { return dirBytes(c.st.Abs(store.LayersDir)) }
+
+// DirBytes is what the files under dir take on disk (0 for a dir that
+// is not there, and for what cannot be read).
+func DirBytes(dir string) int64 {
+	n, _ := dirBytes(dir)
+	return n
+}
+
+func dirBytes(dir string) (int64, error) {
 	var total int64
-	err := filepath.WalkDir(c.st.Abs(store.LayersDir), func(_ string, d fs.DirEntry, err error) error {
+	err := filepath.WalkDir(dir, func(_ string, d fs.DirEntry, err error) error {
 		if err != nil || d.IsDir() {
 			return err
 		}

@@ -2,17 +2,13 @@ package orchestrator
 
 import (
 	"archive/tar"
-	"bytes"
 	"compress/gzip"
 	"context"
 	"fmt"
-	"io"
-	"io/fs"
 	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"syscall"
 	"testing"
 	"time"
 
@@ -22,6 +18,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
+	"github.com/agentenv/agentenv/internal/imagecache"
 	"github.com/agentenv/agentenv/internal/storage/image"
 	"github.com/agentenv/agentenv/internal/store"
 )
@@ -54,7 +51,7 @@ func BenchmarkSandboxFromImage(b *testing.B) {
 		b.StopTimer()
 		archive := filepath.Join(dir, fmt.Sprintf("image-%d.tar", i))
 		marker := fmt.Sprintf("image %d of %d\n", i, time.Now().UnixNano())
-		img, err := mutate.AppendLayers(empty.Image, tarLayer(b, map[string]string{"aenv-bench-id": marker}), rootLayer, filesLayer)
+		img, err := mutate.AppendLayers(withLayer(b, empty.Image, "aenv/bench-id", marker), rootLayer, filesLayer)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -62,10 +59,10 @@ func BenchmarkSandboxFromImage(b *testing.B) {
 			b.Fatal(err)
 		}
 		b.StartTimer()
-		took, boot := imageSandboxUntilCommand(b, n, "docker-archive:"+archive, "cat /aenv-bench-id", marker)
+		took, boot := imageSandboxUntilCommand(b, n, "docker-archive:"+archive, "cat /aenv/bench-id", marker)
 		first = append(first, took)
 		convert = append(convert, took-boot)
-		took, _ = imageSandboxUntilCommand(b, n, "docker-archive:"+archive, "cat /aenv-bench-id", marker)
+		took, _ = imageSandboxUntilCommand(b, n, "docker-archive:"+archive, "cat /aenv/bench-id", marker)
 		second = append(second, took)
 		b.StopTimer()
 		os.Remove(archive)
@@ -112,15 +109,15 @@ func BenchmarkImageChurn(b *testing.B) {
 	// quarter of what the images add.
 	layersDir := filepath.Join(dir, store.LayersDir)
 	probe := testNodeIn(b, dir)
-	templates := diskUsage(layersDir)
+	templates := imagecache.DirBytes(layersDir)
 	if _, err := probe.templates.ImageLayers(context.Background(), mustSource(b, mk(-2)), imageDiskMiB, nil); err != nil {
 		b.Fatal(err)
 	}
-	withBusybox := diskUsage(layersDir)
+	withBusybox := imagecache.DirBytes(layersDir)
 	if _, err := probe.templates.ImageLayers(context.Background(), mustSource(b, mk(-3)), imageDiskMiB, nil); err != nil {
 		b.Fatal(err)
 	}
-	perImage := diskUsage(layersDir) - withBusybox
+	perImage := imagecache.DirBytes(layersDir) - withBusybox
 	probe.Close()
 	limit := int((templates + (withBusybox - templates) + int64(b.N)*perImage/4) >> 20)
 	n := testNodeIn(b, dir, func(c *Config) { c.LayerStoreMiB = limit })
@@ -160,22 +157,6 @@ func BenchmarkImageChurn(b *testing.B) {
 		b.N+3-cached, cached, peak>>20,
 		len(baseline), percentile(baseline, 50).Round(time.Millisecond), percentile(baseline, 90).Round(time.Millisecond))
 	reportPercentiles(b, ds)
-}
-
-// diskUsage is the disk space the files under dir take.
-func diskUsage(dir string) int64 {
-	var total int64
-	filepath.WalkDir(dir, func(_ string, d fs.DirEntry, err error) error {
-		if err == nil && !d.IsDir() {
-			if info, err := d.Info(); err == nil {
-				if st, ok := info.Sys().(*syscall.Stat_t); ok {
-					total += st.Blocks * 512
-				}
-			}
-		}
-		return nil
-	})
-	return total
 }
 
 func mustSource(b *testing.B, ref string) image.Source {
@@ -272,24 +253,6 @@ func randomFilesTar(b *testing.B, out string, count, size int, seed uint64) {
 func fileLayer(b *testing.B, path string) v1.Layer {
 	b.Helper()
 	l, err := tarball.LayerFromFile(path, tarball.WithCompressionLevel(gzip.BestSpeed))
-	if err != nil {
-		b.Fatal(err)
-	}
-	return l
-}
-
-// tarLayer is a layer of small files.
-func tarLayer(b *testing.B, files map[string]string) v1.Layer {
-	b.Helper()
-	var buf bytes.Buffer
-	tw := tar.NewWriter(&buf)
-	for p, body := range files {
-		tw.WriteHeader(&tar.Header{Name: p, Typeflag: tar.TypeReg, Mode: 0o644, Size: int64(len(body))})
-		tw.Write([]byte(body))
-	}
-	tw.Close()
-	data := buf.Bytes()
-	l, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil })
 	if err != nil {
 		b.Fatal(err)
 	}

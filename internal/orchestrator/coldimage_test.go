@@ -23,7 +23,7 @@ import (
 )
 
 // withLayer is img with one more layer holding file path with body.
-func withLayer(t *testing.T, img v1.Image, path, body string) v1.Image {
+func withLayer(t testing.TB, img v1.Image, path, body string) v1.Image {
 	t.Helper()
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)

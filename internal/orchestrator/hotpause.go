@@ -178,18 +178,18 @@ func (n *Node) hotFiles(s *sandboxes.Sandbox) []string {
 	return files
 }
 
-// keepHot keeps the stopped QEMU of a sandbox just paused (its state
-// published and its record paused) as its hot copy, or stops it when the
-// node keeps none or has no room.
-func (n *Node) keepHot(s *sandboxes.Sandbox) {
+// keepHot keeps the stopped QEMU of a sandbox just paused (rec published,
+// its record paused) as its hot copy, or stops it when the node keeps none
+// or has no room.
+func (n *Node) keepHot(s *sandboxes.Sandbox, rec pauseRecord) {
 	m := n.machines.take(s.ID)
 	if m == nil {
 		return
 	}
 	stop := []*vmm.Machine{m}
 	if n.hot.enabled() && alive(m) {
-		c := &hotCopy{m: m, bytes: int64(s.MemoryMiB) << 20, pausedAt: time.Now()}
-		rec, err := readPauseRecord(n.sandboxDir(s.ID))
+		c := &hotCopy{m: m, bytes: int64(s.MemoryMiB) << 20, pausedAt: time.Now(), record: rec}
+		var err error
 		for _, f := range n.hotFiles(s) {
 			st, serr := stampFile(f)
 			if serr != nil {
@@ -198,7 +198,6 @@ func (n *Node) keepHot(s *sandboxes.Sandbox) {
 			c.files = append(c.files, st)
 		}
 		if err == nil {
-			c.record = *rec
 			stop = n.hot.keep(s.ID, c)
 		}
 	}

@@ -159,8 +159,9 @@ func (n *Node) pauseMachine(ctx context.Context, s *sandboxes.Sandbox, from sand
 	phase("sync to disk")
 	// The record is written first, then the state file takes its final
 	// name: a state file under its final name always has a valid record.
+	rec := pauseRecord{StateSHA256: sum, RAMInState: s.MemPrivate, RAMDiff: s.MemPrivate}
 	if err := step("publish", func(ctx context.Context) error {
-		rec := pauseRecord{StateSHA256: sum, RAMInState: s.MemPrivate, RAMDiff: s.MemPrivate, PausedAt: time.Now().UTC()}
+		rec.PausedAt = time.Now().UTC()
 		if err := storage.WriteJSONAtomic(filepath.Join(dir, pauseRecordName), rec, 0o600); err != nil {
 			return err
 		}
@@ -178,7 +179,7 @@ func (n *Node) pauseMachine(ctx context.Context, s *sandboxes.Sandbox, from sand
 	s.State, s.PID = sandboxes.Paused, 0
 	// Paused: QEMU has nothing left to do but wait, stopped, as the hot
 	// copy (see hotpause.go), or exit.
-	n.keepHot(s)
+	n.keepHot(s, rec)
 	phase("qemu kept or exit")
 	return nil
 }
