@@ -295,12 +295,6 @@ func resolveKernelPackage(ctx context.Context, apt aptConfig, meta string) (stri
 	return "", fmt.Errorf("apt-cache depends %s names no %s-<version> package", meta, meta)
 }
 
-// parseKernelDepends picks the concrete kernel package from apt-cache
-// depends output ("  Depends: linux-image-6.1.0-57-cloud-amd64").
-func parseKernelDepends(out string) string {
-	return guestsource.KernelPackage(out, KernelMetaPackage)
-}
-
 func lastLines(b []byte, n int) string {
 	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
 	if len(lines) > n {

@@ -414,16 +414,6 @@ func DebianMirror(suite string) (string, error) {
 	return "", fmt.Errorf("no apt source for suite %q in /etc/apt/sources.list(.d); set the mirror explicitly", suite)
 }
 
-func mirrorFromList(s, suite string) string {
-	m, _ := guestsource.MirrorFor([]guestsource.AptFile{{Name: "sources.list", Text: s}}, suite)
-	return m
-}
-
-func mirrorFromDeb822(s, suite string) string {
-	m, _ := guestsource.MirrorFor([]guestsource.AptFile{{Name: "x.sources", Text: s}}, suite)
-	return m
-}
-
 func run(ctx context.Context, name string, args ...string) error {
 	out, err := exec.CommandContext(ctx, name, args...).CombinedOutput()
 	if err != nil {

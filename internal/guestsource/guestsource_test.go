@@ -154,6 +154,13 @@ func TestMirrorFor(t *testing.T) {
 	if got, _ := MirrorFor(host(t, "ubuntu2404").AptSources, "noble-security"); got != "http://security.example/ubuntu/" {
 		t.Errorf("ubuntu noble-security: %q", got)
 	}
+	debian := host(t, "debian12").AptSources
+	if got, _ := MirrorFor(debian, "bookworm-security"); got != "http://security.example/debian-security" {
+		t.Errorf("debian bookworm-security: %q", got)
+	}
+	if got, _ := MirrorFor(debian, "bookworm"); got != "http://mirror.example/debian" {
+		t.Errorf("debian bookworm: %q", got)
+	}
 }
 
 func TestKernelPackage(t *testing.T) {
