@@ -33,7 +33,7 @@ COPY --chown=user src/ a.txt /app/
 			{Type: "COPY", Args: []string{"src/", "/app/", "user", ""}, Line: 10},
 			{Type: "COPY", Args: []string{"a.txt", "/app/", "user", ""}, Line: 10},
 		}},
-		{name: "image", text: "from docker.io/library/python:3.12\nrun true\n", from: "docker.io/library/python:3.12",
+		{name: "image", text: "from registry.example/library/python:3.12\nrun true\n", from: "registry.example/library/python:3.12",
 			steps: []dockerStep{{Type: "RUN", Args: []string{"true"}, Line: 2}}},
 		{name: "no FROM", text: "RUN true\n", err: "line 1: RUN before FROM"},
 		{name: "empty", text: "# nothing\n", err: "no FROM"},
