@@ -44,6 +44,14 @@ scheduler) listen=${AENV_LISTEN:-:9090} ;;
 *) usage ;;
 esac
 
+# The environment file quotes each value in single quotes, which both
+# systemd and a shell read.
+for v in "$listen" "$scheduler" "$advertise" "${extra[@]}"; do
+	case "$v" in
+	*\'* | *$'\n'*) echo "a value with a single quote or a newline cannot go into /etc/aenv/aenv.env: $v" >&2; exit 1 ;;
+	esac
+done
+
 need_root
 . /etc/os-release
 case "${ID:-}:${VERSION_ID:-}" in
@@ -87,18 +95,36 @@ say "writing /etc/aenv/aenv.env"
 install -d -m 0700 /etc/aenv
 env_file=$(mktemp /etc/aenv/.aenv.env.XXXXXX)
 {
-	echo "AENV_LISTEN=$listen"
-	[ -n "${AENV_API_KEY:-}" ] && echo "AENV_API_KEY=$AENV_API_KEY"
-	[ -n "${AENV_NODE_TOKEN:-}" ] && echo "AENV_NODE_TOKEN=$AENV_NODE_TOKEN"
-	[ -n "$scheduler" ] && echo "AENV_SCHEDULER_URL=$scheduler"
-	[ -n "$advertise" ] && echo "AENV_ADVERTISE_URL=$advertise"
-	echo "AENV_ARGS=${extra[*]:-}"
+	echo "AENV_LISTEN='$listen'"
+	[ -n "${AENV_API_KEY:-}" ] && echo "AENV_API_KEY='$AENV_API_KEY'"
+	[ -n "${AENV_NODE_TOKEN:-}" ] && echo "AENV_NODE_TOKEN='$AENV_NODE_TOKEN'"
+	[ -n "$scheduler" ] && echo "AENV_SCHEDULER_URL='$scheduler'"
+	[ -n "$advertise" ] && echo "AENV_ADVERTISE_URL='$advertise'"
+	echo "AENV_ARGS='${extra[*]:-}'"
 } >"$env_file"
 chmod 0600 "$env_file"
 mv "$env_file" /etc/aenv/aenv.env
 
-say "installing and starting aenv-$role.service"
+say "installing aenv-$role.service and checking it with systemd-analyze verify"
 install -m 0644 "deploy/systemd/aenv-$role.service" /etc/systemd/system/
+systemd-analyze verify "/etc/systemd/system/aenv-$role.service"
+if [ ! -d /run/systemd/system ]; then
+	# No systemd as PID 1 (a container, a build machine): the unit is
+	# enabled for the next boot with systemd, and how to run it by hand is
+	# printed. Nothing is started.
+	systemctl --root=/ enable "aenv-$role.service"
+	cat <<MSG
+
+systemd is not running here (PID 1 is $(ps -p 1 -o comm= 2>/dev/null || echo unknown)): aenv-$role.service is installed and
+enabled for a boot with systemd, and not started. To run it by hand as its ExecStart does:
+
+  set -a; . /etc/aenv/aenv.env; set +a; $(sed -n 's/^ExecStart=//p' "/etc/systemd/system/aenv-$role.service")
+
+MSG
+	[ -n "$new_key" ] && echo "The API key (stored hashed; shown only now): E2B_API_KEY=$new_key"
+	exit 0
+fi
+say "starting aenv-$role.service"
 systemctl daemon-reload
 systemctl enable "aenv-$role.service"
 systemctl restart "aenv-$role.service"

@@ -217,7 +217,11 @@ func qemuCheck() check {
 	if info.RunWithUser() {
 		drop = "-run-with user="
 	}
-	return check{"qemu", checkOK, fmt.Sprintf("QEMU %s at %s (drops privileges with %s)", info.Version, info.Path, drop), ""}
+	detail := fmt.Sprintf("QEMU %s at %s (accelerators %s; drops privileges with %s)", info.Version, info.Path, strings.Join(info.Accels, ", "), drop)
+	if err := info.Supports(vmm.ProbeAccel().Accel); err != nil {
+		return check{"qemu", checkFail, detail + ": " + err.Error(), "install Debian's qemu-system-x86, or name a full build with AENV_QEMU"}
+	}
+	return check{"qemu", checkOK, detail, ""}
 }
 
 // kernelVersion parses "6.1.0-18-amd64" into 6, 1.

@@ -44,3 +44,4 @@ func templatePushCmd() *cobra.Command {
 func templateExportCmd() *cobra.Command {
 	return linuxOnly("export", "Write a template as a directory another data dir adopts")
 }
+func qemuCmd() *cobra.Command { return linuxOnly("qemu", "Install another QEMU beside the system's") }

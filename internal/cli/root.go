@@ -42,7 +42,7 @@ func newRoot() *cobra.Command {
 		authCmd(), createCmd(), lsCmd(), infoCmd(), execCmd(), shellCmd(), cpCmd(), pauseCmd(), resumeCmd(),
 		forkCmd(), timeoutCmd(), killCmd(), gcCmd(), leaseCmd(), logsCmd(), snapshotCmd(), templateCmd(), volumeCmd(),
 		// Server roles and machine setup (Linux).
-		serverCmd(), nodeCmd(), schedulerCmd(), gatewayCmd(), setupCmd(), keyCmd(), benchCmd(), doctorCmd(),
+		serverCmd(), nodeCmd(), schedulerCmd(), gatewayCmd(), setupCmd(), keyCmd(), benchCmd(), doctorCmd(), qemuCmd(),
 	)
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	wrapArgs(root)

@@ -1,7 +1,6 @@
 package guest
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -77,7 +76,7 @@ func FetchKernelFrom(ctx context.Context, dir string, src guestsource.Source, lo
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, fmt.Errorf("create kernel dir: %w", err)
 	}
-	var apt aptConfig
+	var apt guestsource.Apt
 	var pkg string
 	var err error
 	if src.HostMirror {
@@ -85,7 +84,7 @@ func FetchKernelFrom(ctx context.Context, dir string, src guestsource.Source, lo
 		if err != nil {
 			log("guest kernel: %v; running apt-get update", err)
 			if out, uerr := exec.CommandContext(ctx, "apt-get", "update").CombinedOutput(); uerr != nil {
-				err = fmt.Errorf("%w (apt-get update also failed: %v: %s)", err, uerr, lastLines(out, 5))
+				err = fmt.Errorf("%w (apt-get update also failed: %v: %s)", err, uerr, guestsource.LastLines(out, 5))
 			} else {
 				pkg, err = resolveKernelPackage(ctx, apt, meta)
 			}
@@ -99,7 +98,7 @@ func FetchKernelFrom(ctx context.Context, dir string, src guestsource.Source, lo
 			}
 		}
 	} else {
-		if apt, err = privateApt(ctx, dir, src, log); err != nil {
+		if apt, err = src.PrivateApt(ctx, filepath.Join(dir, ".apt"), log); err != nil {
 			return nil, err
 		}
 		if pkg, err = resolveKernelPackage(ctx, apt, meta); err != nil {
@@ -133,7 +132,7 @@ func FetchKernelFrom(ctx context.Context, dir string, src guestsource.Source, lo
 	log("guest kernel: downloading %s", pkg)
 	start := time.Now()
 	unpack := filepath.Join(tmp, "unpack")
-	deb, err := apt.fetchDeb(ctx, tmp, pkg, unpack)
+	deb, err := apt.FetchDeb(ctx, tmp, pkg, unpack)
 	if err != nil {
 		return nil, err
 	}
@@ -144,7 +143,7 @@ func FetchKernelFrom(ctx context.Context, dir string, src guestsource.Source, lo
 			return nil, fmt.Errorf("unpacked %s: %w", deb, err)
 		}
 		log("guest kernel: %s holds no modules; downloading %s", pkg, modules)
-		mdeb, merr := apt.fetchDeb(ctx, tmp, modules, unpack)
+		mdeb, merr := apt.FetchDeb(ctx, tmp, modules, unpack)
 		if merr != nil {
 			return nil, fmt.Errorf("unpacked %s: %w; and %w", deb, err, merr)
 		}
@@ -177,48 +176,6 @@ func FetchKernelFrom(ctx context.Context, dir string, src guestsource.Source, lo
 	}
 	log("guest kernel %s unpacked into %s in %s", version, dest, time.Since(start).Round(time.Millisecond))
 	return kernelAt(dest, version)
-}
-
-// aptConfig holds the options that point apt-get and apt-cache at a private
-// configuration; none means the host's.
-type aptConfig []string
-
-func (a aptConfig) command(ctx context.Context, name string, args ...string) *exec.Cmd {
-	return exec.CommandContext(ctx, name, append(append([]string(nil), a...), args...)...)
-}
-
-// privateApt lays out dir/.apt for src (kept between runs, so that apt-get
-// update fetches only what changed) and updates its lists.
-func privateApt(ctx context.Context, dir string, src guestsource.Source, log func(string, ...any)) (aptConfig, error) {
-	aptDir := filepath.Join(dir, ".apt")
-	if err := src.WriteAptDir(aptDir); err != nil {
-		return nil, err
-	}
-	apt := aptConfig(guestsource.AptOptions(aptDir))
-	log("guest kernel: apt-get update from %s (private apt configuration in %s)", src.Mirror, aptDir)
-	if out, err := apt.command(ctx, "apt-get", "update", "-q").CombinedOutput(); err != nil {
-		return nil, fmt.Errorf("apt-get update from %s (keyring %s, from package %s): %w: %s",
-			src.Mirror, src.Keyring, src.KeyringPackage, err, lastLines(out, 5))
-	}
-	return apt, nil
-}
-
-// fetchDeb downloads pkg into tmp with apt-get download and unpacks it into
-// unpack, returning the .deb's name.
-func (a aptConfig) fetchDeb(ctx context.Context, tmp, pkg, unpack string) (string, error) {
-	cmd := a.command(ctx, "apt-get", "download", pkg)
-	cmd.Dir = tmp
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("apt-get download %s: %w: %s", pkg, err, lastLines(out, 5))
-	}
-	debs, _ := filepath.Glob(filepath.Join(tmp, pkg+"_*.deb"))
-	if len(debs) != 1 {
-		return "", fmt.Errorf("apt-get download %s: expected one .deb in %s, found %d", pkg, tmp, len(debs))
-	}
-	if out, err := exec.CommandContext(ctx, "dpkg-deb", "-x", debs[0], unpack).CombinedOutput(); err != nil {
-		return "", fmt.Errorf("dpkg-deb -x %s: %w: %s", filepath.Base(debs[0]), err, lastLines(out, 5))
-	}
-	return filepath.Base(debs[0]), nil
 }
 
 // LoadKernel finds a kernel previously fetched into dir by FetchKernel.
@@ -284,23 +241,15 @@ func findKernelFiles(root, version string) (*Kernel, error) {
 
 // resolveKernelPackage asks apt-cache which linux-image-<version>-<flavour>
 // package the metapackage meta depends on.
-func resolveKernelPackage(ctx context.Context, apt aptConfig, meta string) (string, error) {
-	out, err := apt.command(ctx, "apt-cache", "depends", meta).CombinedOutput()
+func resolveKernelPackage(ctx context.Context, apt guestsource.Apt, meta string) (string, error) {
+	out, err := apt.Command(ctx, "apt-cache", "depends", meta).CombinedOutput()
 	if err != nil {
-		return "", fmt.Errorf("apt-cache depends %s: %w: %s", meta, err, lastLines(out, 3))
+		return "", fmt.Errorf("apt-cache depends %s: %w: %s", meta, err, guestsource.LastLines(out, 3))
 	}
 	if pkg := guestsource.KernelPackage(string(out), meta); pkg != "" {
 		return pkg, nil
 	}
 	return "", fmt.Errorf("apt-cache depends %s names no %s-<version> package", meta, meta)
-}
-
-func lastLines(b []byte, n int) string {
-	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return string(bytes.TrimSpace([]byte(strings.Join(lines, "\n"))))
 }
 
 func fileExists(p string) bool {

@@ -417,7 +417,7 @@ func DebianMirror(suite string) (string, error) {
 func run(ctx context.Context, name string, args ...string) error {
 	out, err := exec.CommandContext(ctx, name, args...).CombinedOutput()
 	if err != nil {
-		return fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, lastLines(out, 8))
+		return fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, guestsource.LastLines(out, 8))
 	}
 	return nil
 }

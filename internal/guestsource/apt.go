@@ -2,8 +2,10 @@ package guestsource
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 )
@@ -16,15 +18,20 @@ func (s Source) SourcesList() string {
 	if s.Keyring != "" {
 		opts = "[signed-by=" + s.Keyring + "] "
 	}
-	suites := s.KernelSuites
-	if len(suites) == 0 {
-		suites = []string{s.Suite}
-	}
 	var b strings.Builder
-	for _, suite := range suites {
+	for _, suite := range s.suites() {
 		fmt.Fprintf(&b, "deb %s%s %s %s\n", opts, s.Mirror, suite, strings.Join(s.Components, " "))
 	}
 	return b.String()
+}
+
+// suites are the suites a private apt configuration reads: KernelSuites,
+// or Suite alone.
+func (s Source) suites() []string {
+	if len(s.KernelSuites) == 0 {
+		return []string{s.Suite}
+	}
+	return s.KernelSuites
 }
 
 // AptOptions are the apt-get and apt-cache options of a private apt
@@ -88,4 +95,58 @@ func KernelPackage(dependsOutput, meta string) string {
 		}
 	}
 	return ""
+}
+
+// Apt runs apt-get and apt-cache with a private configuration's options
+// (AptOptions); a nil Apt runs them with the host's.
+type Apt []string
+
+// Command is name (apt-get or apt-cache) with a's options before args.
+func (a Apt) Command(ctx context.Context, name string, args ...string) *exec.Cmd {
+	return exec.CommandContext(ctx, name, append(append([]string(nil), a...), args...)...)
+}
+
+// PrivateApt lays out dir for s (WriteAptDir; kept between runs, so that
+// apt-get update fetches only what changed) and updates its lists.
+func (s Source) PrivateApt(ctx context.Context, dir string, log func(string, ...any)) (Apt, error) {
+	if err := s.WriteAptDir(dir); err != nil {
+		return nil, err
+	}
+	apt := Apt(AptOptions(dir))
+	if log != nil {
+		log("apt-get update from %s %s (private apt configuration in %s)", s.Mirror, strings.Join(s.suites(), ","), dir)
+	}
+	if out, err := apt.Command(ctx, "apt-get", "update", "-q").CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("apt-get update from %s (keyring %s, from package %s): %w: %s",
+			s.Mirror, s.Keyring, s.KeyringPackage, err, LastLines(out, 5))
+	}
+	return apt, nil
+}
+
+// FetchDeb downloads pkg (a name, or name=version) into tmp with apt-get
+// download and unpacks it into unpack, returning the .deb's name.
+func (a Apt) FetchDeb(ctx context.Context, tmp, pkg, unpack string) (string, error) {
+	cmd := a.Command(ctx, "apt-get", "download", pkg)
+	cmd.Dir = tmp
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("apt-get download %s: %w: %s", pkg, err, LastLines(out, 5))
+	}
+	name, _, _ := strings.Cut(pkg, "=")
+	debs, _ := filepath.Glob(filepath.Join(tmp, name+"_*.deb"))
+	if len(debs) != 1 {
+		return "", fmt.Errorf("apt-get download %s: expected one .deb in %s, found %d", pkg, tmp, len(debs))
+	}
+	if out, err := exec.CommandContext(ctx, "dpkg-deb", "-x", debs[0], unpack).CombinedOutput(); err != nil {
+		return "", fmt.Errorf("dpkg-deb -x %s: %w: %s", filepath.Base(debs[0]), err, LastLines(out, 5))
+	}
+	return filepath.Base(debs[0]), nil
+}
+
+// LastLines is the last n lines of a command's output, for error messages.
+func LastLines(b []byte, n int) string {
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.TrimSpace(strings.Join(lines, "\n"))
 }

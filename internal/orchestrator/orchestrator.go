@@ -279,14 +279,19 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 			return nil, fmt.Errorf("%w: %s %s missing: run `aenv setup --data-dir %s`", ErrSetup, name, p, cfg.DataDir)
 		}
 	}
-	// The QEMU binary decides mechanisms (how QEMU drops privileges) and
-	// one too old is refused before anything changes.
+	// The QEMU binary decides mechanisms (how QEMU drops privileges), and
+	// one too old or without what sandboxes use (the machine, devices, QMP
+	// commands, migration capability, the accelerator chosen) is refused
+	// before anything changes.
 	qemu, err := vmm.ProbeQEMU(ctx, cfg.QEMU)
+	if err == nil && cfg.Accel != "" {
+		err = qemu.Supports(cfg.Accel)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrSetup, err)
 	}
 	cfg.QEMU = qemu.Path
-	cfg.Logger.Info("QEMU", "path", qemu.Path, "version", qemu.Version.String(), "run-with-user", qemu.RunWithUser())
+	cfg.Logger.Info("QEMU", "path", qemu.Path, "version", qemu.Version.String(), "accelerators", qemu.Accels, "run-with-user", qemu.RunWithUser())
 	lock, err := datadir.Acquire(cfg.DataDir, "aenv server")
 	if err != nil {
 		return nil, err

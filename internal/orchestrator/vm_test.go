@@ -15,6 +15,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -86,13 +87,29 @@ func releaseTestSlot(i int) {
 }
 
 // testInstance names slot i's host objects and address range (slots up to
-// 15: 10.214.0.0/20, 10.214.16.0/20, ...).
+// 15: 10.214.0.0/20, 10.214.16.0/20, ...). A second run of this package at
+// the same time (scripts/test runs the lifecycle tests on another QEMU
+// beside the whole suite) sets AENV_TEST_LANE=1 and gets names, a range
+// (10.215.0.0/16) and QEMU user ids of its own.
 func testInstance(slot int) (instance, cidr string) {
+	lane := testLane()
+	if lane > 0 {
+		return fmt.Sprintf("ae%dt%d", lane, slot), fmt.Sprintf("10.%d.%d.0/20", 214+lane, 16*slot)
+	}
 	instance = "aetst"
 	if slot > 0 {
 		instance = fmt.Sprintf("aets%d", slot)
 	}
 	return instance, fmt.Sprintf("10.214.%d.0/20", 16*slot)
+}
+
+// testLane is AENV_TEST_LANE (0 when unset).
+func testLane() int {
+	l, _ := strconv.Atoi(os.Getenv("AENV_TEST_LANE"))
+	if l < 0 || l > 1 {
+		panic("AENV_TEST_LANE must be 0 or 1")
+	}
+	return l
 }
 
 // preparedTemplates are the templates scripts/test builds in
@@ -160,7 +177,7 @@ func openTestNodeIn(t testing.TB, dir string, slot int, opts ...func(*Config)) *
 		QEMU:        os.Getenv("AENV_QEMU"), // another QEMU than PATH's (e.g. 10.0 unpacked from backports)
 		NetworkCIDR: cidr,
 		Instance:    instance,
-		QEMUUIDBase: testQEMUUIDBase + slot*100000, // ids of its own per test node
+		QEMUUIDBase: testQEMUUIDBase + testLane()*10_000_000 + slot*100000, // ids of its own per test node
 		BootTimeout: 60 * time.Second,
 		Logger:      slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})),
 	}
