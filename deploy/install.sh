@@ -9,17 +9,18 @@
 #   AENV_API_KEY=e2b_... AENV_NODE_TOKEN=... deploy/install.sh node --scheduler http://10.0.0.1:9090 \
 #       --advertise-url http://10.0.0.5:8000 [-- --repository oss://...]
 #
-# Arguments after `--` are passed on to `aenv <role>` (AENV_ARGS). Every
+# Arguments after `--` are passed on to `aenv <role>` (AENV_ARGS);
+# AENV_SETUP_ARGS to `aenv setup` (e.g. --guest-distro, --guest-mirror). Every
 # machine of a cluster needs the same API key. Installs the Debian packages,
 # Go (from the Go module proxy if missing), /usr/local/bin/aenv and envd,
 # prepares /var/lib/aenv with the kernel and the base template (server and
-# node), writes /etc/aenv/aenv.env and starts aenv-<role>.service.
+# node), writes /etc/aenv/aenv.env and starts aenv-<role>.service where systemd runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 
 usage() {
-	sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
+	sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2
 	exit 2
 }
 
@@ -84,7 +85,8 @@ install -m 0755 bin/aenv bin/envd /usr/local/bin/
 
 if [ "$role" = server ] || [ "$role" = node ]; then
 	say "preparing /var/lib/aenv (kernel, initramfs, ${AENV_TEMPLATES:-base} template)"
-	/usr/local/bin/aenv setup --data-dir /var/lib/aenv --templates "${AENV_TEMPLATES:-base}"
+	# shellcheck disable=SC2086 # AENV_SETUP_ARGS is a list of flags
+	/usr/local/bin/aenv setup --data-dir /var/lib/aenv --templates "${AENV_TEMPLATES:-base}" ${AENV_SETUP_ARGS:-}
 fi
 new_key=""
 if [ "$role" = server ] && [ -z "${AENV_API_KEY:-}" ] && ! /usr/local/bin/aenv key --exists --data-dir /var/lib/aenv 2>/dev/null; then
