@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"crypto/subtle"
 	"encoding/hex"
+	"errors"
 	"io"
 	"net/http"
 	"time"
@@ -37,6 +38,14 @@ func (s *Server) client(r *http.Request) string {
 	return ClientOf(r)
 }
 
+// HeaderFindOnly on a create or fork with an Idempotency-Key asks the
+// node for the answer of the key's first request without running
+// anything: that answer (or 409 while it runs, 422 for another body) when
+// the node holds the key, 404 when it does not. A gateway that lost track
+// of a key's node (it restarted, or another gateway placed the first
+// request) asks every node with it before placing the request anew.
+const HeaderFindOnly = "X-Aenv-Idempotency-Find"
+
 // idempotentWait is how long a retry waits for its first request to end.
 const idempotentWait = 3 * time.Minute
 
@@ -44,6 +53,10 @@ const idempotentWait = 3 * time.Minute
 // gets the first answer (package idempotency). Without a key, or on a
 // node that keeps no keys, it just runs.
 func (s *Server) idempotent(w http.ResponseWriter, r *http.Request, route string, key *string, run func(http.ResponseWriter, *http.Request)) {
+	if r.Header.Get(HeaderFindOnly) != "" {
+		s.findIdempotent(w, r, route, key)
+		return
+	}
 	if key == nil || s.cfg.Idempotency == nil {
 		run(w, r)
 		return
@@ -71,6 +84,29 @@ func (s *Server) idempotent(w http.ResponseWriter, r *http.Request, route string
 	defer cancel()
 	if err := claim.Finish(ctx, idempotency.Answer{Status: rec.status, ContentType: rec.Header().Get("Content-Type"), Body: rec.body.Bytes()}); err != nil {
 		s.log.Error("keeping the answer of an idempotent request", "route", route, "err", err)
+	}
+}
+
+// findIdempotent answers a HeaderFindOnly request: nothing runs.
+func (s *Server) findIdempotent(w http.ResponseWriter, r *http.Request, route string, key *string) {
+	if key == nil || s.cfg.Idempotency == nil {
+		writeError(w, http.StatusNotFound, idempotency.ErrUnknown.Error())
+		return
+	}
+	body, err := readBody(r)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	answer, err := s.cfg.Idempotency.Find(r.Context(), idempotency.Request{
+		Client: s.client(r), Route: route, Key: *key, Body: body}, idempotentWait)
+	switch {
+	case errors.Is(err, idempotency.ErrUnknown):
+		writeError(w, http.StatusNotFound, err.Error())
+	case err != nil:
+		s.writeNodeError(w, err)
+	default:
+		answer.Write(w)
 	}
 }
 

@@ -49,7 +49,7 @@ func (a *testAPI) withKey(ctx context.Context, method, path, key, body string) *
 }
 
 // A create retried with its Idempotency-Key gets the same sandbox, also
-// from a restarted node; another body with the key is a 400; another key
+// from a restarted node; another body with the key is a 422; another key
 // is another sandbox; a create without a key is never replayed.
 func TestIdempotentCreate(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "aenv.db")
@@ -72,7 +72,7 @@ func TestIdempotentCreate(t *testing.T) {
 		t.Fatalf("v1: %d %s", rec.Code, rec.Body)
 	}
 	rec := a.withKey(t.Context(), "POST", "/v2/sandboxes", "episode-1", `{"templateID":"minimal"}`)
-	assertError(t, rec, http.StatusBadRequest)
+	assertError(t, rec, http.StatusUnprocessableEntity)
 	if !strings.Contains(rec.Body.String(), "Idempotency-Key") {
 		t.Fatalf("%s", rec.Body)
 	}
@@ -146,5 +146,45 @@ func TestIdempotentFork(t *testing.T) {
 	}
 	if l, _ := node.List(t.Context()); len(l) != 3 {
 		t.Fatalf("%d sandboxes, want the parent and 2 children", len(l))
+	}
+}
+
+// With HeaderFindOnly a node answers for a key it holds and runs nothing:
+// 404 for a key it does not hold (or when it keeps no keys), the first
+// answer for one it does, 422 for another body.
+func TestIdempotentFindOnly(t *testing.T) {
+	node := newFakeNode()
+	a := newIdempotentAPI(t, node, filepath.Join(t.TempDir(), "aenv.db"))
+	body := `{"templateID":"base","timeout":60}`
+	find := func(a *testAPI, key, body string) *httptest.ResponseRecorder {
+		req := httptest.NewRequestWithContext(t.Context(), "POST", "/v2/sandboxes", strings.NewReader(body))
+		req.Header.Set("X-API-Key", testKey)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Idempotency-Key", key)
+		req.Header.Set(HeaderFindOnly, "1")
+		rec := httptest.NewRecorder()
+		a.srv.ServeHTTP(rec, req)
+		return rec
+	}
+	assertError(t, find(a, "k1", body), http.StatusNotFound)
+	if len(node.creates) != 0 {
+		t.Fatalf("a find ran %d creates", len(node.creates))
+	}
+	first := a.withKey(t.Context(), "POST", "/v2/sandboxes", "k1", body)
+	if first.Code != http.StatusCreated {
+		t.Fatalf("%d %s", first.Code, first.Body)
+	}
+	if rec := find(a, "k1", body); rec.Code != http.StatusCreated || rec.Body.String() != first.Body.String() || rec.Header().Get(idempotency.ReplayedHeader) != "true" {
+		t.Fatalf("find of a held key: %d %s", rec.Code, rec.Body)
+	}
+	assertError(t, find(a, "k1", `{"templateID":"minimal"}`), http.StatusUnprocessableEntity)
+	if len(node.creates) != 1 {
+		t.Fatalf("%d creates", len(node.creates))
+	}
+	// A node that keeps no keys holds none.
+	plain := newTestAPI(t)
+	assertError(t, find(plain, "k1", body), http.StatusNotFound)
+	if len(plain.node.creates) != 0 {
+		t.Fatal("a find ran a create on a node without keys")
 	}
 }

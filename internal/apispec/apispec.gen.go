@@ -1007,6 +1007,9 @@ type N413 = Error
 // N415 defines model for 415.
 type N415 = Error
 
+// N422 defines model for 422.
+type N422 = Error
+
 // N429 defines model for 429.
 type N429 = Error
 
@@ -1073,7 +1076,7 @@ type ListSandboxesV1Params struct {
 
 // CreateSandboxV1Params defines parameters for CreateSandboxV1.
 type CreateSandboxV1Params struct {
-	// IdempotencyKey Makes the request idempotent: a retry with the same key (from the same client, on the same route, with the same body) within the node's window (24 h) gets the first answer again, marked Idempotent-Replayed, also after a node restart; a retry while the first still runs waits for it. The same key with another body is a 400. A first request that failed leaves nothing: its retry runs again.
+	// IdempotencyKey Makes the request idempotent: a retry with the same key (from the same client, on the same route, with the same body) within the node's window (24 h) gets the first answer again, marked Idempotent-Replayed, also after a node restart and through any gateway; a retry while the first still runs waits for it (a 409 after 3 minutes). The same key with another body is a 422. A first request that failed leaves nothing: its retry runs again.
 	IdempotencyKey *IdempotencyKey `json:"Idempotency-Key,omitempty"`
 }
 
@@ -1099,7 +1102,7 @@ type CreateSandboxFromImageJSONBody struct {
 
 // CreateSandboxFromImageParams defines parameters for CreateSandboxFromImage.
 type CreateSandboxFromImageParams struct {
-	// IdempotencyKey Makes the request idempotent: a retry with the same key (from the same client, on the same route, with the same body) within the node's window (24 h) gets the first answer again, marked Idempotent-Replayed, also after a node restart; a retry while the first still runs waits for it. The same key with another body is a 400. A first request that failed leaves nothing: its retry runs again.
+	// IdempotencyKey Makes the request idempotent: a retry with the same key (from the same client, on the same route, with the same body) within the node's window (24 h) gets the first answer again, marked Idempotent-Replayed, also after a node restart and through any gateway; a retry while the first still runs waits for it (a 409 after 3 minutes). The same key with another body is a 422. A first request that failed leaves nothing: its retry runs again.
 	IdempotencyKey *IdempotencyKey `json:"Idempotency-Key,omitempty"`
 }
 
@@ -1125,7 +1128,7 @@ type ForkSandboxJSONBody struct {
 
 // ForkSandboxParams defines parameters for ForkSandbox.
 type ForkSandboxParams struct {
-	// IdempotencyKey Makes the request idempotent: a retry with the same key (from the same client, on the same route, with the same body) within the node's window (24 h) gets the first answer again, marked Idempotent-Replayed, also after a node restart; a retry while the first still runs waits for it. The same key with another body is a 400. A first request that failed leaves nothing: its retry runs again.
+	// IdempotencyKey Makes the request idempotent: a retry with the same key (from the same client, on the same route, with the same body) within the node's window (24 h) gets the first answer again, marked Idempotent-Replayed, also after a node restart and through any gateway; a retry while the first still runs waits for it (a 409 after 3 minutes). The same key with another body is a 422. A first request that failed leaves nothing: its retry runs again.
 	IdempotencyKey *IdempotencyKey `json:"Idempotency-Key,omitempty"`
 }
 
@@ -1272,7 +1275,7 @@ type ListSandboxesParamsOrder string
 
 // CreateSandboxParams defines parameters for CreateSandbox.
 type CreateSandboxParams struct {
-	// IdempotencyKey Makes the request idempotent: a retry with the same key (from the same client, on the same route, with the same body) within the node's window (24 h) gets the first answer again, marked Idempotent-Replayed, also after a node restart; a retry while the first still runs waits for it. The same key with another body is a 400. A first request that failed leaves nothing: its retry runs again.
+	// IdempotencyKey Makes the request idempotent: a retry with the same key (from the same client, on the same route, with the same body) within the node's window (24 h) gets the first answer again, marked Idempotent-Replayed, also after a node restart and through any gateway; a retry while the first still runs waits for it (a 409 after 3 minutes). The same key with another body is a 422. A first request that failed leaves nothing: its retry runs again.
 	IdempotencyKey *IdempotencyKey `json:"Idempotency-Key,omitempty"`
 }
 

@@ -491,7 +491,7 @@ func (g *Gateway) call(r *http.Request, nodeURL string, body []byte) (int, http.
 	if err != nil {
 		return 0, nil, nil, err
 	}
-	for _, h := range []string{"Content-Type", "User-Agent", httperr.Header, "Idempotency-Key"} {
+	for _, h := range []string{"Content-Type", "User-Agent", httperr.Header, "Idempotency-Key", api.HeaderFindOnly} {
 		if v := r.Header.Get(h); v != "" {
 			req.Header.Set(h, v)
 		}
@@ -607,6 +607,12 @@ func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
 				return
 			}
 			g.log.Warn("the node of an idempotent create did not answer; placing it again", "node", n.nodeID, "err", err)
+		} else if found, ok := g.findIdempotent(r, body); ok {
+			if found.status/100 == 2 {
+				g.idempotent.put(pinKey, found.node)
+			}
+			copyResponse(w, found.status, found.hdr, found.body)
+			return
 		}
 	}
 	mem := req.MemoryMB << 20

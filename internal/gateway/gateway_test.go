@@ -500,27 +500,43 @@ func TestCreateAroundFullNodes(t *testing.T) {
 
 // A create retried with its Idempotency-Key goes to the node that made
 // the first, with the key and the client (the hash of its API key, never
-// the key) passed on; another key is placed anew.
+// the key) passed on; another key is placed anew. A gateway without the
+// key's pin (restarted, or another gateway of the cluster) asks every node
+// for the key and sends the retry to the one holding it.
 func TestIdempotentCreateStaysOnItsNode(t *testing.T) {
 	var mu sync.Mutex
-	got := map[string][]string{} // node → keys
+	creates := map[string][]string{} // node → keys of the creates it ran
 	node := func(name string) *httptest.Server {
+		held := map[string]string{} // key → answer
 		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			if r.Header.Get("X-API-Key") != "" || r.Header.Get(api.HeaderClient) != api.ClientOf(&http.Request{Header: http.Header{"X-Api-Key": {key}}}) {
 				httperr.Write(w, http.StatusUnauthorized, "client")
 				return
 			}
+			k := r.Header.Get("Idempotency-Key")
 			mu.Lock()
-			got[name] = append(got[name], r.Header.Get("Idempotency-Key"))
-			mu.Unlock()
+			defer mu.Unlock()
+			if a, ok := held[k]; ok {
+				w.WriteHeader(http.StatusCreated)
+				io.WriteString(w, a)
+				return
+			}
+			if r.Header.Get(api.HeaderFindOnly) != "" {
+				httperr.Write(w, http.StatusNotFound, "unknown key")
+				return
+			}
+			creates[name] = append(creates[name], k)
+			b, _ := json.Marshal(map[string]string{"sandboxID": fmt.Sprintf("on%s-%d", name, len(creates[name])), "clientID": "aenv"})
+			held[k] = string(b)
 			w.WriteHeader(http.StatusCreated)
-			json.NewEncoder(w).Encode(map[string]string{"sandboxID": "on" + name, "clientID": "aenv"})
+			w.Write(b)
 		}))
 		t.Cleanup(srv.Close)
 		return srv
 	}
-	gw := gatewayOver(t, node("a"), node("b"))
-	post := func(idemKey string) string {
+	a, b := node("a"), node("b")
+	gw := gatewayOver(t, a, b)
+	post := func(gw *httptest.Server, idemKey string) string {
 		req, _ := http.NewRequest("POST", gw.URL+"/v2/sandboxes", strings.NewReader(`{"templateID":"base"}`))
 		req.Header.Set("X-API-Key", key)
 		req.Header.Set("Idempotency-Key", idemKey)
@@ -535,23 +551,31 @@ func TestIdempotentCreateStaysOnItsNode(t *testing.T) {
 		}
 		return string(b)
 	}
-	first := post("e1")
+	first := post(gw, "e1")
 	for range 5 {
-		if again := post("e1"); again != first {
+		if again := post(gw, "e1"); again != first {
 			t.Fatalf("retry answered %s, first %s", again, first)
 		}
 	}
+	// Gateways that never saw e1 (a restarted one, another of the
+	// cluster), whose schedulers know the nodes in either order, so that
+	// some would place the retry on the other node.
+	for i := range 4 {
+		other := gatewayOver(t, a, b)
+		if i%2 == 1 {
+			other = gatewayOver(t, b, a)
+		}
+		if again := post(other, "e1"); again != first {
+			t.Fatalf("retry through another gateway answered %s, first %s", again, first)
+		}
+	}
+	if other := post(gw, "e2"); other == first {
+		t.Fatal("another key got the first sandbox")
+	}
 	mu.Lock()
 	defer mu.Unlock()
-	if len(got["a"])+len(got["b"]) != 6 || (len(got["a"]) != 6 && len(got["b"]) != 6) {
-		t.Fatalf("the retries went to %v", got)
-	}
-	for _, keys := range got {
-		for _, k := range keys {
-			if k != "e1" {
-				t.Fatalf("key %q passed on", k)
-			}
-		}
+	if n := len(creates["a"]) + len(creates["b"]); n != 2 {
+		t.Fatalf("%d creates for two keys: %v", n, creates)
 	}
 }
 

@@ -1,15 +1,19 @@
 package gateway
 
 import (
+	"net/http"
 	"sync"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/api"
 )
 
 // pins remember which node made the sandbox of a create sent with an
 // Idempotency-Key, so that its retry goes to that node (which keeps the
-// answer) instead of being placed anew. They live in the gateway's memory:
-// after a gateway restart a retry is placed again, and only a retry that
-// lands on the same node is answered from its record.
+// answer) instead of being placed anew. They live in the gateway's memory;
+// a retry this gateway has no pin for (it restarted, or another gateway
+// placed the first request) asks every node for the key first
+// (findIdempotent), and is placed anew only when no node holds it.
 type pins struct {
 	ttl time.Duration
 	max int
@@ -58,4 +62,50 @@ func (p *pins) put(key string, node route) {
 		}
 	}
 	p.m[key] = pin{node: node, until: now.Add(p.ttl)}
+}
+
+// foundAnswer is a node's answer for an Idempotency-Key it holds.
+type foundAnswer struct {
+	node   route
+	status int
+	hdr    http.Header
+	body   []byte
+}
+
+// findIdempotent asks every ready node, with api.HeaderFindOnly, for the
+// answer to r's Idempotency-Key: a node that holds the key answers (the
+// first request's answer, a 409 while it still runs, a 422 for another
+// body), the others 404 and run nothing. False: no node holds it (or the
+// nodes are unavailable, and the create is placed as usual). A node that
+// holds the key but does not answer cannot be told from one that does not
+// hold it; the create is then placed anew.
+func (g *Gateway) findIdempotent(r *http.Request, body []byte) (foundAnswer, bool) {
+	nodes, err := g.readyNodes(r.Context())
+	if err != nil || len(nodes) == 0 {
+		return foundAnswer{}, false
+	}
+	find := r.Clone(r.Context())
+	find.Header.Set(api.HeaderFindOnly, "1")
+	answers := make([]*foundAnswer, len(nodes))
+	var wg sync.WaitGroup
+	for i, n := range nodes {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			status, hdr, b, err := g.call(find, n.Url, body)
+			switch {
+			case err != nil:
+				g.log.Warn("asking a node for an Idempotency-Key", "node", n.NodeId, "err", err)
+			case status != http.StatusNotFound:
+				answers[i] = &foundAnswer{route{nodeID: n.NodeId, url: n.Url}, status, hdr, b}
+			}
+		}()
+	}
+	wg.Wait()
+	for _, a := range answers {
+		if a != nil {
+			return *a, true
+		}
+	}
+	return foundAnswer{}, false
 }

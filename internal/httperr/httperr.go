@@ -78,6 +78,8 @@ func StatusOf(err error) int {
 		return http.StatusBadRequest
 	case errors.Is(err, errkind.ErrConflict):
 		return http.StatusConflict
+	case errors.Is(err, errkind.ErrMismatch):
+		return http.StatusUnprocessableEntity
 	case errors.Is(err, errkind.ErrCapacity):
 		return http.StatusTooManyRequests
 	case errors.Is(err, errkind.ErrTooLarge):

@@ -92,7 +92,7 @@ func (r Request) fingerprint() string {
 // Begin claims the request's key. It returns the first request's answer
 // when the key was used before (waiting up to wait for one still
 // running), or nil and a claim the caller ends with Claim.Finish once it
-// has its answer. The same key with another body is an ErrInvalid; a
+// has its answer. The same key with another body is an ErrMismatch; a
 // first request still running after wait an ErrConflict.
 func (s *Store) Begin(ctx context.Context, req Request, wait time.Duration) (*Answer, *Claim, error) {
 	if req.Key == "" || len(req.Key) > MaxKeyLength {
@@ -126,7 +126,7 @@ func (s *Store) Begin(ctx context.Context, req Request, wait time.Duration) (*An
 			return nil, nil, fmt.Errorf("read idempotency key: %w", err)
 		}
 		if have != fp {
-			return nil, nil, fmt.Errorf("%w: this Idempotency-Key was used with another request body; a retry must send the same body (or use a new key)", errkind.ErrInvalid)
+			return nil, nil, fmt.Errorf("%w: this Idempotency-Key was used with another request body; a retry must send the same body (or use a new key)", errkind.ErrMismatch)
 		}
 		if done {
 			return &a, nil, nil
@@ -137,6 +137,51 @@ func (s *Store) Begin(ctx context.Context, req Request, wait time.Duration) (*An
 		select {
 		case <-ctx.Done():
 			return nil, nil, ctx.Err()
+		case <-time.After(s.poll):
+		}
+	}
+}
+
+// ErrUnknown is Find's answer for a key this store does not hold.
+var ErrUnknown = errors.New("this node holds no request with this Idempotency-Key")
+
+// Find is Begin for a request that must not run here: the first request's
+// answer when this store holds the key (waiting up to wait for one still
+// running, as a retry does), ErrUnknown when it does not. A gateway that
+// lost track of where a key's request went asks every node with it.
+func (s *Store) Find(ctx context.Context, req Request, wait time.Duration) (*Answer, error) {
+	if req.Key == "" || len(req.Key) > MaxKeyLength {
+		return nil, fmt.Errorf("%w: Idempotency-Key must be 1 to %d characters", errkind.ErrInvalid, MaxKeyLength)
+	}
+	id, fp := req.id(), req.fingerprint()
+	deadline := s.now().Add(wait)
+	for {
+		var (
+			have    string
+			done    bool
+			created int64
+			a       Answer
+		)
+		err := s.db.QueryRowContext(ctx, `SELECT fingerprint, done, status, content_type, body, created_at FROM idempotent_requests WHERE id = ?`, id).
+			Scan(&have, &done, &a.Status, &a.ContentType, &a.Body, &created)
+		if errors.Is(err, sql.ErrNoRows) || (err == nil && created < s.now().Add(-s.window).UnixMilli()) {
+			return nil, ErrUnknown
+		}
+		if err != nil {
+			return nil, fmt.Errorf("read idempotency key: %w", err)
+		}
+		if have != fp {
+			return nil, fmt.Errorf("%w: this Idempotency-Key was used with another request body; a retry must send the same body (or use a new key)", errkind.ErrMismatch)
+		}
+		if done {
+			return &a, nil
+		}
+		if s.now().After(deadline) {
+			return nil, fmt.Errorf("%w: the first request with this Idempotency-Key is still running; retry later", errkind.ErrConflict)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
 		case <-time.After(s.poll):
 		}
 	}

@@ -44,7 +44,7 @@ func TestReplayAndMismatch(t *testing.T) {
 	}
 	other := req
 	other.Body = []byte(`{"templateID":"minimal"}`)
-	if _, _, err := s.Begin(t.Context(), other, time.Second); !errors.Is(err, errkind.ErrInvalid) {
+	if _, _, err := s.Begin(t.Context(), other, time.Second); !errors.Is(err, errkind.ErrMismatch) {
 		t.Fatalf("another body: %v", err)
 	}
 	// Another client, route or key is another request.
@@ -136,5 +136,46 @@ func TestRestart(t *testing.T) {
 	s2.now = func() time.Time { return time.Now().Add(2 * time.Hour) }
 	if a, c, err := s2.Begin(t.Context(), req, time.Second); err != nil || a != nil || c == nil {
 		t.Fatalf("past the window: %+v %v", a, err)
+	}
+}
+
+// Find answers for a key this store holds and never claims one: unknown,
+// running (it waits like a retry), done, another body, expired.
+func TestFind(t *testing.T) {
+	s := openStore(t, filepath.Join(t.TempDir(), "aenv.db"), time.Hour)
+	if _, err := s.Find(t.Context(), req, 0); !errors.Is(err, ErrUnknown) {
+		t.Fatalf("unknown key: %v", err)
+	}
+	// Find claimed nothing: the first request still gets its claim.
+	_, c, err := s.Begin(t.Context(), req, time.Second)
+	if err != nil || c == nil {
+		t.Fatalf("first after Find: %v %v", c, err)
+	}
+	if _, err := s.Find(t.Context(), req, 20*time.Millisecond); !errors.Is(err, errkind.ErrConflict) {
+		t.Fatalf("running, not waited for long enough: %v", err)
+	}
+	got := make(chan *Answer, 1)
+	go func() {
+		a, err := s.Find(context.Background(), req, 5*time.Second)
+		if err != nil {
+			t.Error(err)
+		}
+		got <- a
+	}()
+	time.Sleep(30 * time.Millisecond)
+	if err := c.Finish(t.Context(), Answer{Status: 201, Body: []byte(`{"sandboxID":"s1"}`)}); err != nil {
+		t.Fatal(err)
+	}
+	if a := <-got; a == nil || a.Status != 201 || string(a.Body) != `{"sandboxID":"s1"}` {
+		t.Fatalf("waited for the first: %+v", a)
+	}
+	other := req
+	other.Body = []byte(`{"templateID":"minimal"}`)
+	if _, err := s.Find(t.Context(), other, 0); !errors.Is(err, errkind.ErrMismatch) {
+		t.Fatalf("another body: %v", err)
+	}
+	s.now = func() time.Time { return time.Now().Add(2 * time.Hour) }
+	if _, err := s.Find(t.Context(), req, 0); !errors.Is(err, ErrUnknown) {
+		t.Fatalf("expired: %v", err)
 	}
 }
