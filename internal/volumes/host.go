@@ -1,7 +1,6 @@
 package volumes
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -14,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/mountinfo"
 	"github.com/agentenv/agentenv/internal/storage"
 	"golang.org/x/sys/unix"
 )
@@ -378,36 +378,6 @@ func pidsWith(name, arg string) []int {
 // mounted reports whether path is a mount point (in this process's mount
 // namespace).
 func mounted(path string) bool {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return false
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) > 4 && unescapeMount(fields[4]) == path {
-			return true
-		}
-	}
-	return false
-}
-
-// unescapeMount undoes mountinfo's octal escapes (\040 for a space…).
-func unescapeMount(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
+	ok, _ := mountinfo.IsMountPoint(path)
+	return ok
 }

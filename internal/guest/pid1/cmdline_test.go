@@ -73,12 +73,3 @@ func TestParseCmdlineParams(t *testing.T) {
 		t.Error("Network() true without aenv.ip")
 	}
 }
-
-func TestUnescapeMount(t *testing.T) {
-	if got := unescapeMount(`/mnt/a\040b`); got != "/mnt/a b" {
-		t.Errorf("got %q", got)
-	}
-	if got := unescapeMount("/plain"); got != "/plain" {
-		t.Errorf("got %q", got)
-	}
-}

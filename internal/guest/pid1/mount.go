@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/agentenv/agentenv/internal/mountinfo"
 )
 
 type mountSpec struct {
@@ -168,7 +170,7 @@ func unmountAll() {
 			if len(f) < 2 || f[1] == "/" {
 				continue
 			}
-			target := unescapeMount(f[1])
+			target := mountinfo.Unescape(f[1])
 			if err := unix.Unmount(target, 0); err != nil {
 				_ = unix.Unmount(target, unix.MNT_DETACH)
 			}
@@ -177,24 +179,4 @@ func unmountAll() {
 	if err := unix.Mount("", "/", "", unix.MS_REMOUNT|unix.MS_RDONLY, ""); err != nil {
 		logf("remount / read-only: %v", err)
 	}
-}
-
-// unescapeMount undoes the octal escapes of /proc/self/mounts (\040 etc.).
-func unescapeMount(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			var v int
-			if _, err := fmt.Sscanf(s[i+1:i+4], "%3o", &v); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }

@@ -18,6 +18,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"time"
 
@@ -326,15 +327,8 @@ func buildLayer(ctx context.Context, opt Options, chain, parent, diffID string, 
 	if err := os.Mkdir(mnt, 0o755); err != nil {
 		return nil, err
 	}
-	if err := run(ctx, "mount", "-o", "loop", raw, mnt); err != nil {
+	if err := onPrivateMount(ctx, raw, mnt, change); err != nil {
 		return nil, err
-	}
-	cerr := change(mnt)
-	if err := run(context.WithoutCancel(ctx), "umount", mnt); err != nil && cerr == nil {
-		cerr = err
-	}
-	if cerr != nil {
-		return nil, cerr
 	}
 	tmp := filepath.Join(work, "layer.qcow2")
 	args := []string{"convert", "-q", "-f", "raw", "-O", "qcow2", "-o", "cluster_size=65536"}
@@ -366,6 +360,100 @@ func buildLayer(ctx context.Context, opt Options, chain, parent, diffID string, 
 	}
 	opt.Log("layer %s: built in %s (%d KiB)", short(chain), time.Since(start).Round(time.Millisecond), st.Size()>>10)
 	return &l, nil
+}
+
+// onPrivateMount mounts the ext4 file raw at mnt, runs change on the
+// mounted tree and unmounts it, in a mount namespace of its own that lives
+// on one OS thread for the call and dies with it. In the node's namespace
+// the mount would be copied into every mount namespace made while it
+// exists (each QEMU gets one, see internal/vmm): the copy keeps the
+// filesystem mounted after the umount here, so what change wrote would
+// never reach raw and the layer would be built without it. A loop device
+// still bound to raw after the umount (a copy made some other way) is an
+// error for the same reason.
+func onPrivateMount(ctx context.Context, raw, mnt string, change func(root string) error) error {
+	done := make(chan error, 1)
+	go onThreadOfItsOwn(done, func() error {
+		if err := unix.Unshare(unix.CLONE_NEWNS); err != nil {
+			return fmt.Errorf("a mount namespace for the layer build: %w", err)
+		}
+		// Private, so the mount does not propagate back to the node.
+		if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+			return fmt.Errorf("making the layer build's mounts private: %w", err)
+		}
+		if err := run(ctx, "mount", "-o", "loop", raw, mnt); err != nil {
+			return err
+		}
+		cerr := change(mnt)
+		if err := run(context.WithoutCancel(ctx), "umount", mnt); err != nil {
+			return errors.Join(cerr, err)
+		}
+		return cerr
+	})
+	if err := <-done; err != nil {
+		return err
+	}
+	return waitLoopReleased(raw, loopReleaseWait)
+}
+
+// onThreadOfItsOwn runs fn, which may change its thread's namespaces, on an
+// OS thread that ends with it, and sends its error to done. Never on the
+// main thread: that one cannot end (Go parks it for good instead), and its
+// namespaces are what /proc/self shows every thread of the process.
+func onThreadOfItsOwn(done chan<- error, fn func() error) {
+	runtime.LockOSThread()
+	if unix.Gettid() == unix.Getpid() {
+		// While this goroutine holds the main thread, no other runs
+		// on it.
+		inner := make(chan error, 1)
+		go onThreadOfItsOwn(inner, fn)
+		done <- <-inner
+		runtime.UnlockOSThread()
+		return
+	}
+	// Never unlocked: the thread ends with this goroutine. Go starts
+	// new threads from a clean template thread while one is locked, so
+	// none inherits its namespace.
+	done <- fn()
+}
+
+// loopReleaseWait bounds the wait for a layer's loop device to go.
+var loopReleaseWait = 10 * time.Second
+
+// waitLoopReleased waits until no loop device is bound to the file (the
+// kernel releases a mount's auto-clearing loop device once the filesystem
+// is unmounted everywhere).
+func waitLoopReleased(file string, within time.Duration) error {
+	want, err := os.Stat(file)
+	if err != nil {
+		return err
+	}
+	for deadline := time.Now().Add(within); ; {
+		dev := loopDeviceOf(want)
+		if dev == "" {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("the layer's filesystem is still mounted somewhere after its unmount (%s still bound to it): "+
+				"its writes may not have reached the layer", dev)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// loopDeviceOf names a loop device whose backing file is want, or "".
+func loopDeviceOf(want os.FileInfo) string {
+	files, _ := filepath.Glob("/sys/block/loop*/loop/backing_file")
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue // released meanwhile
+		}
+		if st, err := os.Stat(strings.TrimSpace(string(b))); err == nil && os.SameFile(st, want) {
+			return filepath.Base(filepath.Dir(filepath.Dir(f)))
+		}
+	}
+	return ""
 }
 
 func syncFile(path string) error {
