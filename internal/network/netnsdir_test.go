@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"github.com/vishvananda/netns"
+
+	"github.com/agentenv/agentenv/internal/mountinfo"
 )
 
 // A named namespace is bound under a /run/netns that is a mount of its
@@ -23,13 +25,13 @@ func TestNamedNamespaceLeavesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	ns.Close()
-	if mounted, err := isMountPoint(netnsDir); err != nil || !mounted {
-		t.Fatalf("%s is not a mount point: %v", netnsDir, err)
+	if mounted, err := mountinfo.IsMountPoint(NetnsDir); err != nil || !mounted {
+		t.Fatalf("%s is not a mount point: %v", NetnsDir, err)
 	}
 	if err := netns.DeleteNamed(name); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := os.Stat(filepath.Join(netnsDir, name)); !os.IsNotExist(err) {
+	if _, err := os.Stat(filepath.Join(NetnsDir, name)); !os.IsNotExist(err) {
 		t.Fatalf("namespace %s left after its deletion: %v", name, err)
 	}
 	// Made again under its name.

@@ -26,6 +26,7 @@ import (
 	"unsafe"
 
 	"github.com/agentenv/agentenv/internal/egressproxy"
+	"github.com/agentenv/agentenv/internal/mountinfo"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -605,47 +606,33 @@ func addr(ip netip.Addr, bits int) *netlink.Addr {
 	return &netlink.Addr{IPNet: &net.IPNet{IP: net.IP(ip.AsSlice()), Mask: net.CIDRMask(bits, 32)}}
 }
 
-// netnsDir is where named network namespaces are bound (iproute2's).
-const netnsDir = "/run/netns"
+// NetnsDir is where named network namespaces are bound (iproute2's): a
+// sandbox's QEMU holds no copy of these bindings (see vmm.Jail.Drop).
+const NetnsDir = "/run/netns"
 
-// netnsDirOnce makes netnsDir a shared mount of itself, as `ip netns`
+// netnsDirOnce makes NetnsDir a shared mount of itself, as `ip netns`
 // does on first use: a namespace bound in it before that would be covered
 // when ip (or any later first use) mounts it, and could then be neither
 // deleted nor made again under its name (seen on a host's second test
 // run: "open /run/netns/...: file exists").
 var netnsDirOnce = sync.OnceValue(func() error {
-	if err := os.MkdirAll(netnsDir, 0o755); err != nil {
+	if err := os.MkdirAll(NetnsDir, 0o755); err != nil {
 		return err
 	}
-	mounted, err := isMountPoint(netnsDir)
+	mounted, err := mountinfo.IsMountPoint(NetnsDir)
 	if err != nil {
 		return err
 	}
 	if !mounted {
-		if err := unix.Mount(netnsDir, netnsDir, "none", unix.MS_BIND|unix.MS_REC, ""); err != nil {
-			return fmt.Errorf("bind %s: %w", netnsDir, err)
+		if err := unix.Mount(NetnsDir, NetnsDir, "none", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+			return fmt.Errorf("bind %s: %w", NetnsDir, err)
 		}
 	}
-	if err := unix.Mount("", netnsDir, "none", unix.MS_SHARED|unix.MS_REC, ""); err != nil {
-		return fmt.Errorf("make %s shared: %w", netnsDir, err)
+	if err := unix.Mount("", NetnsDir, "none", unix.MS_SHARED|unix.MS_REC, ""); err != nil {
+		return fmt.Errorf("make %s shared: %w", NetnsDir, err)
 	}
 	return nil
 })
-
-// isMountPoint reports whether dir is the target of a mount of this
-// process's mount namespace.
-func isMountPoint(dir string) (bool, error) {
-	b, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return false, err
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if f := strings.Fields(line); len(f) > 4 && f[4] == dir {
-			return true, nil
-		}
-	}
-	return false, nil
-}
 
 // newNamedNS creates a named namespace without leaving the calling thread in it.
 func newNamedNS(name string) (netns.NsHandle, error) {

@@ -722,12 +722,15 @@ func (n *Node) vmConfig(s *sandboxes.Sandbox, tap *os.File, incoming bool) vmm.C
 // the shared stores it opens its disk chain, RAM image, kernel and lazily
 // loaded layers from (files there are root's: QEMU opens them before it
 // drops its ids). The database, the secrets, the admin socket, the
-// repository, build files and every other sandbox are out of its sight.
+// repository, build files and every other sandbox are out of its sight,
+// and it holds no copy of a mount it does not need (an open volume's
+// filesystem, the other sandboxes' network namespaces).
 func (n *Node) jail(sandboxDir string) vmm.Jail {
 	root := n.cfg.DataDir
 	return vmm.Jail{Hide: root, Keep: []string{sandboxDir,
 		filepath.Join(root, store.LayersDir), filepath.Join(root, snapshotsDir),
-		filepath.Join(root, "cache"), filepath.Join(root, "run"), filepath.Join(root, "templates")}}
+		filepath.Join(root, "cache"), filepath.Join(root, "run"), filepath.Join(root, "templates")},
+		Drop: []string{network.NetnsDir}}
 }
 
 // qemuUser is who a sandbox's QEMU runs as ("": root).

@@ -7,11 +7,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/agentenv/agentenv/internal/mountinfo"
 )
 
 // QEMU is not started directly: the process that becomes QEMU is first this
@@ -37,6 +40,8 @@ type jailSpec struct {
 	// mount namespace, with only Keep (paths inside it) bound back.
 	Hide string   `json:"hide,omitempty"`
 	Keep []string `json:"keep,omitempty"`
+	// Drop are directories whose mounts are detached (see dropCopies).
+	Drop []string `json:"drop,omitempty"`
 }
 
 func init() {
@@ -94,6 +99,9 @@ func (js *jailSpec) mountNamespace() error {
 		}
 		keep = append(keep, kept{fd, rel})
 	}
+	if err := js.dropCopies(hide); err != nil {
+		return err
+	}
 	if err := unix.Mount("tmpfs", hide, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=0700,size=64k"); err != nil {
 		return fmt.Errorf("cover %s: %w", hide, err)
 	}
@@ -126,6 +134,66 @@ func (js *jailSpec) mountNamespace() error {
 	return nil
 }
 
+// dropCopies detaches the copies of the node's mounts that QEMU has no use
+// for: every mount below hide that is neither inside a kept path nor on
+// the way to one (an open volume's filesystem), and every mount of Drop
+// (the network namespaces' bindings). A copy keeps its filesystem mounted
+// after the node unmounts it: a volume's fuse2fs would never see its
+// unmount and flush its last writes, and a killed sandbox's network
+// namespace would live on while this QEMU runs.
+func (js *jailSpec) dropCopies(hide string) error {
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return err
+	}
+	var drop []string
+	for _, mp := range mountinfo.Points(b) {
+		if within(mp, hide) && mp != hide && !js.kept(mp, hide) {
+			drop = append(drop, mp)
+			continue
+		}
+		for _, d := range js.Drop {
+			if within(mp, filepath.Clean(d)) {
+				drop = append(drop, mp)
+				break
+			}
+		}
+	}
+	// Outermost first: detaching a mount takes the ones below it along.
+	sort.Slice(drop, func(i, j int) bool { return len(drop[i]) < len(drop[j]) })
+	var done []string
+next:
+	for _, mp := range drop {
+		for _, d := range done {
+			if within(mp, d) {
+				continue next
+			}
+		}
+		if err := unix.Unmount(mp, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+			return fmt.Errorf("detach %s: %w", mp, err)
+		}
+		done = append(done, mp)
+	}
+	return nil
+}
+
+// kept reports whether the mount point mp (below hide) is inside a kept
+// path or on the way to one.
+func (js *jailSpec) kept(mp, hide string) bool {
+	for _, k := range js.Keep {
+		k = filepath.Clean(k)
+		if within(mp, k) || within(k, mp) {
+			return true
+		}
+	}
+	return false
+}
+
+// within reports whether path is dir or below it.
+func within(path, dir string) bool {
+	return path == dir || strings.HasPrefix(path, strings.TrimSuffix(dir, "/")+"/")
+}
+
 // Jail is what the jail step hides from QEMU's view of the file system:
 // Hide (the node's data dir) is covered, and only Keep (paths inside it:
 // the sandbox's own directory and the shared, read-only stores QEMU opens
@@ -133,6 +201,10 @@ func (js *jailSpec) mountNamespace() error {
 type Jail struct {
 	Hide string
 	Keep []string
+	// Drop are directories outside Hide whose mounts QEMU's namespace
+	// does without (the network namespaces' bindings): detached there so
+	// it holds none of them alive.
+	Drop []string
 }
 
 // jailCommand is the command that starts QEMU bin with args through the
@@ -143,7 +215,7 @@ func jailCommand(bin string, args []string, cg *Cgroup, fs Jail) (*exec.Cmd, err
 	if err != nil {
 		return nil, fmt.Errorf("find this program for the jail step: %w", err)
 	}
-	js := jailSpec{QEMU: bin, Hide: fs.Hide, Keep: fs.Keep}
+	js := jailSpec{QEMU: bin, Hide: fs.Hide, Keep: fs.Keep, Drop: fs.Drop}
 	if cg != nil {
 		js.CgroupProcs = cg.procsFiles()
 	}
