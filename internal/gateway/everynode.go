@@ -7,6 +7,7 @@ import (
 	"sync"
 
 	"github.com/agentenv/agentenv/internal/httperr"
+	pb "github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb"
 )
 
 // Some routes concern every node (listings, client leases, webhooks): the
@@ -14,10 +15,28 @@ import (
 
 // nodeReply is one node's answer to a request sent to every node.
 type nodeReply struct {
-	node   string
+	node   *pb.Node
 	status int
 	hdr    http.Header
 	body   []byte
+}
+
+// callNodes sends r (with body) to each of nodes at once and returns
+// their replies and errors, in the nodes' order.
+func (g *Gateway) callNodes(r *http.Request, nodes []*pb.Node, body []byte) ([]nodeReply, []error) {
+	out := make([]nodeReply, len(nodes))
+	errs := make([]error, len(nodes))
+	var wg sync.WaitGroup
+	for i, n := range nodes {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			status, hdr, b, err := g.call(r, n.Url, body)
+			out[i], errs[i] = nodeReply{n, status, hdr, b}, err
+		}()
+	}
+	wg.Wait()
+	return out, errs
 }
 
 // toEveryNode sends r (with body) to every ready node; false: an answer
@@ -28,18 +47,7 @@ func (g *Gateway) toEveryNode(w http.ResponseWriter, r *http.Request, body []byt
 		httperr.Internal(w, g.log, http.StatusServiceUnavailable, "the cluster's nodes are unavailable", err)
 		return nil, false
 	}
-	out := make([]nodeReply, len(nodes))
-	errs := make([]error, len(nodes))
-	var wg sync.WaitGroup
-	for i, n := range nodes {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			status, hdr, b, err := g.call(r, n.Url, body)
-			out[i], errs[i] = nodeReply{n.NodeId, status, hdr, b}, err
-		}()
-	}
-	wg.Wait()
+	out, errs := g.callNodes(r, nodes, body)
 	for i, err := range errs {
 		if err != nil {
 			httperr.Internal(w, g.log, http.StatusBadGateway, fmt.Sprintf("node %s did not answer", nodes[i].NodeId), err)

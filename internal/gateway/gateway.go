@@ -609,7 +609,7 @@ func (g *Gateway) create(w http.ResponseWriter, r *http.Request) {
 			g.log.Warn("the node of an idempotent create did not answer; placing it again", "node", n.nodeID, "err", err)
 		} else if found, ok := g.findIdempotent(r, body); ok {
 			if found.status/100 == 2 {
-				g.idempotent.put(pinKey, found.node)
+				g.idempotent.put(pinKey, route{nodeID: found.node.NodeId, url: found.node.Url})
 			}
 			copyResponse(w, found.status, found.hdr, found.body)
 			return
@@ -701,7 +701,7 @@ func (g *Gateway) fanOut(w http.ResponseWriter, r *http.Request) ([][]byte, []ht
 			copyResponse(w, a.status, a.hdr, a.body)
 			return nil, nil, false
 		default:
-			httperr.Internal(w, g.log, http.StatusBadGateway, fmt.Sprintf("node %s did not answer", a.node),
+			httperr.Internal(w, g.log, http.StatusBadGateway, fmt.Sprintf("node %s did not answer", a.node.NodeId),
 				fmt.Errorf("%d %s", a.status, bytes.TrimSpace(a.body)))
 			return nil, nil, false
 		}

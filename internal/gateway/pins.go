@@ -64,14 +64,6 @@ func (p *pins) put(key string, node route) {
 	p.m[key] = pin{node: node, until: now.Add(p.ttl)}
 }
 
-// foundAnswer is a node's answer for an Idempotency-Key it holds.
-type foundAnswer struct {
-	node   route
-	status int
-	hdr    http.Header
-	body   []byte
-}
-
 // findIdempotent asks every ready node, with api.HeaderFindOnly, for the
 // answer to r's Idempotency-Key: a node that holds the key answers (the
 // first request's answer, a 409 while it still runs, a 422 for another
@@ -79,33 +71,21 @@ type foundAnswer struct {
 // nodes are unavailable, and the create is placed as usual). A node that
 // holds the key but does not answer cannot be told from one that does not
 // hold it; the create is then placed anew.
-func (g *Gateway) findIdempotent(r *http.Request, body []byte) (foundAnswer, bool) {
+func (g *Gateway) findIdempotent(r *http.Request, body []byte) (nodeReply, bool) {
 	nodes, err := g.readyNodes(r.Context())
 	if err != nil || len(nodes) == 0 {
-		return foundAnswer{}, false
+		return nodeReply{}, false
 	}
 	find := r.Clone(r.Context())
 	find.Header.Set(api.HeaderFindOnly, "1")
-	answers := make([]*foundAnswer, len(nodes))
-	var wg sync.WaitGroup
-	for i, n := range nodes {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			status, hdr, b, err := g.call(find, n.Url, body)
-			switch {
-			case err != nil:
-				g.log.Warn("asking a node for an Idempotency-Key", "node", n.NodeId, "err", err)
-			case status != http.StatusNotFound:
-				answers[i] = &foundAnswer{route{nodeID: n.NodeId, url: n.Url}, status, hdr, b}
-			}
-		}()
-	}
-	wg.Wait()
-	for _, a := range answers {
-		if a != nil {
-			return *a, true
+	replies, errs := g.callNodes(find, nodes, body)
+	for i, a := range replies {
+		switch {
+		case errs[i] != nil:
+			g.log.Warn("asking a node for an Idempotency-Key", "node", nodes[i].NodeId, "err", errs[i])
+		case a.status != http.StatusNotFound:
+			return a, true
 		}
 	}
-	return foundAnswer{}, false
+	return nodeReply{}, false
 }
