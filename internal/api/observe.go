@@ -243,10 +243,17 @@ func (s *Server) SnapshotSandbox(w http.ResponseWriter, r *http.Request, sandbox
 	if body.Memory != nil && !*body.Memory { // E2B's mode "filesystem"
 		snapshot = s.node.SnapshotFilesystem
 	}
+	began := time.Now()
 	ns, err := snapshot(r.Context(), id, name)
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
+	}
+	// How long the guest was stopped, apart from the whole call (which
+	// ends once the snapshot is durable).
+	if ns.GuestStopped > 0 {
+		w.Header().Set("Server-Timing", fmt.Sprintf("guest-stopped;dur=%.1f, snapshot;dur=%.1f",
+			float64(ns.GuestStopped.Microseconds())/1000, float64(time.Since(began).Microseconds())/1000))
 	}
 	writeJSON(w, http.StatusCreated, snapshotBody(ns))
 }

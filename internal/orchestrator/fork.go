@@ -205,6 +205,9 @@ type captured struct {
 	children []ForkResult
 	// lease holds the snapshot until the caller's record refers to it.
 	lease *store.Lease
+	// guestStopped is how long a live capture stopped the guest's vCPUs
+	// (0: not live; the guest ran again only with its restore).
+	guestStopped time.Duration
 }
 
 // capture freezes a running sandbox into a snapshot, brings it back, and
@@ -240,10 +243,11 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 	// its RAM file frozen and is restored from the snapshot with the
 	// children.
 	live := n.canSnapshotLive(s)
+	var guestStopped time.Duration
 	var snap string
 	var lease *store.Lease
 	if live {
-		snap, lease, err = n.snapshotLive(o, s)
+		snap, lease, err = n.snapshotLive(o, s, &guestStopped)
 	} else {
 		snap, lease, err = n.freeze(o, s, opState)
 	}
@@ -253,7 +257,7 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 	}
 	frozen := time.Since(start)
 	faults.Point(faults.ForkFrozen)
-	c := &captured{snapID: snap, lease: lease, children: make([]ForkResult, count)}
+	c := &captured{snapID: snap, lease: lease, children: make([]ForkResult, count), guestStopped: guestStopped}
 
 	// Restore the parent and the children from the snapshot in parallel.
 	var wg sync.WaitGroup

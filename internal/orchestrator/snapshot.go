@@ -47,6 +47,9 @@ type NamedSnapshot struct {
 	// StateHasRAM: the state holds the pages that differ from the RAM image
 	// (in repository copies of incremental snapshots).
 	StateHasRAM bool `json:"stateHasRAM,omitempty"`
+	// GuestStopped is how long taking this snapshot stopped the sandbox's
+	// vCPUs, when it was taken live (not stored).
+	GuestStopped time.Duration `json:"-"`
 	// NoInternet and Egress are the snapshotted sandbox's network rules,
 	// which sandboxes created from the snapshot keep unless their create
 	// gives rules of its own.
@@ -122,12 +125,13 @@ func (n *Node) snapshot(ctx context.Context, id, name string, memory bool) (*Nam
 	}
 	var snapID string
 	var lease *store.Lease
+	var stopped time.Duration
 	if memory {
 		c, cerr := n.capture(ctx, "snapshot", id, 0, 0, sandboxes.Snapshotting)
 		if c == nil || c.snapID == "" {
 			return nil, cerr
 		}
-		snapID, lease, err = c.snapID, c.lease, cerr
+		snapID, lease, err, stopped = c.snapID, c.lease, cerr, c.guestStopped
 	} else if snapID, lease, err = n.captureFilesystem(ctx, id); err != nil {
 		return nil, err
 	}
@@ -136,7 +140,7 @@ func (n *Node) snapshot(ctx context.Context, id, name string, memory bool) (*Nam
 		Name: name, SnapshotID: snapID, SandboxID: id, FilesystemOnly: !memory, TemplateID: templateID, VCPUs: s.VCPUs,
 		MemoryMiB: s.MemoryMiB, DiskMiB: s.DiskMiB, DefaultUser: defaultUser, DefaultWorkdir: s.DefaultWorkdir, VolumeSlots: s.VolumeSlots,
 		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), AccessToken: s.AccessToken,
-		NoInternet: !s.AllowInternet, Egress: s.Egress, Volumes: asCopies(s.Volumes),
+		NoInternet: !s.AllowInternet, Egress: s.Egress, Volumes: asCopies(s.Volumes), GuestStopped: stopped,
 	}
 	if werr := n.store.Tx(context.WithoutCancel(ctx), func(tx *sql.Tx) error { return setNamedSnapshot(tx, ns) }); werr != nil {
 		return nil, werr
