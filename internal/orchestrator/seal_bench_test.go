@@ -46,7 +46,7 @@ func BenchmarkSealOverlay(b *testing.B) {
 		b.Fatal("the sandbox does not run copy-on-write after its first snapshot")
 	}
 	m := n.machines.get(s.ID)
-	uid, gid := processIDs(b, m.PID())
+	uid, gid := m.Owner()
 	top := filepath.Join(n.sandboxDir(s.ID), overlayName)
 	sealDir, err := os.MkdirTemp("", "aenv-seal-")
 	if err != nil {
@@ -72,9 +72,8 @@ func BenchmarkSealOverlay(b *testing.B) {
 			b.Fatal(err)
 		}
 		t0 := time.Now()
-		cp := filepath.Join(b.TempDir(), "overlay-copy.qcow2")
-		if out, err := exec.Command("cp", "--sparse=always", top, cp).CombinedOutput(); err != nil {
-			b.Fatalf("%v: %s", err, out)
+		if _, err := storage.CloneFile(top, filepath.Join(b.TempDir(), "overlay-copy.qcow2")); err != nil {
+			b.Fatal(err)
 		}
 		copies = append(copies, time.Since(t0))
 		// The seal: a new overlay over the current top, made by us with
@@ -142,27 +141,4 @@ func BenchmarkSealOverlay(b *testing.B) {
 	b.ReportMetric(float64(percentile(copies, 50).Microseconds())/1000, "copy-p50-ms")
 	b.ReportMetric(float64(percentile(seals, 50).Microseconds())/1000, "seal-p50-ms")
 	b.ReportMetric(0, "ns/op")
-}
-
-// processIDs are the real uid and gid of process pid.
-func processIDs(b *testing.B, pid int) (int, int) {
-	b.Helper()
-	st, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
-	if err != nil {
-		b.Fatal(err)
-	}
-	ids := [2]int{-1, -1}
-	for _, line := range strings.Split(string(st), "\n") {
-		for i, key := range []string{"Uid:", "Gid:"} {
-			if rest, ok := strings.CutPrefix(line, key); ok {
-				if f := strings.Fields(rest); len(f) > 0 {
-					ids[i], _ = strconv.Atoi(f[0])
-				}
-			}
-		}
-	}
-	if ids[0] < 0 || ids[1] < 0 {
-		b.Fatalf("no ids for process %d", pid)
-	}
-	return ids[0], ids[1]
 }

@@ -142,13 +142,13 @@ func (js *jailSpec) mountNamespace() error {
 // unmount and flush its last writes, and a killed sandbox's network
 // namespace would live on while this QEMU runs.
 func (js *jailSpec) dropCopies(hide string) error {
-	b, err := os.ReadFile("/proc/self/mountinfo")
+	points, err := mountinfo.Own()
 	if err != nil {
 		return err
 	}
 	var drop []string
-	for _, mp := range mountinfo.Points(b) {
-		if within(mp, hide) && mp != hide && !js.kept(mp, hide) {
+	for _, mp := range points {
+		if within(mp, hide) && mp != hide && !js.kept(mp) {
 			drop = append(drop, mp)
 			continue
 		}
@@ -177,9 +177,9 @@ next:
 	return nil
 }
 
-// kept reports whether the mount point mp (below hide) is inside a kept
-// path or on the way to one.
-func (js *jailSpec) kept(mp, hide string) bool {
+// kept reports whether the mount point mp is inside a kept path or on the
+// way to one.
+func (js *jailSpec) kept(mp string) bool {
 	for _, k := range js.Keep {
 		k = filepath.Clean(k)
 		if within(mp, k) || within(k, mp) {

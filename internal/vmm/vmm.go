@@ -543,6 +543,9 @@ func (m *Machine) logTail() string {
 // PID is the QEMU process id.
 func (m *Machine) PID() int { return m.pid }
 
+// Owner is the uid and gid QEMU runs as (-1, -1: root, it kept them).
+func (m *Machine) Owner() (uid, gid int) { return m.uid, m.gid }
+
 // RunDir is the directory holding the machine's sockets and logs.
 func (m *Machine) RunDir() string { return m.runDir }
 

@@ -263,15 +263,10 @@ func TestImportBadSources(t *testing.T) {
 	}
 }
 
-// TestLayerBuildWhileMountNamespacesAreMade: every QEMU starts in a mount
-// namespace of its own, a copy of the node's mounts. A layer's filesystem
-// mounted where such a copy can take it stays mounted in the copy after
-// the build unmounts it, and its writes never reach the layer: the layer
-// would be built without them. Here a process is started in a new mount
-// namespace, as the VMM starts QEMU, while the layer is mounted; the
-// layer must still hold what was written.
-func TestLayerBuildWhileMountNamespacesAreMade(t *testing.T) {
-	needRoot(t)
+// oneLayerLayout writes an OCI layout holding an image of one layer (an
+// /etc/passwd) and returns its directory.
+func oneLayerLayout(t *testing.T) string {
+	t.Helper()
 	img, err := mutate.AppendLayers(empty.Image, layerOf(t, tarEntry{name: "etc/passwd", body: "root:x:0:0:root:/root:/bin/sh\n"}))
 	if err != nil {
 		t.Fatal(err)
@@ -284,6 +279,19 @@ func TestLayerBuildWhileMountNamespacesAreMade(t *testing.T) {
 	if err := p.AppendImage(img); err != nil {
 		t.Fatal(err)
 	}
+	return dir
+}
+
+// TestLayerBuildWhileMountNamespacesAreMade: every QEMU starts in a mount
+// namespace of its own, a copy of the node's mounts. A layer's filesystem
+// mounted where such a copy can take it stays mounted in the copy after
+// the build unmounts it, and its writes never reach the layer: the layer
+// would be built without them. Here a process is started in a new mount
+// namespace, as the VMM starts QEMU, while the layer is mounted; the
+// layer must still hold what was written.
+func TestLayerBuildWhileMountNamespacesAreMade(t *testing.T) {
+	needRoot(t)
+	dir := oneLayerLayout(t)
 	// The other process is started by another goroutine, as a sandbox
 	// start runs beside an import.
 	startReq, started := make(chan struct{}), make(chan *exec.Cmd)
@@ -335,18 +343,7 @@ func TestLayerBuildRefusesAFilesystemStillMounted(t *testing.T) {
 	old := loopReleaseWait
 	loopReleaseWait = time.Second
 	t.Cleanup(func() { loopReleaseWait = old })
-	img, err := mutate.AppendLayers(empty.Image, layerOf(t, tarEntry{name: "etc/passwd", body: "root:x:0:0:root:/root:/bin/sh\n"}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir := t.TempDir()
-	p, err := layout.Write(dir, empty.Index)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := p.AppendImage(img); err != nil {
-		t.Fatal(err)
-	}
+	dir := oneLayerLayout(t)
 	var holder *exec.Cmd
 	t.Cleanup(func() {
 		if holder != nil {
@@ -364,7 +361,7 @@ func TestLayerBuildRefusesAFilesystemStillMounted(t *testing.T) {
 			}
 			return os.WriteFile(filepath.Join(root, "etc", "finished"), []byte("yes"), 0o644)
 		}}
-	_, err = Import(context.Background(), Source{Layout: dir}, opt)
+	_, err := Import(context.Background(), Source{Layout: dir}, opt)
 	if err == nil || !strings.Contains(err.Error(), "still mounted") {
 		t.Fatalf("import with its filesystem held elsewhere: %v", err)
 	}
