@@ -12,6 +12,7 @@ import (
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage"
 	"github.com/agentenv/agentenv/internal/store"
+	"github.com/agentenv/agentenv/internal/vmm"
 )
 
 // A sandbox running copy-on-write on a snapshot's RAM image is captured
@@ -85,7 +86,7 @@ func (n *Node) snapshotLive(o *operation.Op, s *sandboxes.Sandbox, guestStopped 
 	phase("stop vcpus")
 	var pages, sent int64
 	if err := o.Do("save-state", func(ctx context.Context) error {
-		st, err := m.SaveStateDiff(ctx, filepath.Join(stage, snapStateName), s.MemFile)
+		st, err := n.saveRAMDiff(ctx, m, filepath.Join(stage, snapStateName), s.MemFile)
 		if err != nil {
 			return fmt.Errorf("write incremental snapshot: %w", err)
 		}
@@ -110,7 +111,23 @@ func (n *Node) snapshotLive(o *operation.Op, s *sandboxes.Sandbox, guestStopped 
 	}
 	phase("resume vcpus")
 	*guestStopped = time.Since(stopped)
-	// (The state file was synced as it was written.)
+	// The state file may still be in the page cache only, and unhashed
+	// (saveRAMDiff): both happen with the guest running again.
+	if err := o.Do("sync-state", func(context.Context) error {
+		state := filepath.Join(stage, snapStateName)
+		if err := storage.SyncFile(state); err != nil {
+			return err
+		}
+		if man.StateSHA256 != "" {
+			return nil
+		}
+		var err error
+		man.StateSHA256, err = store.FileSHA256(state)
+		return err
+	}); err != nil {
+		return "", nil, err
+	}
+	phase("sync state")
 	if err := o.Do("commit", func(context.Context) error { return commitStage(stage, sdir, man) }); err != nil {
 		return "", nil, err
 	}
@@ -152,4 +169,20 @@ func (n *Node) forgetStageOnFailure(o *operation.Op, stage string, lease *store.
 		n.gc(ctx)
 		return nil
 	})
+}
+
+// saveRAMDiff writes the incremental state of m, stopped, whose RAM maps
+// base copy-on-write, the way the node's QEMU allows (vmm.DiffCapture,
+// Config.DiffCapture overriding it). The file may be left unsynced and its
+// checksum unknown (""): the callers sync and hash it, which a guest
+// stopped meanwhile need not wait for.
+func (n *Node) saveRAMDiff(ctx context.Context, m *vmm.Machine, path, base string) (vmm.RAMDiffStats, error) {
+	how := n.cfg.DiffCapture
+	if how == "" {
+		how = n.qemu.DiffCapture()
+	}
+	if how == vmm.CapturePrivatePages {
+		return m.SaveStateFromPrivatePages(ctx, path, base)
+	}
+	return m.SaveStateDiff(ctx, path, base)
 }

@@ -70,6 +70,10 @@ type Config struct {
 	// probed at Open (vmm.ProbeQEMU).
 	QEMU  string
 	Accel vmm.Accel
+	// DiffCapture overrides how incremental snapshots and pauses of
+	// copy-on-write sandboxes find the changed RAM (empty: what the probed
+	// QEMU allows, QEMUInfo.DiffCapture).
+	DiffCapture vmm.DiffCapture
 	// NetworkCIDR numbers the sandboxes' veth pairs (network.DefaultCIDR).
 	NetworkCIDR string
 	// Instance prefixes host object names (network.DefaultInstance); nodes
@@ -291,7 +295,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, fmt.Errorf("%w: %v", ErrSetup, err)
 	}
 	cfg.QEMU = qemu.Path
-	cfg.Logger.Info("QEMU", "path", qemu.Path, "version", qemu.Version.String(), "accelerators", qemu.Accels, "run-with-user", qemu.RunWithUser())
+	cfg.Logger.Info("QEMU", "path", qemu.Path, "version", qemu.Version.String(), "accelerators", qemu.Accels, "run-with-user", qemu.RunWithUser(), "ram-diff", qemu.DiffCapture())
 	lock, err := datadir.Acquire(cfg.DataDir, "aenv server")
 	if err != nil {
 		return nil, err

@@ -121,7 +121,7 @@ func (n *Node) pauseMachine(ctx context.Context, s *sandboxes.Sandbox, from sand
 		if s.MemPrivate {
 			// Copy-on-write RAM is no file of the sandbox's own: the pages
 			// that differ from the image it maps go into the state.
-			st, err := m.SaveStateDiff(ctx, tmp, n.ramFile(s))
+			st, err := n.saveRAMDiff(ctx, m, tmp, n.ramFile(s))
 			if err != nil {
 				return err
 			}
@@ -138,9 +138,9 @@ func (n *Node) pauseMachine(ctx context.Context, s *sandboxes.Sandbox, from sand
 	// more: the files are made durable with QEMU still there (to run on if
 	// anything fails).
 	if err := step("sync", func(ctx context.Context) error {
-		files := []string{overlayName}
+		files := []string{overlayName, stateFileName + ".tmp"}
 		if !s.MemPrivate {
-			files = append(files, memFileName, stateFileName+".tmp")
+			files = append(files, memFileName)
 		}
 		for _, f := range files {
 			if err := storage.SyncFile(filepath.Join(dir, f)); err != nil {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage"
+	"github.com/agentenv/agentenv/internal/vmm"
 	"github.com/agentenv/agentenv/internal/storage/repository"
 )
 
@@ -151,7 +152,14 @@ func TestSnapshotRepository(t *testing.T) {
 // sandbox made from the second has the state of both, and a corrupted
 // state file is refused with a clear error.
 func TestIncrementalSnapshot(t *testing.T) {
-	n := testNode(t)
+	// Both ways of finding the changed RAM (the probed QEMU picks one).
+	for _, how := range []vmm.DiffCapture{vmm.CapturePrivatePages, vmm.CaptureMigration} {
+		t.Run(string(how), func(t *testing.T) { testIncrementalSnapshot(t, how) })
+	}
+}
+
+func testIncrementalSnapshot(t *testing.T, how vmm.DiffCapture) {
+	n := testNode(t, func(c *Config) { c.DiffCapture = how })
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	src := create(t, n, CreateRequest{TemplateID: "minimal", Secure: true})

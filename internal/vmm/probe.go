@@ -44,11 +44,25 @@ type QEMUInfo struct {
 	// RunWith is whether the binary has the -run-with option (user=
 	// replaces -runas since 9.1).
 	RunWith bool
+	// DevicesState is whether QMP has xen-save-devices-state.
+	DevicesState bool
 }
 
 // RunWithUser reports whether this QEMU drops privileges with
 // `-run-with user=` rather than `-runas`.
 func (q QEMUInfo) RunWithUser() bool { return q.RunWith }
+
+// DiffCapture is how incremental snapshots of this QEMU find the changed
+// pages of guest RAM: from the mapping's private pages when the binary can
+// save its device state alone (xen-save-devices-state, in every QEMU
+// build here since it is not tied to Xen), else by filtering a full
+// migration.
+func (q QEMUInfo) DiffCapture() DiffCapture {
+	if q.DevicesState {
+		return CapturePrivatePages
+	}
+	return CaptureMigration
+}
 
 // Supports says whether the binary can run guests on accel, and if not,
 // what to do.
@@ -153,15 +167,15 @@ func ProbeQEMU(ctx context.Context, explicit string) (QEMUInfo, error) {
 	if err != nil {
 		return QEMUInfo{}, fmt.Errorf("%s: asking it through QMP: %v: %s", path, err, lastLine(stderr.String()))
 	}
-	missing, runWith, err := ParseQMPProbe(out)
+	probe, err := ParseQMPProbe(out)
 	if err != nil {
 		return QEMUInfo{}, fmt.Errorf("%s: %w", path, err)
 	}
-	if len(missing) > 0 {
+	if missing := probe.Missing; len(missing) > 0 {
 		return QEMUInfo{}, fmt.Errorf("%s (QEMU %s) lacks what sandboxes need: %s; install Debian's qemu-system-x86 or name another binary with --qemu",
 			path, v, strings.Join(missing, ", "))
 	}
-	info.RunWith = runWith
+	info.RunWith, info.DevicesState = probe.RunWith, probe.DevicesState
 	probeCache.Lock()
 	probeCache.m[key] = info
 	probeCache.Unlock()
@@ -191,9 +205,18 @@ func ParseAccelHelp(out string) []string {
 	return accels
 }
 
-// ParseQMPProbe reads the answers to probeQMPInput and returns what of the
-// node's needs is missing, and whether -run-with exists.
-func ParseQMPProbe(out []byte) (missing []string, runWith bool, err error) {
+// QMPProbe is what the probe's QMP session found: what of the node's
+// needs is missing, whether -run-with exists, and whether the device state
+// can be saved alone (QEMUInfo.DiffCapture).
+type QMPProbe struct {
+	Missing      []string
+	RunWith      bool
+	DevicesState bool
+}
+
+// ParseQMPProbe reads the answers to probeQMPInput.
+func ParseQMPProbe(out []byte) (QMPProbe, error) {
+	var p QMPProbe
 	answers := map[string]json.RawMessage{}
 	failed := map[string]bool{}
 	for _, line := range strings.Split(string(out), "\n") {
@@ -246,18 +269,22 @@ func ParseQMPProbe(out []byte) (missing []string, runWith bool, err error) {
 	} {
 		have, err := names(need.id)
 		if err != nil {
-			return nil, false, err
+			return QMPProbe{}, err
 		}
 		for _, n := range need.names {
 			if !have[n] {
-				missing = append(missing, need.what+" "+n)
+				p.Missing = append(p.Missing, need.what+" "+n)
 			}
+		}
+		if need.id == "commands" {
+			p.DevicesState = have["xen-save-devices-state"]
 		}
 	}
 	if failed["sandbox"] {
-		missing = append(missing, "-sandbox (seccomp)")
+		p.Missing = append(p.Missing, "-sandbox (seccomp)")
 	}
-	return missing, answers["run-with"] != nil && !failed["run-with"], nil
+	p.RunWith = answers["run-with"] != nil && !failed["run-with"]
+	return p, nil
 }
 
 func lastLine(s string) string {

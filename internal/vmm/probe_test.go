@@ -83,10 +83,15 @@ func TestParseQMPProbe(t *testing.T) {
 		name, file string
 		edit       func(string) string
 		runWith    bool
+		noDevices  bool // no xen-save-devices-state
 		missing    []string
 	}{
 		{name: "7.2", file: "qmp-probe-7.2.jsonl"},
 		{name: "10.0", file: "qmp-probe-10.0.jsonl", runWith: true},
+		{name: "no device state alone", file: "qmp-probe-7.2.jsonl", noDevices: true,
+			edit: func(s string) string {
+				return strings.ReplaceAll(s, `"name": "xen-save-devices-state"`, `"name": "x"`)
+			}},
 		{name: "no microvm, no virtio-net", file: "qmp-probe-10.0.jsonl", runWith: true,
 			edit: func(s string) string {
 				return strings.NewReplacer(`"name": "microvm"`, `"name": "pc"`, `"name": "virtio-net-device"`, `"name": "e1000"`).Replace(s)
@@ -115,16 +120,23 @@ func TestParseQMPProbe(t *testing.T) {
 			if tc.edit != nil {
 				s = tc.edit(s)
 			}
-			missing, runWith, err := ParseQMPProbe([]byte(s))
+			p, err := ParseQMPProbe([]byte(s))
 			if err != nil {
 				t.Fatal(err)
 			}
-			if runWith != tc.runWith || !slices.Equal(missing, tc.missing) {
-				t.Errorf("missing %q run-with %v; want %q %v", missing, runWith, tc.missing, tc.runWith)
+			if p.RunWith != tc.runWith || !slices.Equal(p.Missing, tc.missing) {
+				t.Errorf("missing %q run-with %v; want %q %v", p.Missing, p.RunWith, tc.missing, tc.runWith)
+			}
+			want := CapturePrivatePages
+			if tc.noDevices {
+				want = CaptureMigration
+			}
+			if got := (QEMUInfo{DevicesState: p.DevicesState}).DiffCapture(); got != want {
+				t.Errorf("diff capture %s, want %s", got, want)
 			}
 		})
 	}
-	if _, _, err := ParseQMPProbe([]byte(read("qmp-probe-7.2.jsonl")[:300])); err == nil {
+	if _, err := ParseQMPProbe([]byte(read("qmp-probe-7.2.jsonl")[:300])); err == nil {
 		t.Error("a session cut short was read as complete")
 	}
 	for _, v := range []string{"7.2", "10.0"} {

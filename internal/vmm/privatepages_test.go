@@ -1,0 +1,227 @@
+package vmm
+
+import (
+	"bytes"
+	"context"
+	"math/rand"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// TestPrivatePagesOfACopyOnWriteMapping maps a file privately in this
+// process, reads all of it and writes some pages: exactly the written pages
+// are private.
+func TestPrivatePagesOfACopyOnWriteMapping(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "image")
+	data := make([]byte, 64*guestPageSize)
+	rand.New(rand.NewSource(1)).Read(data[:32*guestPageSize]) // the rest: a hole
+	if err := os.WriteFile(path, data[:32*guestPageSize], 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(path, int64(len(data))); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	mem, err := syscall.Mmap(int(f.Fd()), 0, len(data), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Munmap(mem)
+	var sum byte
+	for i := 0; i < len(mem); i += guestPageSize {
+		sum += mem[i] // fault every page in, unchanged
+	}
+	maps, err := fileMappings(os.Getpid(), path)
+	if err != nil || len(maps) != 1 {
+		t.Fatalf("mappings %v %v", maps, err)
+	}
+	if got, err := privatePages(os.Getpid(), maps); err != nil || len(got) != 0 {
+		t.Fatalf("private pages of a mapping only read: %v %v", got, err)
+	}
+	want := []int64{0, 3, 10, 11, 31, 32, 40, 63}
+	for _, p := range want {
+		mem[p*guestPageSize+7] = sum + 1
+	}
+	got, err := privatePages(os.Getpid(), maps)
+	if err != nil || !slices.Equal(got, want) {
+		t.Fatalf("private pages %v %v, want %v", got, err, want)
+	}
+}
+
+// qemuWithRAM starts a firmware-only microvm whose RAM maps image
+// privately, as sandboxes running copy-on-write do, and returns it as a
+// Machine. incoming: it waits for a migration stream.
+func qemuWithRAM(t *testing.T, bin, image string, mib int, incoming bool) *Machine {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "aenv-pp-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	sock := filepath.Join(dir, "qmp.sock")
+	mem := strconv.Itoa(mib) + "M"
+	args := []string{"-M", "microvm,x-option-roms=off,isa-serial=on,rtc=on,memory-backend=mem", "-accel", "tcg",
+		"-m", mem, "-object", "memory-backend-file,id=mem,size=" + mem + ",mem-path=" + image + ",share=off",
+		"-nodefaults", "-no-user-config", "-display", "none",
+		"-device", "virtio-rng-device", "-device", "virtio-balloon-device",
+		"-qmp", "unix:" + sock + ",server=on,wait=off"}
+	if incoming {
+		args = append(args, "-S", "-incoming", "defer")
+	}
+	cmd := exec.Command(bin, args...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	m := &Machine{pid: cmd.Process.Pid, runDir: dir, uid: -1, gid: -1, exited: make(chan struct{})}
+	go func() {
+		err := cmd.Wait()
+		m.setExited(err)
+	}()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		<-m.exited
+		if t.Failed() {
+			t.Logf("QEMU %d said: %s", m.pid, stderr.String())
+		}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for {
+		q, err := DialQMP(ctx, sock)
+		if err == nil {
+			m.qmp = q
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("QMP: %v: %s", err, stderr.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Cleanup(func() { m.qmp.Close() })
+	return m
+}
+
+// guestRAM reads all of m's mapping of image.
+func guestRAM(t *testing.T, m *Machine, image string, size int) []byte {
+	t.Helper()
+	maps, err := fileMappings(m.pid, image)
+	if err != nil || len(maps) != 1 || maps[0].offset != 0 || int(maps[0].end-maps[0].start) != size {
+		t.Fatalf("QEMU %d maps %s as %v (%v)", m.pid, image, maps, err)
+	}
+	buf := make([]byte, size)
+	local := []unix.Iovec{{Base: &buf[0]}}
+	local[0].SetLen(size)
+	n, err := unix.ProcessVMReadv(m.pid, local, []unix.RemoteIovec{{Base: uintptr(maps[0].start), Len: size}}, 0)
+	if err != nil || n != size {
+		t.Fatalf("read QEMU's RAM: %d %v", n, err)
+	}
+	return buf
+}
+
+// TestStateFromPrivatePagesRestoresTheMachine: a machine whose RAM maps an
+// image copy-on-write has pages written (into QEMU's memory, as a guest
+// writes them); its state is saved from its private pages and, as the
+// baseline, through the migration filter. Each loads into a new QEMU on the
+// same image, whose RAM then equals the saved machine's, page for page, and
+// which runs on.
+func TestStateFromPrivatePagesRestoresTheMachine(t *testing.T) {
+	bin, err := FindQEMU(os.Getenv("AENV_QEMU"))
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	const mib = 16
+	size := mib << 20
+	dir := t.TempDir()
+	image := filepath.Join(dir, "ram")
+	content := make([]byte, size/2)
+	rand.New(rand.NewSource(2)).Read(content)
+	if err := os.WriteFile(image, content, 0o600); err != nil { // the upper half: a hole
+		t.Fatal(err)
+	}
+	if err := os.Truncate(image, int64(size)); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	src := qemuWithRAM(t, bin, image, mib, false)
+	time.Sleep(300 * time.Millisecond) // the firmware runs and writes
+	if err := src.Pause(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Pages written in both halves: random bytes, a page of zeros over
+	// the image's data, and single bytes.
+	maps, err := fileMappings(src.pid, image)
+	if err != nil || len(maps) != 1 {
+		t.Fatalf("maps %v %v", maps, err)
+	}
+	r := rand.New(rand.NewSource(3))
+	for i := 0; i < 300; i++ {
+		off := r.Intn(size/guestPageSize) * guestPageSize
+		page := make([]byte, guestPageSize)
+		switch i % 3 {
+		case 0:
+			r.Read(page)
+		case 1: // zeros
+		case 2:
+			page = page[:1]
+			page[0] = byte(i)
+		}
+		local := []unix.Iovec{{Base: &page[0]}}
+		local[0].SetLen(len(page))
+		if _, err := unix.ProcessVMWritev(src.pid, local, []unix.RemoteIovec{{Base: uintptr(maps[0].start) + uintptr(off), Len: len(page)}}, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := guestRAM(t, src, image, size)
+
+	pp := filepath.Join(dir, "private-pages.state")
+	st, err := src.SaveStateFromPrivatePages(ctx, pp, image)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.PagesKept < 200 || st.PagesKept > int64(size/guestPageSize/4) {
+		t.Fatalf("private pages: %+v", st)
+	}
+	filtered := filepath.Join(dir, "migration-filter.state")
+	fst, err := src.SaveStateDiff(ctx, filtered, image)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("private pages: %d pages, %d bytes; migration filter: %d of %d pages kept, %d bytes", st.PagesKept, st.Bytes, fst.PagesKept, fst.PagesSent, fst.Bytes)
+	for _, state := range []string{pp, filtered} {
+		dst := qemuWithRAM(t, bin, image, mib, true)
+		if err := dst.LoadFullState(ctx, state); err != nil {
+			t.Fatalf("%s: %v", filepath.Base(state), err)
+		}
+		got := guestRAM(t, dst, image, size)
+		for off := 0; off < size; off += guestPageSize {
+			if !bytes.Equal(got[off:off+guestPageSize], want[off:off+guestPageSize]) {
+				t.Fatalf("%s: page at %#x differs from the saved machine's", filepath.Base(state), off)
+			}
+		}
+		if err := dst.Resume(ctx); err != nil {
+			t.Fatalf("%s: cont: %v", filepath.Base(state), err)
+		}
+		if s, err := dst.Status(ctx); err != nil || s != "running" {
+			t.Fatalf("%s: restored machine: %q %v", filepath.Base(state), s, err)
+		}
+	}
+}
