@@ -11,8 +11,8 @@ import (
 
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage"
-	"github.com/agentenv/agentenv/internal/vmm"
 	"github.com/agentenv/agentenv/internal/storage/repository"
+	"github.com/agentenv/agentenv/internal/vmm"
 )
 
 func TestNamedSnapshotAsTemplate(t *testing.T) {
