@@ -617,10 +617,12 @@ func (n *Node) restoreFromSnapshot(ctx context.Context, s *sandboxes.Sandbox, sn
 	if err := n.verifySnapshotState(snapID); err != nil {
 		return err
 	}
+	phase := s.PhaseTimer()
 	m, err := n.startIncoming(ctx, s, snapID)
 	if err != nil {
 		return err
 	}
+	phase("overlay, network, start qemu")
 	return n.finishRestore(ctx, s, m, snapID, authToken, reseed)
 }
 
@@ -729,6 +731,7 @@ func (n *Node) forkChild(o *operation.Op, parent *sandboxes.Sandbox, snapID stri
 		return ForkResult{Err: err}
 	}
 	c.State = sandboxes.Running
+	n.log.Info("fork child restored", "sandbox", c.ID, "parent", parent.ID, "phases", c.Phases)
 	return ForkResult{Sandbox: n.withAddr(&c)}
 }
 
