@@ -124,16 +124,18 @@ func (n *Node) snapshotLive(o *operation.Op, s *sandboxes.Sandbox, guestStopped 
 	// The state file may still be in the page cache only, and unhashed
 	// (saveRAMDiff): both happen with the guest running again.
 	if err := o.Do("sync-state", func(context.Context) error {
+		// The state and the disk copy are flushed while the state is
+		// hashed: the flushes wait on the disk, the hash on a core.
 		state := filepath.Join(stage, snapStateName)
-		if err := storage.SyncFile(state); err != nil {
-			return err
-		}
-		if man.StateSHA256 != "" {
-			return nil
+		synced := make(chan error, 2)
+		for _, f := range []string{state, filepath.Join(stage, snapDiskName)} {
+			go func() { synced <- storage.SyncFile(f) }()
 		}
 		var err error
-		man.StateSHA256, err = store.FileSHA256(state)
-		return err
+		if man.StateSHA256 == "" {
+			man.StateSHA256, err = store.FileSHA256(state)
+		}
+		return errors.Join(err, <-synced, <-synced)
 	}); err != nil {
 		return "", nil, err
 	}
