@@ -155,7 +155,7 @@ func (m *Machine) saveDevicesState(ctx context.Context) ([]byte, error) {
 	if _, err := m.qmp.Execute(ctx, "xen-save-devices-state", map[string]any{"filename": file, "live": false}); err != nil {
 		return nil, fmt.Errorf("save device state: %w", err)
 	}
-	b, err := os.ReadFile(file)
+	b, err := readOwnFile(file, m.uid, maxDevicesState)
 	if err != nil {
 		return nil, fmt.Errorf("read device state: %w", err)
 	}
@@ -166,6 +166,41 @@ func (m *Machine) saveDevicesState(ctx context.Context) ([]byte, error) {
 		return nil, streamErr("device state does not hold device sections alone (first section %#x)", b[8])
 	}
 	return b, nil
+}
+
+// maxDevicesState bounds the device state read back from QEMU (a microvm's
+// is a few KiB; a compromised QEMU must not make the node read gigabytes).
+const maxDevicesState = 16 << 20
+
+// readOwnFile reads file, which a QEMU running as uid (-1: root) wrote in a
+// directory it owns: so it may be anything that QEMU could make there. It
+// must be a regular file of uid's, with no other name (no symbolic or hard
+// link to a file of the node's), of at most limit bytes.
+func readOwnFile(file string, uid int, limit int64) ([]byte, error) {
+	f, err := os.OpenFile(file, os.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return nil, err
+	}
+	switch {
+	case st.Mode&unix.S_IFMT != unix.S_IFREG:
+		return nil, fmt.Errorf("%s is not a regular file", filepath.Base(file))
+	case st.Nlink != 1:
+		return nil, fmt.Errorf("%s has %d names", filepath.Base(file), st.Nlink)
+	case uid >= 0 && int(st.Uid) != uid:
+		return nil, fmt.Errorf("%s belongs to uid %d, not QEMU's %d", filepath.Base(file), st.Uid, uid)
+	case st.Size > limit:
+		return nil, fmt.Errorf("%s has %d bytes, more than %d", filepath.Base(file), st.Size, limit)
+	}
+	b, err := io.ReadAll(io.LimitReader(f, limit+1))
+	if err == nil && int64(len(b)) > limit {
+		err = fmt.Errorf("%s grew past %d bytes", filepath.Base(file), limit)
+	}
+	return b, err
 }
 
 // pageReader copies pages of guest RAM: dst[i] gets the page at

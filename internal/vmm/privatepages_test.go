@@ -225,3 +225,46 @@ func TestStateFromPrivatePagesRestoresTheMachine(t *testing.T) {
 		}
 	}
 }
+
+// TestReadOwnFileRefusesWhatQEMUCouldPlant: the device state is read from a
+// directory QEMU owns, so a compromised QEMU could leave a link to a file
+// of the node's there, or something endless: each is refused.
+func TestReadOwnFileRefusesWhatQEMUCouldPlant(t *testing.T) {
+	dir := t.TempDir()
+	secret := filepath.Join(dir, "secret")
+	if err := os.WriteFile(secret, []byte("the node's"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	good := filepath.Join(dir, "good")
+	if err := os.WriteFile(good, []byte("state"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	symlink, hardlink, fifo, big := filepath.Join(dir, "symlink"), filepath.Join(dir, "hardlink"), filepath.Join(dir, "fifo"), filepath.Join(dir, "big")
+	if err := os.Symlink(secret, symlink); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Link(secret, hardlink); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(big, make([]byte, 2048), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	uid := os.Getuid()
+	if b, err := readOwnFile(good, uid, 1024); err != nil || string(b) != "state" {
+		t.Fatalf("a plain file of QEMU's: %q %v", b, err)
+	}
+	for name, tc := range map[string]struct {
+		path string
+		uid  int
+	}{
+		"symbolic link": {symlink, uid}, "hard link": {hardlink, uid}, "fifo": {fifo, uid},
+		"too big": {big, uid}, "another owner": {good, uid + 1},
+	} {
+		if b, err := readOwnFile(tc.path, tc.uid, 1024); err == nil {
+			t.Errorf("%s: read %q", name, b)
+		}
+	}
+}
