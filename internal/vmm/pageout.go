@@ -23,6 +23,7 @@ import (
 type mapping struct {
 	start, end uint64 // addresses
 	offset     int64  // file offset of start
+	shared     bool   // MAP_SHARED (else private: copy-on-write)
 }
 
 // fileMappings lists the VMAs of file in process pid.
@@ -47,7 +48,7 @@ func fileMappings(pid int, file string) ([]mapping, error) {
 		if err1 != nil || err2 != nil || err3 != nil {
 			return nil, fmt.Errorf("parse maps line %q", sc.Text())
 		}
-		out = append(out, mapping{start, end, off})
+		out = append(out, mapping{start, end, off, strings.HasSuffix(fields[1], "s")})
 	}
 	return out, sc.Err()
 }

@@ -113,6 +113,10 @@ func (m *Machine) SaveStateFromPrivatePages(ctx context.Context, path, base stri
 	}
 	var size int64
 	for _, mp := range maps {
+		if mp.shared {
+			// Its changes are in the file itself, and no page is private.
+			return RAMDiffStats{}, fmt.Errorf("QEMU (pid %d) maps %s shared, not copy-on-write", m.pid, base)
+		}
 		size = max(size, mp.offset+int64(mp.end-mp.start))
 	}
 	if len(maps) == 0 || size == 0 {

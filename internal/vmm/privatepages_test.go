@@ -60,6 +60,20 @@ func TestPrivatePagesOfACopyOnWriteMapping(t *testing.T) {
 	if err != nil || !slices.Equal(got, want) {
 		t.Fatalf("private pages %v %v, want %v", got, err, want)
 	}
+	if maps[0].shared {
+		t.Fatal("a private mapping was read as shared")
+	}
+	// A shared mapping of the same file is told apart (its changes are in
+	// the file; SaveStateFromPrivatePages refuses it).
+	shared, err := syscall.Mmap(int(f.Fd()), 0, guestPageSize, syscall.PROT_READ, syscall.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Munmap(shared)
+	all, err := fileMappings(os.Getpid(), path)
+	if err != nil || len(all) != 2 || all[0].shared == all[1].shared {
+		t.Fatalf("a private and a shared mapping: %+v %v", all, err)
+	}
 }
 
 // qemuWithRAM starts a firmware-only microvm whose RAM maps image

@@ -64,7 +64,8 @@ type RAMDiffStats struct {
 	// included); PagesKept how many of them differ from the base and were
 	// written.
 	PagesSent, PagesKept int64
-	// Bytes is the size of the written stream, SHA256 its checksum (hex).
+	// Bytes is the size of the written stream, SHA256 its checksum (hex;
+	// empty where the writer leaves hashing to its caller).
 	Bytes  int64
 	SHA256 string
 }
