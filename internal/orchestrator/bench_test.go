@@ -1,12 +1,14 @@
 package orchestrator
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"sort"
+	"sync"
 	"testing"
 	"time"
 
@@ -239,6 +241,85 @@ func BenchmarkFork(b *testing.B) {
 			reportPercentiles(b, ds)
 		})
 	}
+}
+
+// BenchmarkForkFirstCalls forks a prepared `base` sandbox into 16 and makes
+// each child's first three calls at once, as an RL trainer's SDK does (a
+// command, a file written, the file read back): it reports the fork until
+// every child answered its /init, each child's three calls, and the fork
+// with the slowest child's calls. Baseline, same run: the same three calls
+// on the parent.
+func BenchmarkForkFirstCalls(b *testing.B) {
+	n := testNode(b)
+	ctx := context.Background()
+	parent, err := n.Create(ctx, CreateRequest{TemplateID: "base", Secure: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := newEnvdClient(parent).run(ctx, "", "bash", "-c", "nohup python3 -c 'import time; x=bytearray(64<<20); time.sleep(1e6)' >/dev/null 2>&1 &"); err != nil {
+		b.Fatal(err)
+	}
+	time.Sleep(2 * time.Second)
+	threeCalls := func(c *envdClient, name string) (time.Duration, error) {
+		t0 := time.Now()
+		if r, err := c.run(ctx, "", "echo", name); err != nil || r.exit != 0 {
+			return 0, fmt.Errorf("command: %+v %v", r, err)
+		}
+		content := []byte("episode " + name)
+		if err := c.upload(ctx, "/tmp/"+name, content); err != nil {
+			return 0, err
+		}
+		got, err := c.download(ctx, "/tmp/"+name)
+		if err != nil || !bytes.Equal(got, content) {
+			return 0, fmt.Errorf("read back %q: %v", got, err)
+		}
+		return time.Since(t0), nil
+	}
+	const children = 16
+	var baseline, forks, calls, total []time.Duration
+	for i := 0; i < b.N; i++ {
+		d, err := threeCalls(newEnvdClient(parent), fmt.Sprintf("parent-%d", i))
+		if err != nil {
+			b.Fatal(err)
+		}
+		baseline = append(baseline, d)
+		start := time.Now()
+		res, err := n.Fork(ctx, parent.ID, children, time.Hour)
+		if err != nil {
+			b.Fatal(err)
+		}
+		forks = append(forks, time.Since(start))
+		each := make([]time.Duration, len(res))
+		errs := make([]error, len(res))
+		var wg sync.WaitGroup
+		for j, r := range res {
+			if r.Err != nil {
+				b.Fatalf("child %d: %v", j, r.Err)
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				each[j], errs[j] = threeCalls(newEnvdClient(r.Sandbox), fmt.Sprintf("child-%d", j))
+			}()
+		}
+		wg.Wait()
+		total = append(total, time.Since(start))
+		for j, err := range errs {
+			if err != nil {
+				b.Fatalf("child %d: %v", j, err)
+			}
+		}
+		calls = append(calls, each...)
+		for _, r := range res {
+			n.Kill(ctx, r.Sandbox.ID)
+		}
+	}
+	fmt.Fprintf(os.Stderr, "baseline: three calls on the parent  n=%d p50 %s p90 %s\nfork %d until each child answered /init n=%d p50 %s p90 %s\neach child's first three calls          n=%d p50 %s p90 %s max %s\nfork and every child's three calls     n=%d p50 %s p90 %s\n",
+		len(baseline), percentile(baseline, 50).Round(time.Millisecond), percentile(baseline, 90).Round(time.Millisecond),
+		children, len(forks), percentile(forks, 50).Round(time.Millisecond), percentile(forks, 90).Round(time.Millisecond),
+		len(calls), percentile(calls, 50).Round(time.Millisecond), percentile(calls, 90).Round(time.Millisecond), percentile(calls, 100).Round(time.Millisecond),
+		len(total), percentile(total, 50).Round(time.Millisecond), percentile(total, 90).Round(time.Millisecond))
+	reportPercentiles(b, total)
 }
 
 // rssInfo is a process's memory: RSS split into anonymous and file pages,
