@@ -7,8 +7,12 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
+	"runtime"
 	"sync"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Event is an asynchronous QMP event such as STOP, RESUME or SHUTDOWN.
@@ -155,6 +159,22 @@ func (q *QMP) readLoop(r *bufio.Reader) {
 
 // Execute runs one QMP command and returns its "return" value.
 func (q *QMP) Execute(ctx context.Context, command string, args any) (json.RawMessage, error) {
+	return q.execute(ctx, command, args, nil)
+}
+
+// ExecuteWithFile runs a command that takes a file descriptor (add-fd,
+// getfd): f's descriptor travels with the command (SCM_RIGHTS), so QEMU
+// gets a file it could not open itself (it runs unprivileged, confined).
+func (q *QMP) ExecuteWithFile(ctx context.Context, command string, args any, f *os.File) (json.RawMessage, error) {
+	if _, ok := q.conn.(*net.UnixConn); !ok {
+		return nil, fmt.Errorf("qmp %s: passing a descriptor needs a unix socket", command)
+	}
+	ret, err := q.execute(ctx, command, args, unix.UnixRights(int(f.Fd())))
+	runtime.KeepAlive(f) // open until sent
+	return ret, err
+}
+
+func (q *QMP) execute(ctx context.Context, command string, args any, oob []byte) (json.RawMessage, error) {
 	q.mu.Lock()
 	if q.closed {
 		q.mu.Unlock()
@@ -175,7 +195,11 @@ func (q *QMP) Execute(ctx context.Context, command string, args any) (json.RawMe
 		return nil, fmt.Errorf("encode qmp %s: %w", command, err)
 	}
 	q.writeMu.Lock()
-	_, err = q.conn.Write(append(b, '\n'))
+	if oob != nil {
+		_, _, err = q.conn.(*net.UnixConn).WriteMsgUnix(append(b, '\n'), oob, nil)
+	} else {
+		_, err = q.conn.Write(append(b, '\n'))
+	}
 	q.writeMu.Unlock()
 	if err != nil {
 		q.mu.Lock()
