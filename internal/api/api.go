@@ -211,6 +211,9 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 		s.signedFile(w, r)
 		return
 	}
+	if s.findOnly(w, r) {
+		return
+	}
 	s.mux.ServeHTTP(w, r)
 }
 

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/idempotency"
@@ -38,13 +39,47 @@ func (s *Server) client(r *http.Request) string {
 	return ClientOf(r)
 }
 
-// HeaderFindOnly on a create or fork with an Idempotency-Key asks the
-// node for the answer of the key's first request without running
-// anything: that answer (or 409 while it runs, 422 for another body) when
-// the node holds the key, 404 when it does not. A gateway that lost track
-// of a key's node (it restarted, or another gateway placed the first
-// request) asks every node with it before placing the request anew.
+// FindOnlyPrefix before the path of a create or fork with an
+// Idempotency-Key asks the node for the answer of the key's first request
+// without running anything: that answer (or 409 while it runs, 422 for
+// another body) when the node holds the key, 404 when it does not. A
+// gateway that lost track of a key's node (it restarted, or another
+// gateway placed the first request) asks every node with it before placing
+// the request anew. It is a path of its own, not a header, so that a node
+// of an earlier version, which knows no such path, answers 404 instead of
+// running the create.
+const FindOnlyPrefix = "/.idempotency-find"
+
+// HeaderFindOnly on a create or fork asks the same as FindOnlyPrefix (what
+// gateways of an earlier version send).
 const HeaderFindOnly = "X-Aenv-Idempotency-Find"
+
+type findOnlyKey struct{}
+
+// findOnly routes a request under FindOnlyPrefix to its route, marked as
+// find-only; it reports false for any other request.
+func (s *Server) findOnly(w http.ResponseWriter, r *http.Request) bool {
+	rest, ok := strings.CutPrefix(r.URL.Path, FindOnlyPrefix)
+	if !ok {
+		return false
+	}
+	// Only the routes that take an Idempotency-Key: under the prefix
+	// nothing may run.
+	parts := strings.Split(rest, "/")
+	fork := len(parts) == 4 && parts[1] == "sandboxes" && parts[2] != "" && parts[3] == "fork"
+	if r.Method != http.MethodPost || !(fork || rest == "/sandboxes" || rest == "/v2/sandboxes" || rest == "/sandboxes-cold") {
+		writeError(w, http.StatusNotFound, "find-only requests are for POST /sandboxes, /v2/sandboxes, /sandboxes-cold and /sandboxes/{id}/fork")
+		return true
+	}
+	r2 := r.Clone(context.WithValue(r.Context(), findOnlyKey{}, true))
+	r2.URL.Path, r2.URL.RawPath = rest, ""
+	s.mux.ServeHTTP(w, r2)
+	return true
+}
+
+func isFindOnly(r *http.Request) bool {
+	return r.Context().Value(findOnlyKey{}) != nil || r.Header.Get(HeaderFindOnly) != ""
+}
 
 // idempotentWait is how long a retry waits for its first request to end.
 const idempotentWait = 3 * time.Minute
@@ -53,7 +88,7 @@ const idempotentWait = 3 * time.Minute
 // gets the first answer (package idempotency). Without a key, or on a
 // node that keeps no keys, it just runs.
 func (s *Server) idempotent(w http.ResponseWriter, r *http.Request, route string, key *string, run func(http.ResponseWriter, *http.Request)) {
-	if r.Header.Get(HeaderFindOnly) != "" {
+	if isFindOnly(r) {
 		s.findIdempotent(w, r, route, key)
 		return
 	}
@@ -87,7 +122,7 @@ func (s *Server) idempotent(w http.ResponseWriter, r *http.Request, route string
 	}
 }
 
-// findIdempotent answers a HeaderFindOnly request: nothing runs.
+// findIdempotent answers a find-only request: nothing runs.
 func (s *Server) findIdempotent(w http.ResponseWriter, r *http.Request, route string, key *string) {
 	if key == nil || s.cfg.Idempotency == nil {
 		writeError(w, http.StatusNotFound, idempotency.ErrUnknown.Error())

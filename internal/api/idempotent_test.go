@@ -156,12 +156,22 @@ func TestIdempotentFindOnly(t *testing.T) {
 	node := newFakeNode()
 	a := newIdempotentAPI(t, node, filepath.Join(t.TempDir(), "aenv.db"))
 	body := `{"templateID":"base","timeout":60}`
+	// Asked on the path of its own (what gateways send) and, every other
+	// time, with the header of earlier gateways.
+	asked := 0
 	find := func(a *testAPI, key, body string) *httptest.ResponseRecorder {
-		req := httptest.NewRequestWithContext(t.Context(), "POST", "/v2/sandboxes", strings.NewReader(body))
+		asked++
+		path := FindOnlyPrefix + "/v2/sandboxes"
+		if asked%2 == 0 {
+			path = "/v2/sandboxes"
+		}
+		req := httptest.NewRequestWithContext(t.Context(), "POST", path, strings.NewReader(body))
 		req.Header.Set("X-API-Key", testKey)
 		req.Header.Set("Content-Type", "application/json")
 		req.Header.Set("Idempotency-Key", key)
-		req.Header.Set(HeaderFindOnly, "1")
+		if asked%2 == 0 {
+			req.Header.Set(HeaderFindOnly, "1")
+		}
 		rec := httptest.NewRecorder()
 		a.srv.ServeHTTP(rec, req)
 		return rec
@@ -177,7 +187,23 @@ func TestIdempotentFindOnly(t *testing.T) {
 	if rec := find(a, "k1", body); rec.Code != http.StatusCreated || rec.Body.String() != first.Body.String() || rec.Header().Get(idempotency.ReplayedHeader) != "true" {
 		t.Fatalf("find of a held key: %d %s", rec.Code, rec.Body)
 	}
+	if rec := find(a, "k1", body); rec.Code != http.StatusCreated || rec.Body.String() != first.Body.String() {
+		t.Fatalf("find of a held key, the other way: %d %s", rec.Code, rec.Body)
+	}
 	assertError(t, find(a, "k1", `{"templateID":"minimal"}`), http.StatusUnprocessableEntity)
+	// Under the prefix nothing but the idempotent routes answers.
+	for _, r := range []struct{ method, path string }{
+		{"POST", FindOnlyPrefix + "/sandboxes/sbx/pause"},
+		{"GET", FindOnlyPrefix + "/sandboxes"},
+		{"GET", FindOnlyPrefix + "/v2/sandboxes"},
+		{"DELETE", FindOnlyPrefix + "/sandboxes/x"},
+	} {
+		req := httptest.NewRequestWithContext(t.Context(), r.method, r.path, nil)
+		req.Header.Set("X-API-Key", testKey)
+		rec := httptest.NewRecorder()
+		a.srv.ServeHTTP(rec, req)
+		assertError(t, rec, http.StatusNotFound)
+	}
 	if len(node.creates) != 1 {
 		t.Fatalf("%d creates", len(node.creates))
 	}

@@ -521,7 +521,7 @@ func TestIdempotentCreateStaysOnItsNode(t *testing.T) {
 				io.WriteString(w, a)
 				return
 			}
-			if r.Header.Get(api.HeaderFindOnly) != "" {
+			if strings.HasPrefix(r.URL.Path, api.FindOnlyPrefix+"/") {
 				httperr.Write(w, http.StatusNotFound, "unknown key")
 				return
 			}
@@ -576,6 +576,48 @@ func TestIdempotentCreateStaysOnItsNode(t *testing.T) {
 	defer mu.Unlock()
 	if n := len(creates["a"]) + len(creates["b"]); n != 2 {
 		t.Fatalf("%d creates for two keys: %v", n, creates)
+	}
+}
+
+// TestIdempotentFindRunsNothingOnOlderNodes: a gateway without a key's pin
+// asks every node for it. Nodes of an earlier version know no find-only
+// request and would run it as a create; asked on a path of its own, they
+// answer 404 and run nothing, so each retry makes exactly one sandbox
+// (asked with the header, both nodes would make one).
+func TestIdempotentFindRunsNothingOnOlderNodes(t *testing.T) {
+	var mu sync.Mutex
+	creates := 0
+	older := func() *httptest.Server {
+		mux := http.NewServeMux()
+		mux.HandleFunc("POST /v2/sandboxes", func(w http.ResponseWriter, r *http.Request) {
+			mu.Lock()
+			creates++
+			n := creates
+			mu.Unlock()
+			w.WriteHeader(http.StatusCreated)
+			fmt.Fprintf(w, `{"sandboxID":"s%d","clientID":"aenv"}`, n)
+		})
+		srv := httptest.NewServer(mux)
+		t.Cleanup(srv.Close)
+		return srv
+	}
+	a, b := older(), older()
+	for i := range 3 {
+		gw := gatewayOver(t, a, b) // a fresh gateway each time: no pin
+		req, _ := http.NewRequest("POST", gw.URL+"/v2/sandboxes", strings.NewReader(`{"templateID":"base"}`))
+		req.Header.Set("X-API-Key", key)
+		req.Header.Set("Idempotency-Key", "k")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		mu.Lock()
+		got := creates
+		mu.Unlock()
+		if resp.StatusCode != http.StatusCreated || got != i+1 {
+			t.Fatalf("request %d: %d, %d creates on the older nodes (want %d)", i, resp.StatusCode, got, i+1)
+		}
 	}
 }
 

@@ -64,7 +64,7 @@ func (p *pins) put(key string, node route) {
 	p.m[key] = pin{node: node, until: now.Add(p.ttl)}
 }
 
-// findIdempotent asks every ready node, with api.HeaderFindOnly, for the
+// findIdempotent asks every ready node, under api.FindOnlyPrefix, for the
 // answer to r's Idempotency-Key: a node that holds the key answers (the
 // first request's answer, a 409 while it still runs, a 422 for another
 // body), the others 404 and run nothing. False: no node holds it (or the
@@ -76,8 +76,10 @@ func (g *Gateway) findIdempotent(r *http.Request, body []byte) (nodeReply, bool)
 	if err != nil || len(nodes) == 0 {
 		return nodeReply{}, false
 	}
+	// A path of its own (api.FindOnlyPrefix): a node too old to know it
+	// answers 404 instead of running the create.
 	find := r.Clone(r.Context())
-	find.Header.Set(api.HeaderFindOnly, "1")
+	find.URL.Path, find.URL.RawPath = api.FindOnlyPrefix+r.URL.Path, ""
 	replies, errs := g.callNodes(find, nodes, body)
 	for i, a := range replies {
 		switch {
