@@ -345,6 +345,12 @@ func (g *Gateway) proxyTo(w http.ResponseWriter, r *http.Request, nodeURL string
 		httperr.Internal(w, g.log, http.StatusBadGateway, "the sandbox's node has a malformed address", err)
 		return
 	}
+	// The node may answer (and the proxy flush its answer) before the
+	// request body has all arrived: without full duplex Go's HTTP/1 server
+	// would close the request body at that first flush, and the transport
+	// would abort the node's connection mid-stream. (HTTP/2 is always full
+	// duplex and reports ErrNotSupported, which is fine.)
+	_ = http.NewResponseController(w).EnableFullDuplex()
 	g.proxy.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), targetKey{}, u)))
 }
 

@@ -721,3 +721,72 @@ func TestWebhooksOnEveryNode(t *testing.T) {
 		t.Fatalf("deliveries: %d %s", resp2.StatusCode, body)
 	}
 }
+
+// Sandbox traffic through the gateway is full duplex over HTTP/1.1, as on
+// a node: the node may answer (and the gateway flush the answer) before the
+// request body has all arrived, and the body keeps flowing while the
+// response streams back. Without it Go's HTTP/1 server closes the request
+// body at the gateway's first flush, and the transport aborts the node's
+// connection mid-stream (a Connect stream ends "terminated" in the SDK).
+func TestSandboxTrafficIsFullDuplex(t *testing.T) {
+	node := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("E2b-Sandbox-Id") != "sbx" {
+			httperr.Write(w, http.StatusNotFound, "not a sandbox request")
+			return
+		}
+		_ = http.NewResponseController(w).EnableFullDuplex()
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		buf := make([]byte, 64)
+		for {
+			n, err := r.Body.Read(buf)
+			if n > 0 {
+				_, _ = w.Write(buf[:n])
+				w.(http.Flusher).Flush()
+			}
+			if err != nil {
+				return
+			}
+		}
+	}))
+	t.Cleanup(node.Close)
+	sched := scheduler.New(scheduler.Config{Token: key, Logger: slog.New(slog.DiscardHandler)})
+	mux := http.NewServeMux()
+	mux.Handle(sched.Handler())
+	ss := httptest.NewServer(mux)
+	t.Cleanup(ss.Close)
+	client := scheduler.NewClient(ss.Client(), ss.URL, key)
+	rep := &pb.NodeReport{NodeId: "n0", Url: node.URL, Cpus: 2, MemoryTotalBytes: 8 << 30, MemoryAvailableBytes: 8 << 30,
+		Sandboxes: []*pb.SandboxReport{{SandboxId: "sbx", State: "running"}}}
+	if _, err := client.Heartbeat(context.Background(), connect.NewRequest(&pb.HeartbeatRequest{Node: rep})); err != nil {
+		t.Fatal(err)
+	}
+	gw := httptest.NewServer(New(Config{Scheduler: client, APIKey: key, NodeToken: testNodeToken, Logger: slog.New(slog.DiscardHandler)}))
+	t.Cleanup(gw.Close)
+
+	pr, pw := io.Pipe()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	go func() { <-ctx.Done(); pw.CloseWithError(ctx.Err()) }()
+	req, _ := http.NewRequestWithContext(ctx, "POST", gw.URL+"/process.Process/Start", pr)
+	req.Header.Set("E2b-Sandbox-Id", "sbx")
+	req.Header.Set("E2b-Sandbox-Port", "49983")
+	resp, err := (&http.Client{Transport: &http.Transport{}}).Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	for _, msg := range []string{"one", "two", "three"} {
+		if _, err := io.WriteString(pw, msg); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, len(msg))
+		if _, err := io.ReadFull(resp.Body, got); err != nil || string(got) != msg {
+			t.Fatalf("echo of %q: %q %v", msg, got, err)
+		}
+	}
+	pw.Close()
+	if rest, err := io.ReadAll(resp.Body); err != nil || len(rest) != 0 {
+		t.Fatalf("after close: %q %v", rest, err)
+	}
+}
