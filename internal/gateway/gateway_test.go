@@ -26,6 +26,7 @@ import (
 	"github.com/agentenv/agentenv/internal/apikeys"
 	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/httperr"
+	"github.com/agentenv/agentenv/internal/proxy/proxytest"
 	"github.com/agentenv/agentenv/internal/scheduler"
 	pb "github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb"
 )
@@ -433,14 +434,23 @@ func TestDocumentedRoutesThroughTheGateway(t *testing.T) {
 // (n0, n1, … in that order, each with room for a sandbox).
 func gatewayOver(t *testing.T, nodes ...*httptest.Server) *httptest.Server {
 	t.Helper()
+	var reports []*pb.NodeReport
+	for i, n := range nodes {
+		reports = append(reports, &pb.NodeReport{NodeId: fmt.Sprintf("n%d", i), Url: n.URL, Cpus: 2, MemoryTotalBytes: 8 << 30, MemoryAvailableBytes: 8 << 30})
+	}
+	return gatewayWith(t, reports...)
+}
+
+// gatewayWith runs a gateway whose scheduler has had these nodes' reports.
+func gatewayWith(t *testing.T, reports ...*pb.NodeReport) *httptest.Server {
+	t.Helper()
 	sched := scheduler.New(scheduler.Config{Token: key, Logger: slog.New(slog.DiscardHandler)})
 	mux := http.NewServeMux()
 	mux.Handle(sched.Handler())
 	ss := httptest.NewServer(mux)
 	t.Cleanup(ss.Close)
 	client := scheduler.NewClient(ss.Client(), ss.URL, key)
-	for i, n := range nodes {
-		rep := &pb.NodeReport{NodeId: fmt.Sprintf("n%d", i), Url: n.URL, Cpus: 2, MemoryTotalBytes: 8 << 30, MemoryAvailableBytes: 8 << 30}
+	for _, rep := range reports {
 		if _, err := client.Heartbeat(context.Background(), connect.NewRequest(&pb.HeartbeatRequest{Node: rep})); err != nil {
 			t.Fatal(err)
 		}
@@ -734,59 +744,10 @@ func TestSandboxTrafficIsFullDuplex(t *testing.T) {
 			httperr.Write(w, http.StatusNotFound, "not a sandbox request")
 			return
 		}
-		_ = http.NewResponseController(w).EnableFullDuplex()
-		w.WriteHeader(http.StatusOK)
-		w.(http.Flusher).Flush()
-		buf := make([]byte, 64)
-		for {
-			n, err := r.Body.Read(buf)
-			if n > 0 {
-				_, _ = w.Write(buf[:n])
-				w.(http.Flusher).Flush()
-			}
-			if err != nil {
-				return
-			}
-		}
+		proxytest.Echo(w, r)
 	}))
 	t.Cleanup(node.Close)
-	sched := scheduler.New(scheduler.Config{Token: key, Logger: slog.New(slog.DiscardHandler)})
-	mux := http.NewServeMux()
-	mux.Handle(sched.Handler())
-	ss := httptest.NewServer(mux)
-	t.Cleanup(ss.Close)
-	client := scheduler.NewClient(ss.Client(), ss.URL, key)
-	rep := &pb.NodeReport{NodeId: "n0", Url: node.URL, Cpus: 2, MemoryTotalBytes: 8 << 30, MemoryAvailableBytes: 8 << 30,
-		Sandboxes: []*pb.SandboxReport{{SandboxId: "sbx", State: "running"}}}
-	if _, err := client.Heartbeat(context.Background(), connect.NewRequest(&pb.HeartbeatRequest{Node: rep})); err != nil {
-		t.Fatal(err)
-	}
-	gw := httptest.NewServer(New(Config{Scheduler: client, APIKey: key, NodeToken: testNodeToken, Logger: slog.New(slog.DiscardHandler)}))
-	t.Cleanup(gw.Close)
-
-	pr, pw := io.Pipe()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	go func() { <-ctx.Done(); pw.CloseWithError(ctx.Err()) }()
-	req, _ := http.NewRequestWithContext(ctx, "POST", gw.URL+"/process.Process/Start", pr)
-	req.Header.Set("E2b-Sandbox-Id", "sbx")
-	req.Header.Set("E2b-Sandbox-Port", "49983")
-	resp, err := (&http.Client{Transport: &http.Transport{}}).Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	for _, msg := range []string{"one", "two", "three"} {
-		if _, err := io.WriteString(pw, msg); err != nil {
-			t.Fatal(err)
-		}
-		got := make([]byte, len(msg))
-		if _, err := io.ReadFull(resp.Body, got); err != nil || string(got) != msg {
-			t.Fatalf("echo of %q: %q %v", msg, got, err)
-		}
-	}
-	pw.Close()
-	if rest, err := io.ReadAll(resp.Body); err != nil || len(rest) != 0 {
-		t.Fatalf("after close: %q %v", rest, err)
-	}
+	gw := gatewayWith(t, &pb.NodeReport{NodeId: "n0", Url: node.URL, Cpus: 2, MemoryTotalBytes: 8 << 30, MemoryAvailableBytes: 8 << 30,
+		Sandboxes: []*pb.SandboxReport{{SandboxId: "sbx", State: "running"}}})
+	proxytest.CheckFullDuplex(t, gw.URL+"/process.Process/Start", http.Header{"E2b-Sandbox-Id": {"sbx"}, "E2b-Sandbox-Port": {"49983"}})
 }

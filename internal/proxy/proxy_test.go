@@ -15,6 +15,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/proxy/proxytest"
 )
 
 // These unit tests check the proxy's routing and token rules against a
@@ -293,49 +295,10 @@ func TestAutoResumeOnTraffic(t *testing.T) {
 // proxy flush the answer) before the request body has been forwarded, and
 // the body keeps flowing while the response streams back.
 func TestFullDuplexHTTP1(t *testing.T) {
-	backend := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		_ = http.NewResponseController(w).EnableFullDuplex()
-		w.WriteHeader(200)
-		w.(http.Flusher).Flush()
-		buf := make([]byte, 64)
-		for {
-			n, err := r.Body.Read(buf)
-			if n > 0 {
-				_, _ = w.Write(buf[:n])
-				w.(http.Flusher).Flush()
-			}
-			if err != nil {
-				return
-			}
-		}
-	}))
+	backend := httptest.NewServer(http.HandlerFunc(proxytest.Echo))
 	defer backend.Close()
 	host, portStr, _ := net.SplitHostPort(strings.TrimPrefix(backend.URL, "http://"))
 	front := httptest.NewServer(New(stubResolver{"sbx": {Addr: host, Running: true}}, "", 49983, nil))
 	defer front.Close()
-	pr, pw := io.Pipe()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	go func() { <-ctx.Done(); pw.CloseWithError(ctx.Err()) }()
-	req, _ := http.NewRequestWithContext(ctx, "POST", front.URL+"/echo", pr)
-	req.Header.Set(HeaderSandboxID, "sbx")
-	req.Header.Set(HeaderSandboxPort, portStr)
-	resp, err := (&http.Client{Transport: &http.Transport{}}).Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	for _, msg := range []string{"one", "two", "three"} {
-		if _, err := io.WriteString(pw, msg); err != nil {
-			t.Fatal(err)
-		}
-		got := make([]byte, len(msg))
-		if _, err := io.ReadFull(resp.Body, got); err != nil || string(got) != msg {
-			t.Fatalf("echo of %q: %q %v", msg, got, err)
-		}
-	}
-	pw.Close()
-	if rest, err := io.ReadAll(resp.Body); err != nil || len(rest) != 0 {
-		t.Fatalf("after close: %q %v", rest, err)
-	}
+	proxytest.CheckFullDuplex(t, front.URL+"/echo", http.Header{HeaderSandboxID: {"sbx"}, HeaderSandboxPort: {portStr}})
 }
