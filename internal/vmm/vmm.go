@@ -89,9 +89,10 @@ type Config struct {
 	// Volumes are the qcow2 disks of the filled slots, by slot.
 	Volumes []string
 
-	// Set by Start: the descriptors the disks are inherited as (see User).
-	rootDiskFD int
-	slotFDs    []int
+	// Set by Start: the descriptors the disks are inherited as (see User):
+	// the root disk's read-write and read-only one, in fdset rootFdset.
+	rootDiskFDs [2]int
+	slotFDs     []int
 }
 
 // SlotCapacity is the size of an empty volume slot: a volume's filesystem
@@ -192,14 +193,16 @@ func (c *Config) Args() []string {
 		"-append", c.Cmdline,
 		"-chardev", "file,id=console,path=" + filepath.Join(c.RunDir, ConsoleName),
 		"-serial", "chardev:console",
-		"-drive", "id=" + rootDriveID + ",file=" + c.rootDiskFile() + ",format=qcow2,if=none,cache=writeback,discard=unmap",
-		"-device", "virtio-blk-device,drive=" + rootDriveID,
+	}
+	args = append(args, c.rootDiskArgs()...)
+	args = append(args,
+		"-device", "virtio-blk-device,drive="+rootDriveID,
 		"-object", "rng-random,id=rng,filename=/dev/urandom",
 		"-device", "virtio-rng-device,rng=rng",
-		"-device", "virtio-balloon-device,free-page-reporting=" + onOff(!c.NoFreePageReporting),
-		"-qmp", "unix:" + filepath.Join(c.RunDir, QMPSocketName) + ",server=on,wait=off",
+		"-device", "virtio-balloon-device,free-page-reporting="+onOff(!c.NoFreePageReporting),
+		"-qmp", "unix:"+filepath.Join(c.RunDir, QMPSocketName)+",server=on,wait=off",
 		"-pidfile", filepath.Join(c.RunDir, PIDFileName),
-	}
+	)
 	switch {
 	case c.User != "" && c.RunWithUser:
 		args = append(args, "-run-with", "user="+c.User)
@@ -236,11 +239,44 @@ func (c *Config) Args() []string {
 
 // rootDiskFile is the name QEMU opens the root disk by.
 func (c *Config) rootDiskFile() string {
-	if c.rootDiskFD > 0 {
-		return "/proc/self/fd/" + strconv.Itoa(c.rootDiskFD)
+	if c.rootDiskFDs[0] > 0 {
+		return "/dev/fdset/" + strconv.Itoa(rootFdset)
 	}
 	return c.RootDisk
 }
+
+// rootDiskArgs are the root disk's drive and, when it is inherited, the
+// fdset it opens.
+func (c *Config) rootDiskArgs() []string {
+	var args []string
+	if c.rootDiskFDs[0] > 0 {
+		for i, opaque := range []string{fdRW, fdRO} {
+			args = append(args, "-add-fd", "fd="+strconv.Itoa(c.rootDiskFDs[i])+",set="+strconv.Itoa(rootFdset)+",opaque="+opaque)
+		}
+	}
+	return append(args, "-drive", "id="+rootDriveID+",file="+c.rootDiskFile()+c.rootDiskLocking()+",format=qcow2,if=none,cache=writeback,discard=unmap")
+}
+
+// rootDiskLocking turns QEMU's image locking off for an inherited root
+// disk: QEMU takes its locks on open file descriptions, and those of an
+// fdset outlive the duplicates QEMU closes, so the read-write lock of the
+// set's first open would stand against its own reopen after a migration
+// ("Failed to get write lock" on cont). The node is the only one that
+// opens a sandbox's overlay, and only after its QEMU is gone.
+func (c *Config) rootDiskLocking() string {
+	if c.rootDiskFDs[0] > 0 {
+		return ",file.locking=off"
+	}
+	return ""
+}
+
+// rootFdset is the fdset the root disk is inherited in; the opaque labels
+// say which descriptor of a set is writable.
+const (
+	rootFdset = 1
+	fdRW      = "rw"
+	fdRO      = "ro"
+)
 
 func (c *Config) privilegeChanges() string {
 	if c.User != "" {
@@ -301,18 +337,22 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 		}
 		// QEMU reopens its disk when a migration ends (read-only, then
 		// read-write again), by then as its user, who may not walk the
-		// root-only directories to it: it gets the disk as an inherited
-		// file it reopens through /proc/self/fd, and owns that one file.
-		disk, err := os.OpenFile(cfg.RootDisk, os.O_RDWR, 0)
+		// root-only directories to it: it inherits the disk as an fdset
+		// of two descriptors, one per access mode, and each open of
+		// /dev/fdset/N duplicates the one that matches. It owns no file,
+		// and a seal can take the writable one away (ReleaseSealed).
+		rw, err := os.OpenFile(cfg.RootDisk, os.O_RDWR, 0)
 		if err != nil {
 			return nil, err
 		}
-		defer disk.Close()
-		if err := disk.Chown(uid, gid); err != nil {
+		defer rw.Close()
+		ro, err := os.Open(cfg.RootDisk)
+		if err != nil {
 			return nil, err
 		}
-		cfg.rootDiskFD = 3 + len(extra)
-		extra = append(extra, disk)
+		defer ro.Close()
+		cfg.rootDiskFDs = [2]int{3 + len(extra), 4 + len(extra)}
+		extra = append(extra, rw, ro)
 	}
 	// Volumes' disks live outside what a jailed QEMU sees: it inherits
 	// them too (owning them while it runs, when it drops to a user).
