@@ -221,8 +221,12 @@ func qemuCheck() check {
 	if info.DiffCapture() == vmm.CaptureMigration {
 		diff = "a full migration, filtered (no xen-save-devices-state)"
 	}
-	detail := fmt.Sprintf("QEMU %s at %s (accelerators %s; drops privileges with %s; incremental snapshots from %s)",
-		info.Version, info.Path, strings.Join(info.Accels, ", "), drop, diff)
+	disk := "sealed in place"
+	if !info.SealsDisks() {
+		disk = "copied (no blockdev-snapshot or add-fd)"
+	}
+	detail := fmt.Sprintf("QEMU %s at %s (accelerators %s; drops privileges with %s; incremental snapshots from %s, the disk %s)",
+		info.Version, info.Path, strings.Join(info.Accels, ", "), drop, diff, disk)
 	if err := info.Supports(vmm.ProbeAccel().Accel); err != nil {
 		return check{"qemu", checkFail, detail + ": " + err.Error(), "install Debian's qemu-system-x86, or name a full build with AENV_QEMU"}
 	}

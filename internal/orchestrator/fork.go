@@ -247,7 +247,7 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 	var snap string
 	var lease *store.Lease
 	if live {
-		snap, lease, err = n.snapshotLive(o, s, &guestStopped)
+		snap, lease, err = n.snapshotLive(o, s, opState, &guestStopped)
 	} else {
 		snap, lease, err = n.freeze(o, s, opState)
 	}

@@ -21,7 +21,8 @@ import (
 // while the disk overlay (the blocks changed since the same base) is
 // copied, and the vCPUs go on; the state file is then hashed and synced
 // with the guest running. Both halves of the snapshot are relative to the
-// base the sandbox was restored from; the sandbox itself is unchanged.
+// base the sandbox was restored from; with the disk copied, the sandbox
+// itself is unchanged.
 //
 // The changed pages are the mapping's private pages where QEMU can save
 // its device state alone (vmm.CapturePrivatePages), else what a full
@@ -31,15 +32,10 @@ import (
 // (about 1 GB/s) and syncing before the vCPUs go on would double the stop
 // again; syncing after made no difference while the walk dominated it.
 //
-// (Switching QEMU to a new overlay over QMP instead of copying would make
-// the snapshot's disk cost nothing. QEMU 7.2 failed the next migration of
-// that process in bdrv_inactivate_all when blockdev-snapshot-sync made the
-// overlay itself; with an overlay made by us, backed by the real path, and
-// mode "existing", 20 rounds of stop, seal, incremental save, cont and
-// guest writes pass on 7.2 and 10.0 (BenchmarkSealOverlay, 2026-12-03).
-// Not used yet: the new overlay has to reach a QEMU that no longer runs
-// as root as a descriptor, and pause, fork and export must follow a chain
-// that grows with each snapshot.)
+// Where QEMU can, the disk is not copied but sealed (sealsnapshot.go):
+// QEMU stacks a new overlay and the old one becomes the snapshot's disk in
+// place; the copy below stays for QEMUs that cannot, machines started by
+// older nodes, and chains already maxSealedChain deep.
 
 // canSnapshotLive reports whether s can be captured without a restart.
 func (n *Node) canSnapshotLive(s *sandboxes.Sandbox) bool {
@@ -50,11 +46,14 @@ func (n *Node) canSnapshotLive(s *sandboxes.Sandbox) bool {
 // incremental snapshot, held by the returned lease, and sets guestStopped
 // to how long the guest's vCPUs were stopped. On failure the half-made
 // snapshot goes (and the caller's cleanup runs the sandbox on).
-func (n *Node) snapshotLive(o *operation.Op, s *sandboxes.Sandbox, guestStopped *time.Duration) (string, *store.Lease, error) {
+func (n *Node) snapshotLive(o *operation.Op, s *sandboxes.Sandbox, opState sandboxes.State, guestStopped *time.Duration) (string, *store.Lease, error) {
 	ctx := o.Context()
 	m := n.machines.get(s.ID)
 	if !alive(m) {
 		return "", nil, errors.New("no running machine")
+	}
+	if n.sealsDisk(ctx, s, m) {
+		return n.snapshotSealed(o, s, m, opState, guestStopped)
 	}
 	overlay := filepath.Join(n.sandboxDir(s.ID), overlayName)
 	phase := s.PhaseTimer()
@@ -121,22 +120,7 @@ func (n *Node) snapshotLive(o *operation.Op, s *sandboxes.Sandbox, guestStopped 
 	}
 	phase("resume vcpus")
 	*guestStopped = time.Since(stopped)
-	// The state file may still be in the page cache only, and unhashed
-	// (saveRAMDiff): both happen with the guest running again.
-	if err := o.Do("sync-state", func(context.Context) error {
-		// The state and the disk copy are flushed while the state is
-		// hashed: the flushes wait on the disk, the hash on a core.
-		state := filepath.Join(stage, snapStateName)
-		synced := make(chan error, 2)
-		for _, f := range []string{state, filepath.Join(stage, snapDiskName)} {
-			go func() { synced <- storage.SyncFile(f) }()
-		}
-		var err error
-		if man.StateSHA256 == "" {
-			man.StateSHA256, err = store.FileSHA256(state)
-		}
-		return errors.Join(err, <-synced, <-synced)
-	}); err != nil {
+	if err := n.syncState(o, stage, &man); err != nil {
 		return "", nil, err
 	}
 	phase("sync state")
@@ -148,6 +132,27 @@ func (n *Node) snapshotLive(o *operation.Op, s *sandboxes.Sandbox, guestStopped 
 	n.log.Info("incremental snapshot", "sandbox", s.ID, "snapshot", snapID, "pages", pages, "of", sent,
 		"guest_stopped", guestStopped.Round(time.Microsecond), "phases", s.Phases)
 	return snapID, lease, nil
+}
+
+// syncState flushes a live snapshot's state and disk in dir and hashes
+// the state where saving it did not (saveRAMDiff): the state file may
+// still be in the page cache only, and both happen with the guest running
+// again.
+func (n *Node) syncState(o *operation.Op, dir string, man *snapshotManifest) error {
+	return o.Do("sync-state", func(context.Context) error {
+		// The state and the disk are flushed while the state is hashed:
+		// the flushes wait on the disk, the hash on a core.
+		state := filepath.Join(dir, snapStateName)
+		synced := make(chan error, 2)
+		for _, f := range []string{state, filepath.Join(dir, snapDiskName)} {
+			go func() { synced <- storage.SyncFile(f) }()
+		}
+		var err error
+		if man.StateSHA256 == "" {
+			man.StateSHA256, err = store.FileSHA256(state)
+		}
+		return errors.Join(err, <-synced, <-synced)
+	})
 }
 
 // commitStage publishes a snapshot assembled in stage as sdir: its disk

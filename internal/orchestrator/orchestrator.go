@@ -74,6 +74,10 @@ type Config struct {
 	// copy-on-write sandboxes find the changed RAM (empty: what the probed
 	// QEMU allows, QEMUInfo.DiffCapture).
 	DiffCapture vmm.DiffCapture
+	// CopyDisk makes live snapshots copy the disk's overlay even where
+	// QEMU can seal it (QEMUInfo.SealsDisks): the baseline of the
+	// snapshot benchmark.
+	CopyDisk bool
 	// NetworkCIDR numbers the sandboxes' veth pairs (network.DefaultCIDR).
 	NetworkCIDR string
 	// Instance prefixes host object names (network.DefaultInstance); nodes
@@ -295,7 +299,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, fmt.Errorf("%w: %v", ErrSetup, err)
 	}
 	cfg.QEMU = qemu.Path
-	cfg.Logger.Info("QEMU", "path", qemu.Path, "version", qemu.Version.String(), "accelerators", qemu.Accels, "run-with-user", qemu.RunWithUser(), "ram-diff", qemu.DiffCapture())
+	cfg.Logger.Info("QEMU", "path", qemu.Path, "version", qemu.Version.String(), "accelerators", qemu.Accels, "run-with-user", qemu.RunWithUser(), "ram-diff", qemu.DiffCapture(), "seal-disks", qemu.SealsDisks())
 	lock, err := datadir.Acquire(cfg.DataDir, "aenv server")
 	if err != nil {
 		return nil, err

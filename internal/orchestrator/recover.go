@@ -182,9 +182,15 @@ func (n *Node) recoverInterrupted(ctx context.Context, s *sandboxes.Sandbox) san
 			// dropped and the sandbox runs on, its record pointing back
 			// at what its overlay stacks on.
 			if capture {
+				n.settleInterruptedSeal(ctx, s, m)
 				n.pointAtOverlayBase(ctx, s)
 			}
 			if n.finishInterruptedResume(ctx, s, m) {
+				if capture {
+					if _, err := m.ReleaseSealed(ctx); err != nil {
+						n.log.Error("release the sealed images of an interrupted capture", "sandbox", s.ID, "err", err)
+					}
+				}
 				return sandboxes.Running
 			}
 		}
@@ -196,7 +202,8 @@ func (n *Node) recoverInterrupted(ctx context.Context, s *sandboxes.Sandbox) san
 }
 
 // freezeInProgress reports whether s's record names the snapshot a freeze
-// of s was assembling (not the one s was restored from).
+// of s was assembling (not the one s was restored from, nor one a live
+// capture sealed its disk into).
 func (n *Node) freezeInProgress(ctx context.Context, s *sandboxes.Sandbox) bool {
 	if s.SnapshotID == "" {
 		return false
@@ -204,8 +211,12 @@ func (n *Node) freezeInProgress(ctx context.Context, s *sandboxes.Sandbox) bool 
 	if leased, err := n.store.Leased(ctx, s.SnapshotID); err != nil || !leased {
 		return false
 	}
+	// A live capture's snapshot (its state holds the changed RAM) may be
+	// named too, by a seal: its sandbox ran on over a disk of its own and
+	// must not be reset to the snapshot.
 	var man snapshotManifest
-	return storage.ReadJSON(filepath.Join(n.snapshotDir(s.SnapshotID), snapManifestName), &man) == nil && man.SandboxID == s.ID
+	return storage.ReadJSON(filepath.Join(n.snapshotDir(s.SnapshotID), snapManifestName), &man) == nil && man.SandboxID == s.ID &&
+		!man.StateHasRAM
 }
 
 // frozenFiles reports whether a freeze of s moved its disk (and RAM) into

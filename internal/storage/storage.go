@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 )
 
@@ -54,6 +55,44 @@ func CreateOverlay(ctx context.Context, base, path string, sizeMiB int) error {
 		return fmt.Errorf("qemu-img create overlay %s: %w: %s", path, err, strings.TrimSpace(string(out)))
 	}
 	return nil
+}
+
+// CreateOverlayOver makes a qcow2 overlay at path of virtualSize bytes
+// whose header names base as its backing file, without opening base (it
+// may be in use by a QEMU, or not be in place yet): the caller vouches
+// that base is a qcow2 image of that size.
+func CreateOverlayOver(ctx context.Context, base, path string, virtualSize int64) error {
+	bin, err := FindQEMUImg()
+	if err != nil {
+		return err
+	}
+	if !filepath.IsAbs(base) {
+		return fmt.Errorf("overlay %s: backing file %q is not an absolute path", path, base)
+	}
+	out, err := exec.CommandContext(ctx, bin, "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", base, "-u", path,
+		strconv.FormatInt(virtualSize, 10)).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("qemu-img create overlay %s: %w: %s", path, err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}
+
+// ChainDepth is how many images the chain of the image at path holds
+// (1: no backing file).
+func ChainDepth(ctx context.Context, path string) (int, error) {
+	bin, err := FindQEMUImg()
+	if err != nil {
+		return 0, err
+	}
+	out, err := exec.CommandContext(ctx, bin, "info", "--output=json", "--backing-chain", "-U", path).Output()
+	if err != nil {
+		return 0, fmt.Errorf("qemu-img info --backing-chain %s: %w", path, err)
+	}
+	var chain []ImageInfo
+	if err := json.Unmarshal(out, &chain); err != nil {
+		return 0, fmt.Errorf("parse qemu-img info: %w", err)
+	}
+	return len(chain), nil
 }
 
 // ImageInfo is what qemu-img reports about a layer.

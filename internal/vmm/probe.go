@@ -46,7 +46,13 @@ type QEMUInfo struct {
 	RunWith bool
 	// DevicesState is whether QMP has xen-save-devices-state.
 	DevicesState bool
+	// Seals is whether QMP has what Machine.Seal and ReleaseSealed use.
+	Seals bool
 }
+
+// SealsDisks reports whether live snapshots of this QEMU seal the disk's
+// top in place (Machine.Seal) instead of copying it.
+func (q QEMUInfo) SealsDisks() bool { return q.Seals }
 
 // RunWithUser reports whether this QEMU drops privileges with
 // `-run-with user=` rather than `-runas`.
@@ -100,6 +106,9 @@ var (
 	neededCommands = []string{"stop", "cont", "query-status", "system_powerdown", "quit", "migrate", "migrate-incoming",
 		"migrate-set-capabilities", "migrate-set-parameters", "query-migrate"}
 	neededMigrationCaps = []string{"x-ignore-shared"}
+	// sealCommands are what sealing a disk needs (without them live
+	// snapshots copy the disk's top).
+	sealCommands = []string{"add-fd", "remove-fd", "query-fdsets", "blockdev-add", "blockdev-del", "blockdev-snapshot", "query-block"}
 )
 
 // probeCache keeps probes by binary (path, size, modification time): a
@@ -175,7 +184,7 @@ func ProbeQEMU(ctx context.Context, explicit string) (QEMUInfo, error) {
 		return QEMUInfo{}, fmt.Errorf("%s (QEMU %s) lacks what sandboxes need: %s; install Debian's qemu-system-x86 or name another binary with --qemu",
 			path, v, strings.Join(missing, ", "))
 	}
-	info.RunWith, info.DevicesState = probe.RunWith, probe.DevicesState
+	info.RunWith, info.DevicesState, info.Seals = probe.RunWith, probe.DevicesState, probe.Seals
 	probeCache.Lock()
 	probeCache.m[key] = info
 	probeCache.Unlock()
@@ -207,10 +216,12 @@ func ParseAccelHelp(out string) []string {
 
 // QMPProbe is what the probe's QMP session found: what of the node's
 // needs is missing, whether -run-with exists, and whether the device state
-// can be saved alone (QEMUInfo.DiffCapture).
+// can be saved alone (QEMUInfo.DiffCapture) and disks sealed
+// (QEMUInfo.SealsDisks).
 type QMPProbe struct {
 	Missing      []string
 	RunWith      bool
+	Seals        bool
 	DevicesState bool
 }
 
@@ -278,6 +289,10 @@ func ParseQMPProbe(out []byte) (QMPProbe, error) {
 		}
 		if need.id == "commands" {
 			p.DevicesState = have["xen-save-devices-state"]
+			p.Seals = true
+			for _, c := range sealCommands {
+				p.Seals = p.Seals && have[c]
+			}
 		}
 	}
 	if failed["sandbox"] {

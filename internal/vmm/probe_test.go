@@ -84,6 +84,7 @@ func TestParseQMPProbe(t *testing.T) {
 		edit       func(string) string
 		runWith    bool
 		noDevices  bool // no xen-save-devices-state
+		noSeal     bool // no blockdev-snapshot
 		missing    []string
 	}{
 		{name: "7.2", file: "qmp-probe-7.2.jsonl"},
@@ -91,6 +92,10 @@ func TestParseQMPProbe(t *testing.T) {
 		{name: "no device state alone", file: "qmp-probe-7.2.jsonl", noDevices: true,
 			edit: func(s string) string {
 				return strings.ReplaceAll(s, `"name": "xen-save-devices-state"`, `"name": "x"`)
+			}},
+		{name: "no blockdev-snapshot", file: "qmp-probe-10.0.jsonl", runWith: true, noSeal: true,
+			edit: func(s string) string {
+				return strings.ReplaceAll(s, `"name": "blockdev-snapshot"`, `"name": "x"`)
 			}},
 		{name: "no microvm, no virtio-net", file: "qmp-probe-10.0.jsonl", runWith: true,
 			edit: func(s string) string {
@@ -133,6 +138,9 @@ func TestParseQMPProbe(t *testing.T) {
 			}
 			if got := (QEMUInfo{DevicesState: p.DevicesState}).DiffCapture(); got != want {
 				t.Errorf("diff capture %s, want %s", got, want)
+			}
+			if p.Seals == tc.noSeal {
+				t.Errorf("seals disks: %v, want %v", p.Seals, !tc.noSeal)
 			}
 		})
 	}

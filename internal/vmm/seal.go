@@ -7,6 +7,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"syscall"
 )
 
 // Sealing a disk: with the vCPUs stopped, QEMU stacks a new, empty qcow2
@@ -183,4 +184,83 @@ func protocolFile(name string) (string, error) {
 		return "", fmt.Errorf("QEMU names the root disk %q: no file in it", name)
 	}
 	return o.File.Filename, nil
+}
+
+// Sealable reports whether m's root disk can be sealed and released: it
+// was inherited as an fdset (machines started by older nodes opened it
+// through /proc/self/fd, a descriptor no QMP command closes).
+func (m *Machine) Sealable(ctx context.Context) (bool, error) {
+	top, err := m.rootTop(ctx)
+	if err != nil {
+		return false, err
+	}
+	return strings.HasPrefix(top.file, "/dev/fdset/"), nil
+}
+
+// TopIs reports whether the root disk's top is the file at path (the same
+// inode, whatever QEMU calls it).
+func (m *Machine) TopIs(ctx context.Context, path string) (bool, error) {
+	var want syscall.Stat_t
+	if err := syscall.Stat(path, &want); err != nil {
+		return false, err
+	}
+	top, err := m.rootTop(ctx)
+	if err != nil {
+		return false, err
+	}
+	files := []string{top.file}
+	if id, ok := strings.CutPrefix(top.file, "/dev/fdset/"); ok {
+		sets, err := m.fdsets(ctx)
+		if err != nil {
+			return false, err
+		}
+		files = nil
+		for _, set := range sets {
+			if strconv.Itoa(set.FdsetID) == id {
+				for _, fd := range set.Fds {
+					files = append(files, "/proc/"+strconv.Itoa(m.pid)+"/fd/"+strconv.Itoa(fd.Fd))
+				}
+			}
+		}
+	}
+	for _, f := range files {
+		var st syscall.Stat_t
+		if syscall.Stat(f, &st) == nil && st.Dev == want.Dev && st.Ino == want.Ino {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
+// WritableDescriptors counts the descriptors process pid holds open for
+// writing on the file at path.
+func WritableDescriptors(pid int, path string) (int, error) {
+	var want syscall.Stat_t
+	if err := syscall.Stat(path, &want); err != nil {
+		return 0, err
+	}
+	dir := "/proc/" + strconv.Itoa(pid)
+	ents, err := os.ReadDir(dir + "/fd")
+	if err != nil {
+		return 0, err
+	}
+	count := 0
+	for _, e := range ents {
+		var st syscall.Stat_t
+		if syscall.Stat(dir+"/fd/"+e.Name(), &st) != nil || st.Ino != want.Ino || st.Dev != want.Dev {
+			continue
+		}
+		info, err := os.ReadFile(dir + "/fdinfo/" + e.Name())
+		if err != nil {
+			continue // closed meanwhile
+		}
+		for _, line := range strings.Split(string(info), "\n") {
+			if v, ok := strings.CutPrefix(line, "flags:"); ok {
+				if f, err := strconv.ParseInt(strings.TrimSpace(v), 8, 64); err == nil && f&syscall.O_ACCMODE != syscall.O_RDONLY {
+					count++
+				}
+			}
+		}
+	}
+	return count, nil
 }

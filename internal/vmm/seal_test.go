@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 )
@@ -21,6 +20,14 @@ import (
 // and that QEMU holds no writable descriptor of any sealed image once
 // ReleaseSealed ran (it held one before: the check can fail).
 func TestSealFreezesTheTopAndReleasesIt(t *testing.T) {
+	writable := func(t *testing.T, pid int, path string) int {
+		t.Helper()
+		n, err := WritableDescriptors(pid, path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
 	bin, err := FindQEMU(os.Getenv("AENV_QEMU"))
 	if err != nil {
 		if os.Getenv("CI") == "true" {
@@ -92,7 +99,7 @@ func TestSealFreezesTheTopAndReleasesIt(t *testing.T) {
 		}
 		return sha256.Sum256(b)
 	}
-	if n := writableDescriptors(t, m.pid, top); n == 0 {
+	if n := writable(t, m.pid, top); n == 0 {
 		t.Fatal("QEMU holds no writable descriptor of its disk before any seal: the check below could not fail")
 	}
 	if sealed, err := m.Sealed(ctx); err != nil || sealed {
@@ -137,11 +144,11 @@ func TestSealFreezesTheTopAndReleasesIt(t *testing.T) {
 			t.Errorf("round %d: the write after the seal is not in the new top", round)
 		}
 		for _, p := range sealedImages {
-			if n := writableDescriptors(t, m.pid, p); n != 0 {
+			if n := writable(t, m.pid, p); n != 0 {
 				t.Errorf("round %d: QEMU still holds %d writable descriptors of sealed %s", round, n, filepath.Base(p))
 			}
 		}
-		if writableDescriptors(t, m.pid, next) == 0 {
+		if writable(t, m.pid, next) == 0 {
 			t.Errorf("round %d: QEMU cannot write its new top", round)
 		}
 		top = next
@@ -168,39 +175,4 @@ func TestSealFreezesTheTopAndReleasesIt(t *testing.T) {
 	if err != nil || strings.Count(string(out), "image: ") != 4 {
 		t.Fatalf("backing chain (%v):\n%s", err, out)
 	}
-}
-
-// writableDescriptors counts pid's descriptors open for writing on the
-// file at path.
-func writableDescriptors(t *testing.T, pid int, path string) int {
-	t.Helper()
-	var want syscall.Stat_t
-	if err := syscall.Stat(path, &want); err != nil {
-		t.Fatal(err)
-	}
-	fdDir := "/proc/" + strconv.Itoa(pid) + "/fd"
-	ents, err := os.ReadDir(fdDir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	n := 0
-	for _, e := range ents {
-		var st syscall.Stat_t
-		if syscall.Stat(filepath.Join(fdDir, e.Name()), &st) != nil || st.Ino != want.Ino || st.Dev != want.Dev {
-			continue
-		}
-		info, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/fdinfo/" + e.Name())
-		if err != nil {
-			continue
-		}
-		for _, line := range strings.Split(string(info), "\n") {
-			if v, ok := strings.CutPrefix(line, "flags:"); ok {
-				flags, err := strconv.ParseInt(strings.TrimSpace(v), 8, 64)
-				if err == nil && flags&syscall.O_ACCMODE != syscall.O_RDONLY {
-					n++
-				}
-			}
-		}
-	}
-	return n
 }

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -255,6 +256,56 @@ func TestCrashRecovery(t *testing.T) {
 		}
 		t.Logf("after a crash in fork the parent was %s; no child", state)
 		noOrphans("a crash in fork")
+	})
+
+	// A live snapshot of the (now copy-on-write) sandbox seals its disk:
+	// killed before QEMU switches to the new overlay, and after it did but
+	// before the sandbox's directory names it. Either way the sandbox runs
+	// on with every file, the crashed name is no snapshot, and the next
+	// snapshot works.
+	for i, point := range []string{"snapshot/seal", "snapshot/seat-overlay"} {
+		t.Run("snapshot, "+point, func(t *testing.T) {
+			name := fmt.Sprintf("crashed-seal-%d", i)
+			api.upload(t, sb, "/home/user/before-"+name, []byte(name+"\n"))
+			crashIn(point, "POST", "/sandboxes/"+sb.SandboxID+"/snapshots", map[string]any{"name": name})
+			if s := list()[sb.SandboxID]; s != "running" {
+				t.Fatalf("the sandbox is %q after a crash at %s\n%s", s, point, p.tail())
+			}
+			if out, code := api.run(t, sb, "cat", "/home/user/kept.txt", "/home/user/before-"+name); code != 0 || out != "written before the crash\n"+name+"\n" {
+				t.Fatalf("files after a crash at %s: %q %d", point, out, code)
+			}
+			if _, err := os.Stat(filepath.Join(dataDir, "sandboxes", sb.SandboxID, "overlay.next.qcow2")); !os.IsNotExist(err) {
+				t.Errorf("the next overlay is left after a crash at %s: %v", point, err)
+			}
+			var snaps []struct {
+				Names []string `json:"names"`
+			}
+			if err := api.rest(context.Background(), "GET", "/snapshots", nil, &snaps); err != nil {
+				t.Fatal(err)
+			}
+			for _, sn := range snaps {
+				if slices.Contains(sn.Names, name) {
+					t.Errorf("the snapshot cut short at %s is listed", point)
+				}
+			}
+			noOrphans("a crash at " + point)
+		})
+	}
+	t.Run("snapshot after the crashed seals", func(t *testing.T) {
+		api.upload(t, sb, "/home/user/after-seals", []byte("after\n"))
+		if err := api.rest(context.Background(), "POST", "/sandboxes/"+sb.SandboxID+"/snapshots", map[string]any{"name": "after-seals"}, nil); err != nil {
+			t.Fatalf("snapshot after the crashes: %v\n%s", err, p.tail())
+		}
+		child := &sandbox{}
+		if err := api.rest(context.Background(), "POST", "/sandboxes", map[string]any{"templateID": "after-seals"}, child); err != nil {
+			t.Fatalf("create from the snapshot: %v", err)
+		}
+		if out, code := api.run(t, child, "cat", "/home/user/kept.txt", "/home/user/before-crashed-seal-1", "/home/user/after-seals"); code != 0 || out != "written before the crash\ncrashed-seal-1\nafter\n" {
+			t.Fatalf("a sandbox of the snapshot after the crashes: %q %d", out, code)
+		}
+		api.rest(context.Background(), "DELETE", "/sandboxes/"+child.SandboxID, nil, nil)
+		api.rest(context.Background(), "DELETE", "/snapshots/after-seals", nil, nil)
+		noOrphans("snapshots after crashed seals")
 	})
 
 	t.Run("QEMU killed", func(t *testing.T) {
