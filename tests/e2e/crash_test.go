@@ -263,7 +263,11 @@ func TestCrashRecovery(t *testing.T) {
 	// before the sandbox's directory names it. Either way the sandbox runs
 	// on with every file, the crashed name is no snapshot, and the next
 	// snapshot works.
-	for i, point := range []string{"snapshot/seal", "snapshot/seat-overlay"} {
+	for i, c := range []struct{ point, settled string }{
+		{"snapshot/seal", "a seal cut short before QEMU switched"},
+		{"snapshot/seat-overlay", "a seal cut short after QEMU switched: completed"},
+	} {
+		point := c.point
 		t.Run("snapshot, "+point, func(t *testing.T) {
 			name := fmt.Sprintf("crashed-seal-%d", i)
 			api.upload(t, sb, "/home/user/before-"+name, []byte(name+"\n"))
@@ -287,6 +291,9 @@ func TestCrashRecovery(t *testing.T) {
 				if slices.Contains(sn.Names, name) {
 					t.Errorf("the snapshot cut short at %s is listed", point)
 				}
+			}
+			if !strings.Contains(readAll(p.log), c.settled) {
+				t.Errorf("the restart did not say %q\n%s", c.settled, p.tail())
 			}
 			noOrphans("a crash at " + point)
 		})
