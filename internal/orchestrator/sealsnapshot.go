@@ -38,10 +38,10 @@ import (
 // sandbox's directory until it becomes overlayName.
 const nextOverlayName = "overlay.next.qcow2"
 
-// maxSealedChain bounds the images of a sandbox's disk chain that seals
-// make (reads fall through the chain; each image is two descriptors in
-// QEMU).
-const maxSealedChain = 32
+// maxSealedChain bounds the snapshots' disks in a sandbox's disk chain
+// that seals make (reads fall through the chain; each image is two
+// descriptors in QEMU).
+var maxSealedChain = 32 // a variable for the test of the bound
 
 // sealsDisk reports whether a live snapshot of s seals its disk: the
 // QEMU can (probed, and this machine's root disk is inherited as an
@@ -54,8 +54,19 @@ func (n *Node) sealsDisk(ctx context.Context, s *sandboxes.Sandbox, m *vmm.Machi
 	if ok, err := m.Sealable(ctx); err != nil || !ok {
 		return false
 	}
-	depth, err := storage.ChainDepth(ctx, filepath.Join(n.sandboxDir(s.ID), overlayName))
-	return err == nil && depth < maxSealedChain
+	chain, err := storage.BackingChain(ctx, filepath.Join(n.sandboxDir(s.ID), overlayName))
+	if err != nil {
+		return false
+	}
+	// The snapshots' disks in it (a template's own layers do not count).
+	snaps := 0
+	root := filepath.Join(n.cfg.DataDir, snapshotsDir)
+	for _, img := range chain {
+		if filepath.Dir(filepath.Dir(img.Filename)) == root {
+			snaps++
+		}
+	}
+	return snaps < maxSealedChain
 }
 
 // snapshotSealed is snapshotLive sealing the disk.

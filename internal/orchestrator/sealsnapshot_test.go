@@ -130,4 +130,20 @@ func TestLiveSnapshotSealsTheDisk(t *testing.T) {
 	if got := run(grand, "cat /home/user/seal-2 /home/user/copied"); got != "seal-2\ncopied\n" {
 		t.Fatalf("a sandbox of a copied snapshot over seals: %q", got)
 	}
+	// A chain as deep as the bound (four snapshots' disks under grand's
+	// overlay) is copied, not sealed further.
+	n.cfg.CopyDisk = false
+	bound := maxSealedChain
+	maxSealedChain = 4
+	defer func() { maxSealedChain = bound }()
+	top := filepath.Join(n.sandboxDir(grand.ID), overlayName)
+	before := inode(top)
+	ns, err := n.Snapshot(ctx, grand.ID, "seal-bound")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.DeleteSnapshot(context.Background(), "seal-bound")
+	if inode(filepath.Join(n.snapshotDir(ns.SnapshotID), snapDiskName)) == before || inode(top) != before {
+		t.Fatal("a chain at the bound was sealed further")
+	}
 }

@@ -77,26 +77,27 @@ func CreateOverlayOver(ctx context.Context, base, path string, virtualSize int64
 	return nil
 }
 
-// ChainDepth is how many images the chain of the image at path holds
-// (1: no backing file).
-func ChainDepth(ctx context.Context, path string) (int, error) {
+// BackingChain reads the headers of the image at path and of every image
+// below it, top first.
+func BackingChain(ctx context.Context, path string) ([]ImageInfo, error) {
 	bin, err := FindQEMUImg()
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
 	out, err := exec.CommandContext(ctx, bin, "info", "--output=json", "--backing-chain", "-U", path).Output()
 	if err != nil {
-		return 0, fmt.Errorf("qemu-img info --backing-chain %s: %w", path, err)
+		return nil, fmt.Errorf("qemu-img info --backing-chain %s: %w", path, err)
 	}
 	var chain []ImageInfo
 	if err := json.Unmarshal(out, &chain); err != nil {
-		return 0, fmt.Errorf("parse qemu-img info: %w", err)
+		return nil, fmt.Errorf("parse qemu-img info: %w", err)
 	}
-	return len(chain), nil
+	return chain, nil
 }
 
 // ImageInfo is what qemu-img reports about a layer.
 type ImageInfo struct {
+	Filename        string `json:"filename"`
 	Format          string `json:"format"`
 	VirtualSize     int64  `json:"virtual-size"`
 	ActualSize      int64  `json:"actual-size"`
