@@ -261,8 +261,9 @@ func (c *Config) rootDiskArgs() []string {
 // disk: QEMU takes its locks on open file descriptions, and those of an
 // fdset outlive the duplicates QEMU closes, so the read-write lock of the
 // set's first open would stand against its own reopen after a migration
-// ("Failed to get write lock" on cont). The node is the only one that
-// opens a sandbox's overlay, and only after its QEMU is gone.
+// ("Failed to get write lock" on cont after a migration). Nothing but the
+// sandbox's QEMU writes its overlay while it runs (the node only reads it
+// then, with qemu-img's force-share, and copies it).
 func (c *Config) rootDiskLocking() string {
 	if c.rootDiskFDs[0] > 0 {
 		return ",file.locking=off"
