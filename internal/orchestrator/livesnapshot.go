@@ -52,8 +52,8 @@ func (n *Node) snapshotLive(o *operation.Op, s *sandboxes.Sandbox, opState sandb
 	if !alive(m) {
 		return "", nil, errors.New("no running machine")
 	}
-	if n.sealsDisk(ctx, s, m) {
-		return n.snapshotSealed(o, s, m, opState, guestStopped)
+	if info, ok := n.sealsDisk(ctx, s, m); ok {
+		return n.snapshotSealed(o, s, m, info, opState, guestStopped)
 	}
 	overlay := filepath.Join(n.sandboxDir(s.ID), overlayName)
 	phase := s.PhaseTimer()

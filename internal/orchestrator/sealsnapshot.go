@@ -46,17 +46,18 @@ var maxSealedChain = 32 // a variable for the test of the bound
 // sealsDisk reports whether a live snapshot of s seals its disk: the
 // QEMU can (probed, and this machine's root disk is inherited as an
 // fdset, which machines started by older nodes are not), the node was
-// not told to copy, and the chain is not too deep.
-func (n *Node) sealsDisk(ctx context.Context, s *sandboxes.Sandbox, m *vmm.Machine) bool {
+// not told to copy, and the chain is not too deep. It also returns the
+// overlay's header, read with the chain.
+func (n *Node) sealsDisk(ctx context.Context, s *sandboxes.Sandbox, m *vmm.Machine) (*storage.ImageInfo, bool) {
 	if n.cfg.CopyDisk || !n.qemu.SealsDisks() {
-		return false
+		return nil, false
 	}
 	if ok, err := m.Sealable(ctx); err != nil || !ok {
-		return false
+		return nil, false
 	}
 	chain, err := storage.BackingChain(ctx, filepath.Join(n.sandboxDir(s.ID), overlayName))
-	if err != nil {
-		return false
+	if err != nil || len(chain) == 0 {
+		return nil, false
 	}
 	// The snapshots' disks in it (a template's own layers do not count).
 	snaps := 0
@@ -66,19 +67,15 @@ func (n *Node) sealsDisk(ctx context.Context, s *sandboxes.Sandbox, m *vmm.Machi
 			snaps++
 		}
 	}
-	return snaps < maxSealedChain
+	return &chain[0], snaps < maxSealedChain
 }
 
 // snapshotSealed is snapshotLive sealing the disk.
-func (n *Node) snapshotSealed(o *operation.Op, s *sandboxes.Sandbox, m *vmm.Machine, opState sandboxes.State, guestStopped *time.Duration) (string, *store.Lease, error) {
-	ctx := o.Context()
+// info is the sandbox's overlay's header (sealsDisk).
+func (n *Node) snapshotSealed(o *operation.Op, s *sandboxes.Sandbox, m *vmm.Machine, info *storage.ImageInfo, opState sandboxes.State, guestStopped *time.Duration) (string, *store.Lease, error) {
 	pdir := n.sandboxDir(s.ID)
 	overlay, next := filepath.Join(pdir, overlayName), filepath.Join(pdir, nextOverlayName)
 	phase := s.PhaseTimer()
-	info, err := storage.Info(ctx, overlay)
-	if err != nil {
-		return "", nil, err
-	}
 	var snapID string
 	var lease *store.Lease
 	if err := o.Do("record-snapshot", func(ctx context.Context) error {
