@@ -273,9 +273,20 @@ func TestQEMUsCannotReachEachOther(t *testing.T) {
 	if procs != "sees itself done" {
 		t.Fatalf("a's /proc shows other users' processes: %q", procs)
 	}
-	// Control: b's own ids own b's disk.
+	// Control: the same probe with b's own ids reaches b's QEMU (so the
+	// probe can tell), but not b's files: QEMU owns none, it holds its
+	// disk by the descriptors it inherited.
+	probe = exec.Command(probe.Args[0], probe.Args[1:]...)
+	probe.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(gb), Gid: uint32(gb)}}
+	if out, err := probe.CombinedOutput(); err != nil || strings.TrimSpace(string(out)) != "signalled\ndone" {
+		t.Fatalf("from sandbox %s's own QEMU ids: %q %v, want it signalled and no file reached", b.ID, out, err)
+	}
+	disk := filepath.Join(n.sandboxDir(b.ID), overlayName)
 	var st syscall.Stat_t
-	if err := syscall.Stat(filepath.Join(n.sandboxDir(b.ID), overlayName), &st); err != nil || int(st.Uid) != gb {
-		t.Fatalf("b's disk is owned by %d, want %d (%v)", st.Uid, gb, err)
+	if err := syscall.Stat(disk, &st); err != nil || st.Uid != 0 {
+		t.Fatalf("b's disk is owned by %d, want root (%v)", st.Uid, err)
+	}
+	if held, err := vmm.WritableDescriptors(b.PID, disk); err != nil || held == 0 {
+		t.Fatalf("b's QEMU holds %d writable descriptors of its disk (%v), want its own", held, err)
 	}
 }
