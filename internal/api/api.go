@@ -144,6 +144,11 @@ func (s *Server) Routes() []string { return slices.Clone(s.patterns) }
 // HeaderNodeToken carries the cluster's node credential (gateway → node).
 const HeaderNodeToken = "X-Aenv-Node-Token"
 
+// HeaderRevision carries the revision the gateway gives a change of a
+// webhook it makes on every node (webhooks.Record); a node takes it only
+// with its node token.
+const HeaderRevision = "X-Aenv-Revision"
+
 // KeyChecker says whether a key a client presents is one of the node's
 // (and which: its name).
 type KeyChecker interface {
@@ -243,11 +248,25 @@ func (s *Server) signedFile(w http.ResponseWriter, r *http.Request) {
 	writeError(w, http.StatusUnauthorized, "the signature of this /files URL matches no running sandbox (expired, tampered with, or the sandbox is gone)")
 }
 
+// requireNodeToken wraps h with the check of the node token: 401 without
+// it, 404 on a node that has none (it is in no cluster).
+func (s *Server) requireNodeToken(h func(http.ResponseWriter, *http.Request)) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch {
+		case s.cfg.NodeToken == "":
+			writeError(w, http.StatusNotFound, "this node is in no cluster (it has no node token)")
+		case !s.fromGateway(r):
+			writeError(w, http.StatusUnauthorized, "missing or invalid node token: send the cluster's in the "+HeaderNodeToken+" header")
+		default:
+			h(w, r)
+		}
+	})
+}
+
 func (s *Server) requireKey(h func(http.ResponseWriter, *http.Request)) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if t := r.Header.Get(HeaderNodeToken); t != "" && s.cfg.NodeToken != "" {
-			got, want := sha256.Sum256([]byte(t)), sha256.Sum256([]byte(s.cfg.NodeToken))
-			if subtle.ConstantTimeCompare(got[:], want[:]) == 1 {
+		if r.Header.Get(HeaderNodeToken) != "" && s.cfg.NodeToken != "" {
+			if s.fromGateway(r) {
 				h(w, r)
 				return
 			}

@@ -30,13 +30,21 @@ func ClientOf(r *http.Request) string {
 // client is the client of a request to this node: the gateway's client
 // when the gateway sent it, else the key's.
 func (s *Server) client(r *http.Request) string {
-	if c := r.Header.Get(HeaderClient); c != "" && s.cfg.NodeToken != "" {
-		got, want := sha256.Sum256([]byte(r.Header.Get(HeaderNodeToken))), sha256.Sum256([]byte(s.cfg.NodeToken))
-		if subtle.ConstantTimeCompare(got[:], want[:]) == 1 {
-			return c
-		}
+	if c := r.Header.Get(HeaderClient); c != "" && s.fromGateway(r) {
+		return c
 	}
 	return ClientOf(r)
+}
+
+// fromGateway reports whether r carries this node's node token (the
+// gateway sent it).
+func (s *Server) fromGateway(r *http.Request) bool {
+	t := r.Header.Get(HeaderNodeToken)
+	if t == "" || s.cfg.NodeToken == "" {
+		return false
+	}
+	got, want := sha256.Sum256([]byte(t)), sha256.Sum256([]byte(s.cfg.NodeToken))
+	return subtle.ConstantTimeCompare(got[:], want[:]) == 1
 }
 
 // FindOnlyPrefix before the path of a create or fork with an

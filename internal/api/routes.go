@@ -67,6 +67,8 @@ func (s *Server) authenticate(pattern string, schemes []string, h http.Handler) 
 		return s.requireKey(h.ServeHTTP), nil
 	case slices.Equal(schemes, []string{"VolumeToken"}):
 		return s.requireVolumeToken(h.ServeHTTP), nil
+	case slices.Equal(schemes, []string{"NodeToken"}):
+		return s.requireNodeToken(h.ServeHTTP), nil
 	case slices.Equal(schemes, []string{"PeerToken"}):
 		return h, nil // the peer chunk handler checks the token itself
 	}
@@ -80,7 +82,8 @@ type Operation struct {
 	// (none: the operation is open).
 	Security []string
 	// ServedBy is who serves it when not every node does ("gateway",
-	// "peers"; x-served-by).
+	// "peers"; "nodes": each node its own; "cluster": a node to its
+	// gateway; x-served-by).
 	ServedBy string
 }
 

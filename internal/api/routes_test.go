@@ -44,6 +44,8 @@ func TestDocumentDecidesAuthentication(t *testing.T) {
 			want = []int{http.StatusUnauthorized, http.StatusNotFound}
 		case "PeerToken":
 			want = []int{http.StatusNotFound}
+		case "NodeToken": // 404 on a node in no cluster
+			want = []int{http.StatusUnauthorized, http.StatusNotFound}
 		default:
 			t.Errorf("%s: schemes %v", op, schemes)
 			continue

@@ -1,7 +1,9 @@
 package api
 
 import (
+	"encoding/json"
 	"net/http"
+	"strconv"
 
 	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/events"
@@ -38,6 +40,61 @@ func eventTypes(in *[]apispec.LifecycleEventType) *[]events.Type {
 	return &out
 }
 
+// revision is the revision the gateway gave a change of a webhook (0:
+// none, or not the gateway's request).
+func (s *Server) revision(r *http.Request) int64 {
+	if !s.fromGateway(r) {
+		return 0
+	}
+	rev, err := strconv.ParseInt(r.Header.Get(HeaderRevision), 10, 64)
+	if err != nil || rev < 0 {
+		return 0
+	}
+	return rev
+}
+
+// ListWebhookRecords implements GET /events/webhook-records.
+func (s *Server) ListWebhookRecords(w http.ResponseWriter, r *http.Request) {
+	if s.webhooksOff(w) {
+		return
+	}
+	recs, err := s.cfg.Webhooks.Records(r.Context())
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	if recs == nil {
+		recs = []webhooks.Record{}
+	}
+	writeJSON(w, http.StatusOK, recs)
+}
+
+// ApplyWebhookRecords implements POST /events/webhook-records.
+func (s *Server) ApplyWebhookRecords(w http.ResponseWriter, r *http.Request) {
+	if s.webhooksOff(w) || !jsonBody(w, r) {
+		return
+	}
+	body, err := readBody(r)
+	if err != nil {
+		writeError(w, http.StatusRequestEntityTooLarge, err.Error())
+		return
+	}
+	var recs []webhooks.Record
+	if err := json.Unmarshal(body, &recs); err != nil {
+		writeError(w, http.StatusBadRequest, "the body must be a JSON list of webhook records: "+err.Error())
+		return
+	}
+	n, err := s.cfg.Webhooks.Apply(r.Context(), recs)
+	if err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
+	if n > 0 {
+		s.log.Info("webhooks brought up to date from the cluster", "records", n)
+	}
+	writeJSON(w, http.StatusOK, map[string]int{"applied": n})
+}
+
 // ListWebhooks implements GET /events/webhooks.
 func (s *Server) ListWebhooks(w http.ResponseWriter, r *http.Request) {
 	if s.webhooksOff(w) {
@@ -70,7 +127,7 @@ func (s *Server) CreateWebhook(w http.ResponseWriter, r *http.Request) {
 		url = &body.Url
 	}
 	h, err := s.cfg.Webhooks.Create(r.Context(), webhooks.Spec{ID: body.Id, Name: body.Name, URL: url, Enabled: body.Enabled,
-		Events: eventTypes(body.Events), Secret: body.SignatureSecret})
+		Events: eventTypes(body.Events), Secret: body.SignatureSecret, Revision: s.revision(r)})
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -103,7 +160,7 @@ func (s *Server) UpdateWebhook(w http.ResponseWriter, r *http.Request, webhookID
 		return
 	}
 	h, err := s.cfg.Webhooks.Update(r.Context(), webhookID, webhooks.Spec{Name: body.Name, URL: body.Url, Enabled: body.Enabled,
-		Events: eventTypes(body.Events), Secret: body.SignatureSecret})
+		Events: eventTypes(body.Events), Secret: body.SignatureSecret, Revision: s.revision(r)})
 	if err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -116,7 +173,7 @@ func (s *Server) DeleteWebhook(w http.ResponseWriter, r *http.Request, webhookID
 	if s.webhooksOff(w) {
 		return
 	}
-	if err := s.cfg.Webhooks.Delete(r.Context(), webhookID); err != nil {
+	if err := s.cfg.Webhooks.Delete(r.Context(), webhookID, s.revision(r)); err != nil {
 		s.writeNodeError(w, err)
 		return
 	}

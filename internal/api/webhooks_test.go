@@ -3,6 +3,7 @@ package api
 import (
 	"encoding/json"
 	"net/http"
+	"net/http/httptest"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -80,4 +81,71 @@ func TestWebhookRoutes(t *testing.T) {
 	do("DELETE", "/events/webhooks/"+h.ID, "", http.StatusNoContent)
 	do("DELETE", "/events/webhooks/"+h.ID, "", http.StatusNotFound)
 	do("GET", "/events/webhooks/"+h.ID+"/deliveries", "", http.StatusNotFound)
+}
+
+// The webhook records are the gateway's: only its node token reads them
+// (with the secrets) or brings records in, and only the node token's
+// requests give a change its revision.
+func TestWebhookRecordsAreTheGateways(t *testing.T) {
+	db, err := statedb.Open(filepath.Join(t.TempDir(), "aenv.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	store, err := webhooks.Open(t.Context(), db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := New(newFakeNode(), Config{APIKey: testKey, NodeToken: "nt", SandboxProxy: http.NotFoundHandler(), Webhooks: store})
+	if err != nil {
+		t.Fatal(err)
+	}
+	do := func(method, path, body string, hdr map[string]string) *httptest.ResponseRecorder {
+		req := httptest.NewRequest(method, path, strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		for k, v := range hdr {
+			req.Header.Set(k, v)
+		}
+		rec := httptest.NewRecorder()
+		srv.ServeHTTP(rec, req)
+		return rec
+	}
+	key, gw := map[string]string{"X-API-Key": testKey}, map[string]string{HeaderNodeToken: "nt"}
+	for _, h := range []map[string]string{nil, key, {HeaderNodeToken: "wrong"}} {
+		if rec := do("GET", "/events/webhook-records", "", h); rec.Code != http.StatusUnauthorized {
+			t.Errorf("records with %v: %d %s", h, rec.Code, rec.Body)
+		}
+	}
+	// A client's revision header is not taken; the gateway's is.
+	do("POST", "/events/webhooks", `{"id":"wh_c","url":"http://127.0.0.1:9/c"}`, map[string]string{"X-API-Key": testKey, HeaderRevision: "7"})
+	gwRev := map[string]string{HeaderNodeToken: "nt", HeaderRevision: "8000000000000000"}
+	if rec := do("POST", "/events/webhooks", `{"id":"wh_g","url":"http://127.0.0.1:9/g","signatureSecret":"s3cret"}`, gwRev); rec.Code != http.StatusCreated {
+		t.Fatalf("create as the gateway: %d %s", rec.Code, rec.Body)
+	}
+	rec := do("GET", "/events/webhook-records", "", gw)
+	var recs []webhooks.Record
+	if rec.Code != http.StatusOK || json.Unmarshal(rec.Body.Bytes(), &recs) != nil || len(recs) != 2 {
+		t.Fatalf("records: %d %s", rec.Code, rec.Body)
+	}
+	for _, r := range recs {
+		switch {
+		case r.ID == "wh_c" && r.Revision <= 7:
+			t.Errorf("a client's revision was taken: %+v", r)
+		case r.ID == "wh_g" && (r.Revision != 8000000000000000 || r.Webhook.Secret != "s3cret"):
+			t.Errorf("the gateway's record: %+v", r)
+		}
+	}
+	in := `[{"id":"wh_n","revision":5,"webhook":{"id":"wh_n","name":"","url":"http://127.0.0.1:9/n","enabled":true,"events":["sandbox.lifecycle.killed"],"secret":"","createdAt":"2026-12-01T00:00:00Z"}},{"id":"wh_c","revision":1,"deleted":true}]`
+	if rec := do("POST", "/events/webhook-records", in, key); rec.Code != http.StatusUnauthorized {
+		t.Fatalf("records brought by a client: %d", rec.Code)
+	}
+	if rec := do("POST", "/events/webhook-records", in, gw); rec.Code != http.StatusOK || !strings.Contains(rec.Body.String(), `"applied":1`) {
+		t.Fatalf("records brought by the gateway: %d %s", rec.Code, rec.Body)
+	}
+	if rec := do("POST", "/events/webhook-records", `[{"id":"bad","revision":1,"deleted":true}]`, gw); rec.Code != http.StatusBadRequest {
+		t.Fatalf("an invalid record: %d %s", rec.Code, rec.Body)
+	}
+	if _, err := store.Get(t.Context(), "wh_c"); err != nil {
+		t.Fatalf("an older tombstone deleted a webhook: %v", err)
+	}
 }

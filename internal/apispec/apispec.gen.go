@@ -962,6 +962,25 @@ type WebhookDelivery struct {
 // WebhookDeliveryState defines model for WebhookDelivery.State.
 type WebhookDeliveryState string
 
+// WebhookRecord What a node has of one webhook id (the gateway's replication between nodes)
+type WebhookRecord struct {
+	// Deleted The webhook was deleted (a tombstone)
+	Deleted *bool  `json:"deleted,omitempty"`
+	Id      string `json:"id"`
+
+	// Revision The change's revision: the gateway's clock in microseconds
+	Revision int64 `json:"revision"`
+	Webhook  *struct {
+		CreatedAt time.Time            `json:"createdAt"`
+		Enabled   bool                 `json:"enabled"`
+		Events    []LifecycleEventType `json:"events"`
+		Id        string               `json:"id"`
+		Name      string               `json:"name"`
+		Secret    string               `json:"secret"`
+		Url       string               `json:"url"`
+	} `json:"webhook,omitempty"`
+}
+
 // IdempotencyKey defines model for idempotencyKey.
 type IdempotencyKey = string
 
@@ -1031,6 +1050,9 @@ type Connect struct {
 	Memory  *bool `json:"memory,omitempty"`
 	Timeout *int  `json:"timeout,omitempty"`
 }
+
+// ApplyWebhookRecordsJSONBody defines parameters for ApplyWebhookRecords.
+type ApplyWebhookRecordsJSONBody = []WebhookRecord
 
 // CreateWebhookJSONBody defines parameters for CreateWebhook.
 type CreateWebhookJSONBody struct {
@@ -1410,6 +1432,9 @@ type CreateVolumeJSONBody struct {
 	Name string `json:"name"`
 }
 
+// ApplyWebhookRecordsJSONRequestBody defines body for ApplyWebhookRecords for application/json ContentType.
+type ApplyWebhookRecordsJSONRequestBody = ApplyWebhookRecordsJSONBody
+
 // CreateWebhookJSONRequestBody defines body for CreateWebhook for application/json ContentType.
 type CreateWebhookJSONRequestBody CreateWebhookJSONBody
 
@@ -1475,6 +1500,12 @@ type CreateVolumeJSONRequestBody CreateVolumeJSONBody
 
 // ServerInterface represents all server handlers.
 type ServerInterface interface {
+	// ListWebhookRecords Between the gateway and its nodes (AgentENV): this node's webhooks with their secrets and revisions, and the tombstones of those deleted, for the gateway to bring every node to the newest of each. Authenticated by the cluster's node token, not an API key.
+	// (GET /events/webhook-records)
+	ListWebhookRecords(w http.ResponseWriter, r *http.Request)
+	// ApplyWebhookRecords Between the gateway and its nodes (AgentENV): records from other nodes; each one newer than what this node has of its id replaces it (a tombstone deletes the webhook and its deliveries). All or none: one invalid record refuses the lot.
+	// (POST /events/webhook-records)
+	ApplyWebhookRecords(w http.ResponseWriter, r *http.Request)
 	// ListWebhooks The node's webhooks for sandbox lifecycle events, oldest first
 	// (GET /events/webhooks)
 	ListWebhooks(w http.ResponseWriter, r *http.Request)
@@ -1671,6 +1702,34 @@ type ServerInterfaceWrapper struct {
 }
 
 type MiddlewareFunc func(http.Handler) http.Handler
+
+// ListWebhookRecords operation middleware
+func (siw *ServerInterfaceWrapper) ListWebhookRecords(w http.ResponseWriter, r *http.Request) {
+
+	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		siw.Handler.ListWebhookRecords(w, r)
+	}))
+
+	for _, middleware := range siw.HandlerMiddlewares {
+		handler = middleware(handler)
+	}
+
+	handler.ServeHTTP(w, r)
+}
+
+// ApplyWebhookRecords operation middleware
+func (siw *ServerInterfaceWrapper) ApplyWebhookRecords(w http.ResponseWriter, r *http.Request) {
+
+	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		siw.Handler.ApplyWebhookRecords(w, r)
+	}))
+
+	for _, middleware := range siw.HandlerMiddlewares {
+		handler = middleware(handler)
+	}
+
+	handler.ServeHTTP(w, r)
+}
 
 // ListWebhooks operation middleware
 func (siw *ServerInterfaceWrapper) ListWebhooks(w http.ResponseWriter, r *http.Request) {
@@ -4046,6 +4105,8 @@ func HandlerWithOptions(si ServerInterface, options StdHTTPServerOptions) http.H
 	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/events/webhooks/{webhookID}", wrapper.GetWebhook)
 	m.HandleFunc(http.MethodPatch+" "+options.BaseURL+"/events/webhooks/{webhookID}", wrapper.UpdateWebhook)
 	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/events/webhooks/{webhookID}/deliveries", wrapper.ListWebhookDeliveries)
+	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/events/webhook-records", wrapper.ListWebhookRecords)
+	m.HandleFunc(http.MethodPost+" "+options.BaseURL+"/events/webhook-records", wrapper.ApplyWebhookRecords)
 	m.HandleFunc(http.MethodGet+" "+options.BaseURL+"/volumes", wrapper.ListVolumes)
 	m.HandleFunc(http.MethodPost+" "+options.BaseURL+"/volumes", wrapper.CreateVolume)
 	m.HandleFunc(http.MethodDelete+" "+options.BaseURL+"/volumes/{volumeID}", wrapper.DeleteVolume)

@@ -254,6 +254,7 @@ nodes and the scheduler instead.`,
 				Scheduler: scheduler.NewClient(&http.Client{Timeout: 10 * time.Second}, sched, token),
 				APIKey:    key, NodeToken: token, Keys: keys, Domain: domain, Logger: log,
 			})
+			go g.Run(ctx) // the nodes' webhooks kept the same
 			return serve(ctx, listen, g, log.Info, "aenv gateway listening")
 		},
 	}

@@ -166,6 +166,7 @@ func isVolumeContent(r *http.Request) bool { return strings.HasPrefix(r.URL.Path
 func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) { g.handler.ServeHTTP(w, r) }
 
 func (g *Gateway) serve(w http.ResponseWriter, r *http.Request) {
+	r.Header.Del(api.HeaderRevision) // the gateway's own, never a client's
 	if t, ok := proxy.ParseTarget(r, g.cfg.Domain); ok {
 		// Answered as a node's proxy answers: 400 for a malformed target,
 		// 502 for a sandbox no node holds.
@@ -497,7 +498,7 @@ func (g *Gateway) call(r *http.Request, nodeURL string, body []byte) (int, http.
 	if err != nil {
 		return 0, nil, nil, err
 	}
-	for _, h := range []string{"Content-Type", "User-Agent", httperr.Header, "Idempotency-Key", api.HeaderFindOnly} {
+	for _, h := range []string{"Content-Type", "User-Agent", httperr.Header, "Idempotency-Key", api.HeaderFindOnly, api.HeaderRevision} {
 		if v := r.Header.Get(h); v != "" {
 			req.Header.Set(h, v)
 		}

@@ -1,21 +1,163 @@
 package gateway
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"slices"
 	"strconv"
+	"strings"
+	"time"
 
+	"github.com/agentenv/agentenv/internal/api"
 	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/httperr"
+	pb "github.com/agentenv/agentenv/internal/scheduler/gen/schedulerpb"
 	"github.com/agentenv/agentenv/internal/webhooks"
 )
 
 // Each node sends the events of its own sandboxes: a webhook registered
-// through the gateway is registered on every ready node under one id,
-// and the webhook routes go to every node. A node that joins later does
-// not have the webhooks registered before.
+// through the gateway is registered on every ready node under one id and
+// one revision (the gateway's clock), and the webhook routes go to every
+// node. Run brings a node that joins later, or was away during a change,
+// to the newest record of each webhook (webhooks.Record).
+
+// SyncEvery is how often Run compares the nodes' webhooks when the set of
+// ready nodes stays the same (a change of it is looked at within
+// syncPoll).
+const SyncEvery = time.Minute
+
+const syncPoll = 2 * time.Second
+
+// Run keeps the nodes' webhooks the same until ctx ends.
+func (g *Gateway) Run(ctx context.Context) {
+	t := time.NewTicker(syncPoll)
+	defer t.Stop()
+	var synced string // the ready nodes at the last sync that succeeded
+	var at time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		nodes, err := g.readyNodes(ctx)
+		if err != nil {
+			continue
+		}
+		set := nodeSet(nodes)
+		if set == synced && time.Since(at) < SyncEvery {
+			continue
+		}
+		if err := g.syncWebhooks(ctx, nodes); err != nil {
+			if ctx.Err() == nil {
+				g.log.Warn("gateway: bringing the nodes' webhooks up to date", "err", err)
+			}
+			continue
+		}
+		synced, at = set, time.Now()
+	}
+}
+
+// nodeSet names a set of nodes (by id and URL).
+func nodeSet(nodes []*pb.Node) string {
+	ids := make([]string, len(nodes))
+	for i, n := range nodes {
+		ids[i] = n.NodeId + "=" + n.Url
+	}
+	slices.Sort(ids)
+	return strings.Join(ids, ",")
+}
+
+// syncWebhooks sends each node the records of which another node has a
+// newer revision (a tombstone wins a tie); a node that keeps no webhooks
+// is left out.
+func (g *Gateway) syncWebhooks(ctx context.Context, nodes []*pb.Node) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	type held struct {
+		node *pb.Node
+		recs map[string]webhooks.Record
+	}
+	var all []held
+	newest := map[string]webhooks.Record{}
+	for _, n := range nodes {
+		status, body, err := g.nodeCall(ctx, http.MethodGet, n.Url+"/events/webhook-records", nil)
+		switch {
+		case err != nil:
+			return fmt.Errorf("node %s: %w", n.NodeId, err)
+		case status == http.StatusNotFound:
+			continue // it sends no lifecycle events
+		case status != http.StatusOK:
+			return fmt.Errorf("node %s answered %d: %.200s", n.NodeId, status, body)
+		}
+		var recs []webhooks.Record
+		if err := json.Unmarshal(body, &recs); err != nil {
+			return fmt.Errorf("node %s's webhook records: %w", n.NodeId, err)
+		}
+		h := held{n, map[string]webhooks.Record{}}
+		for _, r := range recs {
+			h.recs[r.ID] = r
+			if cur, ok := newest[r.ID]; !ok || r.Revision > cur.Revision || (r.Revision == cur.Revision && r.Deleted) {
+				newest[r.ID] = r
+			}
+		}
+		all = append(all, h)
+	}
+	for _, h := range all {
+		var send []webhooks.Record
+		for id, r := range newest {
+			if mine, ok := h.recs[id]; !ok && r.Deleted {
+				continue // never had it: nothing to delete
+			} else if !ok || mine.Revision < r.Revision || (mine.Revision == r.Revision && r.Deleted && !mine.Deleted) {
+				send = append(send, r)
+			}
+		}
+		if len(send) == 0 {
+			continue
+		}
+		body, _ := json.Marshal(send)
+		status, reply, err := g.nodeCall(ctx, http.MethodPost, h.node.Url+"/events/webhook-records", body)
+		if err == nil && status != http.StatusOK {
+			err = fmt.Errorf("answered %d: %.200s", status, reply)
+		}
+		if err != nil {
+			return fmt.Errorf("node %s: %w", h.node.NodeId, err)
+		}
+		g.log.Info("gateway: brought a node's webhooks up to date", "node", h.node.NodeId, "records", len(send))
+	}
+	return nil
+}
+
+// nodeCall sends the gateway's own request (not a client's) to a node.
+func (g *Gateway) nodeCall(ctx context.Context, method, url string, body []byte) (int, []byte, error) {
+	req, err := http.NewRequestWithContext(ctx, method, url, bytes.NewReader(body))
+	if err != nil {
+		return 0, nil, err
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	g.asGateway(req.Header, "")
+	resp, err := g.client.Do(req)
+	if err != nil {
+		return 0, nil, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	return resp.StatusCode, b, err
+}
+
+// withRevision is r carrying a new revision for the change it makes on
+// every node.
+func withRevision(r *http.Request) *http.Request {
+	r2 := r.Clone(r.Context())
+	r2.Header.Set(api.HeaderRevision, strconv.FormatInt(time.Now().UnixMicro(), 10))
+	return r2
+}
 
 // createWebhook serves POST /events/webhooks.
 func (g *Gateway) createWebhook(w http.ResponseWriter, r *http.Request) {
@@ -33,7 +175,7 @@ func (g *Gateway) createWebhook(w http.ResponseWriter, r *http.Request) {
 		fields["id"], _ = json.Marshal(webhooks.NewID())
 		body, _ = json.Marshal(fields)
 	}
-	answers, ok := g.toEveryNode(w, r, body)
+	answers, ok := g.toEveryNode(w, withRevision(r), body)
 	if !ok {
 		return
 	}
@@ -72,6 +214,9 @@ func (g *Gateway) listWebhooks(w http.ResponseWriter, r *http.Request) {
 // first success of the nodes that have it, a refusal when none succeeded,
 // 404 when none has it.
 func (g *Gateway) webhookOnNodes(w http.ResponseWriter, r *http.Request) {
+	if r.Method != http.MethodGet {
+		r = withRevision(r)
+	}
 	answers, ok := g.passToEveryNode(w, r)
 	if !ok {
 		return

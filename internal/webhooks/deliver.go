@@ -87,6 +87,7 @@ func (s *Store) Run(ctx context.Context, opts DeliverOptions) {
 		}
 		if time.Since(lastPrune) > time.Hour {
 			s.prune(ctx, opts.Keep)
+			s.pruneTombstones(ctx)
 			lastPrune = time.Now()
 		}
 		due, err := s.claim(ctx, opts.Workers*4)

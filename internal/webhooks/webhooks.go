@@ -67,14 +67,14 @@ const (
 
 // Webhook is one registered webhook.
 type Webhook struct {
-	ID      string
-	Name    string
-	URL     string
-	Enabled bool
-	Events  []events.Type
+	ID      string        `json:"id"`
+	Name    string        `json:"name"`
+	URL     string        `json:"url"`
+	Enabled bool          `json:"enabled"`
+	Events  []events.Type `json:"events"`
 	// Secret signs the deliveries ("": unsigned).
-	Secret    string
-	CreatedAt time.Time
+	Secret    string    `json:"secret"`
+	CreatedAt time.Time `json:"createdAt"`
 }
 
 // Delivery is one event's delivery to one webhook.
@@ -105,6 +105,9 @@ func Open(ctx context.Context, db *sql.DB, log *slog.Logger) (*Store, error) {
 	if _, err := db.ExecContext(ctx, schema); err != nil {
 		return nil, fmt.Errorf("webhook tables: %w", err)
 	}
+	if err := migrate(ctx, db); err != nil {
+		return nil, fmt.Errorf("webhook tables: %w", err)
+	}
 	if log == nil {
 		log = slog.Default()
 	}
@@ -122,6 +125,9 @@ type Spec struct {
 	Enabled *bool
 	Events  *[]events.Type
 	Secret  *string
+	// Revision is the change's revision as the gateway made it (0: this
+	// node's clock; see Record).
+	Revision int64
 }
 
 func checkURL(raw string) error {
@@ -164,13 +170,29 @@ func (s *Store) Create(ctx context.Context, spec Spec) (*Webhook, error) {
 		w.ID = *spec.ID
 	}
 	evs, _ := json.Marshal(w.Events)
-	res, err := s.db.ExecContext(ctx, `INSERT INTO webhooks (id, name, url, enabled, events, secret, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)
-		ON CONFLICT (id) DO NOTHING`, w.ID, w.Name, w.URL, w.Enabled, string(evs), w.Secret, w.CreatedAt.UnixMilli())
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer tx.Rollback()
+	rev, err := s.nextRevision(ctx, tx, w.ID, spec.Revision)
+	if err != nil {
+		return nil, err
+	}
+	res, err := tx.ExecContext(ctx, `INSERT INTO webhooks (id, name, url, enabled, events, secret, created_at, revision)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING`,
+		w.ID, w.Name, w.URL, w.Enabled, string(evs), w.Secret, w.CreatedAt.UnixMilli(), rev)
 	if err != nil {
 		return nil, fmt.Errorf("register webhook: %w", err)
 	}
 	if n, _ := res.RowsAffected(); n == 0 {
 		return nil, fmt.Errorf("%w: webhook %s exists", errkind.ErrConflict, w.ID)
+	}
+	if _, err := tx.ExecContext(ctx, `DELETE FROM webhook_tombstones WHERE id = ?`, w.ID); err != nil {
+		return nil, err
+	}
+	if err := tx.Commit(); err != nil {
+		return nil, fmt.Errorf("register webhook: %w", err)
 	}
 	return w, nil
 }
@@ -217,30 +239,50 @@ func (s *Store) Update(ctx context.Context, id string, spec Spec) (*Webhook, err
 		return nil, err
 	}
 	evs, _ := json.Marshal(w.Events)
-	if _, err := s.db.ExecContext(ctx, `UPDATE webhooks SET name = ?, url = ?, enabled = ?, events = ?, secret = ? WHERE id = ?`,
-		w.Name, w.URL, w.Enabled, string(evs), w.Secret, id); err != nil {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer tx.Rollback()
+	rev, err := s.nextRevision(ctx, tx, id, spec.Revision)
+	if err != nil {
+		return nil, err
+	}
+	res, err := tx.ExecContext(ctx, `UPDATE webhooks SET name = ?, url = ?, enabled = ?, events = ?, secret = ?, revision = ? WHERE id = ?`,
+		w.Name, w.URL, w.Enabled, string(evs), w.Secret, rev, id)
+	if err != nil {
+		return nil, fmt.Errorf("update webhook %s: %w", id, err)
+	}
+	if n, _ := res.RowsAffected(); n == 0 {
+		return nil, fmt.Errorf("%w: webhook %q", errkind.ErrNotFound, id)
+	}
+	if err := tx.Commit(); err != nil {
 		return nil, fmt.Errorf("update webhook %s: %w", id, err)
 	}
 	return w, nil
 }
 
-// Delete unregisters a webhook; its pending deliveries are dropped, its
-// records go with it.
-func (s *Store) Delete(ctx context.Context, id string) error {
+// Delete unregisters a webhook at revision rev (0: this node's clock; see
+// Record); its pending deliveries are dropped, its records go with it, a
+// tombstone stays.
+func (s *Store) Delete(ctx context.Context, id string, rev int64) error {
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
 		return err
 	}
 	defer tx.Rollback()
-	res, err := tx.ExecContext(ctx, `DELETE FROM webhooks WHERE id = ?`, id)
-	if err != nil {
+	var n int
+	if err := tx.QueryRowContext(ctx, `SELECT count(*) FROM webhooks WHERE id = ?`, id).Scan(&n); err != nil {
 		return fmt.Errorf("delete webhook %s: %w", id, err)
 	}
-	if n, _ := res.RowsAffected(); n == 0 {
+	if n == 0 {
 		return fmt.Errorf("%w: webhook %q", errkind.ErrNotFound, id)
 	}
-	if _, err := tx.ExecContext(ctx, `DELETE FROM webhook_deliveries WHERE webhook_id = ?`, id); err != nil {
-		return fmt.Errorf("delete webhook %s: %w", id, err)
+	if rev, err = s.nextRevision(ctx, tx, id, rev); err != nil {
+		return err
+	}
+	if err := deleteIn(ctx, tx, id, rev, s.now().UnixMilli()); err != nil {
+		return err
 	}
 	return tx.Commit()
 }

@@ -214,7 +214,7 @@ func TestWebhookCRUDAndBadInput(t *testing.T) {
 	if _, err := s.Update(t.Context(), w.ID, Spec{URL: ptr("nope")}); !errors.Is(err, errkind.ErrInvalid) {
 		t.Fatalf("bad update: %v", err)
 	}
-	if err := s.Delete(t.Context(), w.ID); err != nil {
+	if err := s.Delete(t.Context(), w.ID, 0); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := s.Get(t.Context(), w.ID); !errors.Is(err, errkind.ErrNotFound) {
