@@ -101,7 +101,7 @@ func (g *Gateway) syncWebhooks(ctx context.Context, nodes []*pb.Node) error {
 		h := held{n, map[string]webhooks.Record{}}
 		for _, r := range recs {
 			h.recs[r.ID] = r
-			if cur, ok := newest[r.ID]; !ok || r.Revision > cur.Revision || (r.Revision == cur.Revision && r.Deleted) {
+			if cur, ok := newest[r.ID]; !ok || r.Supersedes(cur) {
 				newest[r.ID] = r
 			}
 		}
@@ -110,9 +110,8 @@ func (g *Gateway) syncWebhooks(ctx context.Context, nodes []*pb.Node) error {
 	for _, h := range all {
 		var send []webhooks.Record
 		for id, r := range newest {
-			if mine, ok := h.recs[id]; !ok && r.Deleted {
-				continue // never had it: nothing to delete
-			} else if !ok || mine.Revision < r.Revision || (mine.Revision == r.Revision && r.Deleted && !mine.Deleted) {
+			// (A tombstone of a webhook it never had deletes nothing.)
+			if mine, ok := h.recs[id]; (ok && r.Supersedes(mine)) || (!ok && !r.Deleted) {
 				send = append(send, r)
 			}
 		}

@@ -38,6 +38,13 @@ type Record struct {
 	Webhook *Webhook `json:"webhook,omitempty"`
 }
 
+// Supersedes reports whether r is newer than other (a record of the same
+// id): a higher revision, or a deletion of the same revision. Every node
+// and the gateway order records by it.
+func (r Record) Supersedes(other Record) bool {
+	return r.Revision > other.Revision || (r.Revision == other.Revision && r.Deleted && !other.Deleted)
+}
+
 const tombstoneSchema = `
 CREATE TABLE IF NOT EXISTS webhook_tombstones (
 	id         TEXT PRIMARY KEY,
@@ -83,11 +90,21 @@ type querier interface {
 // currentRevision is the newest revision this node has of id, a
 // webhook's or a tombstone's (0: none).
 func currentRevision(ctx context.Context, q querier, id string) (int64, error) {
-	var rev int64
-	err := q.QueryRowContext(ctx, `SELECT max(
+	cur, err := current(ctx, q, id)
+	return cur.Revision, err
+}
+
+// current is what this node has of id (revision 0: nothing); a node
+// holds either the webhook or its tombstone, never both.
+func current(ctx context.Context, q querier, id string) (Record, error) {
+	var live, gone int64
+	err := q.QueryRowContext(ctx, `SELECT
 		coalesce((SELECT revision FROM webhooks WHERE id = ?1), 0),
-		coalesce((SELECT revision FROM webhook_tombstones WHERE id = ?1), 0))`, id).Scan(&rev)
-	return rev, err
+		coalesce((SELECT revision FROM webhook_tombstones WHERE id = ?1), 0)`, id).Scan(&live, &gone)
+	if gone > live {
+		return Record{ID: id, Revision: gone, Deleted: true}, err
+	}
+	return Record{ID: id, Revision: live}, err
 }
 
 // Records are this node's webhooks (with their secrets) and tombstones.
@@ -142,11 +159,11 @@ func (s *Store) Apply(ctx context.Context, recs []Record) (int, error) {
 	taken := 0
 	now := s.now().UnixMilli()
 	for _, r := range recs {
-		cur, err := currentRevision(ctx, tx, r.ID)
+		cur, err := current(ctx, tx, r.ID)
 		if err != nil {
 			return 0, err
 		}
-		if r.Revision <= cur {
+		if !r.Supersedes(cur) {
 			continue
 		}
 		taken++

@@ -76,6 +76,18 @@ func TestRecordsBringANodeUpToDate(t *testing.T) {
 	if got, err := b.Get(t.Context(), w.ID); err != nil || got.URL != "http://127.0.0.1:9/again" {
 		t.Fatalf("re-registration not taken: %+v %v", got, err)
 	}
+	// A deletion of the same revision as the webhook wins, as the gateway
+	// orders them (Supersedes).
+	recs, _ := b.Records(t.Context())
+	if n, err := b.Apply(t.Context(), []Record{{ID: "wh_one", Revision: recs[0].Revision, Deleted: true}}); err != nil || n != 1 {
+		t.Fatalf("a tombstone of the same revision: took %d, %v", n, err)
+	}
+	if n, err := b.Apply(t.Context(), recs); err != nil || n != 0 {
+		t.Fatalf("the webhook again at the tombstone's revision: took %d, %v", n, err)
+	}
+	if _, err := b.Create(t.Context(), Spec{ID: ptr("wh_one"), URL: ptr("http://127.0.0.1:9/again")}); err != nil {
+		t.Fatal(err)
+	}
 	for _, bad := range [][]Record{
 		{{ID: "wh_two", Revision: 1, Webhook: &Webhook{ID: "wh_two", URL: "ftp://x", Events: events.All}}},
 		{{ID: "nope", Revision: 1, Deleted: true}},
