@@ -504,12 +504,22 @@ func (g *Gateway) call(r *http.Request, nodeURL string, body []byte) (int, http.
 		}
 	}
 	g.asGateway(req.Header, api.ClientOf(r))
+	return g.do(req, -1)
+}
+
+// do sends a request to a node and reads its answer (at most limit bytes;
+// negative: all).
+func (g *Gateway) do(req *http.Request, limit int64) (int, http.Header, []byte, error) {
 	resp, err := g.client.Do(req)
 	if err != nil {
 		return 0, nil, nil, err
 	}
 	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
+	var body io.Reader = resp.Body
+	if limit >= 0 {
+		body = io.LimitReader(resp.Body, limit)
+	}
+	b, err := io.ReadAll(body)
 	if err != nil {
 		return 0, nil, nil, err
 	}

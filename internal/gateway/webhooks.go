@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"slices"
 	"strconv"
@@ -141,13 +140,8 @@ func (g *Gateway) nodeCall(ctx context.Context, method, url string, body []byte)
 		req.Header.Set("Content-Type", "application/json")
 	}
 	g.asGateway(req.Header, "")
-	resp, err := g.client.Do(req)
-	if err != nil {
-		return 0, nil, err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
-	return resp.StatusCode, b, err
+	status, _, b, err := g.do(req, 64<<20)
+	return status, b, err
 }
 
 // withRevision is r carrying a new revision for the change it makes on
