@@ -15,23 +15,31 @@ import (
 	"github.com/agentenv/agentenv/internal/webhooks"
 )
 
-// The webhook routes register, list, change and unregister webhooks,
-// never send a secret back, refuse bad input, list deliveries; every
-// answer is as the document describes it.
-func TestWebhookRoutes(t *testing.T) {
+// webhookServer is a node's API over a fresh webhook store, with
+// nodeToken ("": in no cluster).
+func webhookServer(t *testing.T, nodeToken string) (*Server, *webhooks.Store) {
+	t.Helper()
 	db, err := statedb.Open(filepath.Join(t.TempDir(), "aenv.db"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer db.Close()
+	t.Cleanup(func() { db.Close() })
 	store, err := webhooks.Open(t.Context(), db, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv, err := New(newFakeNode(), Config{APIKey: testKey, SandboxProxy: http.NotFoundHandler(), Webhooks: store})
+	srv, err := New(newFakeNode(), Config{APIKey: testKey, NodeToken: nodeToken, SandboxProxy: http.NotFoundHandler(), Webhooks: store})
 	if err != nil {
 		t.Fatal(err)
 	}
+	return srv, store
+}
+
+// The webhook routes register, list, change and unregister webhooks,
+// never send a secret back, refuse bad input, list deliveries; every
+// answer is as the document describes it.
+func TestWebhookRoutes(t *testing.T) {
+	srv, store := webhookServer(t, "")
 	a := &testAPI{t: t, node: newFakeNode(), srv: srv}
 	var doc map[string]any
 	if err := yaml.Unmarshal(OpenAPISpec, &doc); err != nil {
@@ -87,19 +95,7 @@ func TestWebhookRoutes(t *testing.T) {
 // (with the secrets) or brings records in, and only the node token's
 // requests give a change its revision.
 func TestWebhookRecordsAreTheGateways(t *testing.T) {
-	db, err := statedb.Open(filepath.Join(t.TempDir(), "aenv.db"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
-	store, err := webhooks.Open(t.Context(), db, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv, err := New(newFakeNode(), Config{APIKey: testKey, NodeToken: "nt", SandboxProxy: http.NotFoundHandler(), Webhooks: store})
-	if err != nil {
-		t.Fatal(err)
-	}
+	srv, store := webhookServer(t, "nt")
 	do := func(method, path, body string, hdr map[string]string) *httptest.ResponseRecorder {
 		req := httptest.NewRequest(method, path, strings.NewReader(body))
 		req.Header.Set("Content-Type", "application/json")
