@@ -47,6 +47,10 @@ type Node interface {
 	CreateFromImage(ctx context.Context, image string, req orchestrator.CreateRequest) (*sandboxes.Sandbox, error)
 	Get(ctx context.Context, id string) (*sandboxes.Sandbox, error)
 	List(ctx context.Context) ([]*sandboxes.Sandbox, error)
+	// SandboxesOf lists the made sandboxes whose record names the
+	// idempotent request id (idempotency.WithRequest on the create's or
+	// fork's context), oldest first.
+	SandboxesOf(ctx context.Context, request string) ([]*sandboxes.Sandbox, error)
 	Kill(ctx context.Context, id string) error
 	SetTimeout(ctx context.Context, id string, d time.Duration) (*sandboxes.Sandbox, error)
 	// Pause stops a running sandbox and keeps it on disk (PauseFilesystem:

@@ -16,7 +16,7 @@ type coldRequest struct {
 
 // CreateSandboxFromImage implements POST /sandboxes-cold.
 func (s *Server) CreateSandboxFromImage(w http.ResponseWriter, r *http.Request, params apispec.CreateSandboxFromImageParams) {
-	s.idempotent(w, r, "POST /sandboxes-cold", params.IdempotencyKey, s.createFromImage)
+	s.idempotent(w, r, "POST /sandboxes-cold", params.IdempotencyKey, s.oneSandbox, s.createFromImage)
 }
 
 func (s *Server) createFromImage(w http.ResponseWriter, r *http.Request) {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
+	"github.com/agentenv/agentenv/internal/idempotency"
 	"github.com/agentenv/agentenv/internal/leases"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/orchestrator"
@@ -102,6 +103,7 @@ func (f *fakeNode) Create(ctx context.Context, req orchestrator.CreateRequest) (
 		AllowInternet: req.AllowInternet == nil || *req.AllowInternet,
 		Metadata:      req.Metadata, EnvVars: req.EnvVars, StartedAt: now, CreatedAt: now, EndAt: now.Add(timeout),
 		TrafficToken: "traffic", PublicTraffic: !req.PrivateTraffic, AutoResume: req.AutoResume, EnvdVersion: fakeEnvdVersion,
+		Request: idempotency.RequestOf(ctx),
 	}
 	if req.Lease != nil {
 		sb.Lease = req.Lease.ID
@@ -137,6 +139,17 @@ func (f *fakeNode) List(ctx context.Context) ([]*sandboxes.Sandbox, error) {
 		out = append(out, &cp)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.Before(out[j].CreatedAt) })
+	return out, nil
+}
+
+func (f *fakeNode) SandboxesOf(ctx context.Context, request string) ([]*sandboxes.Sandbox, error) {
+	all, _ := f.List(ctx)
+	var out []*sandboxes.Sandbox
+	for _, sb := range all {
+		if request != "" && sb.Request == request {
+			out = append(out, sb)
+		}
+	}
 	return out, nil
 }
 
@@ -250,6 +263,8 @@ func (f *fakeNode) Fork(ctx context.Context, id string, count int, timeout time.
 		child.ID = fmt.Sprintf("child%015d", f.seq)
 		child.AccessToken = "tok-" + child.ID
 		child.EndAt = time.Now().Add(timeout)
+		child.CreatedAt = time.Now().Add(time.Duration(i))
+		child.Request = idempotency.RequestOf(ctx)
 		f.sandboxes[child.ID] = &child
 		cp := child
 		out = append(out, orchestrator.ForkResult{Sandbox: &cp})

@@ -6,13 +6,16 @@ import (
 	"crypto/sha256"
 	"crypto/subtle"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
 	"strings"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/faults"
 	"github.com/agentenv/agentenv/internal/idempotency"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
 // HeaderClient carries, from the gateway (with the node credential), the
@@ -92,12 +95,24 @@ func isFindOnly(r *http.Request) bool {
 // idempotentWait is how long a retry waits for its first request to end.
 const idempotentWait = 3 * time.Minute
 
+// madeAnswer is the body a create or fork answers (201) for the sandboxes
+// it made, given its request body: how a retry answers a first request cut
+// off by the node's end from what that made.
+type madeAnswer func(w http.ResponseWriter, body []byte, made []*sandboxes.Sandbox) any
+
+// oneSandbox is a create's madeAnswer.
+func (s *Server) oneSandbox(_ http.ResponseWriter, _ []byte, made []*sandboxes.Sandbox) any {
+	return s.sandboxBody(made[0])
+}
+
 // idempotent runs a create or fork (run) once per Idempotency-Key: a retry
-// gets the first answer (package idempotency). Without a key, or on a
-// node that keeps no keys, it just runs.
-func (s *Server) idempotent(w http.ResponseWriter, r *http.Request, route string, key *string, run func(http.ResponseWriter, *http.Request)) {
+// gets the first answer (package idempotency), or, when the node ended
+// before it kept that, an answer (made) from the sandboxes the first
+// request made. Without a key, or on a node that keeps no keys, it just
+// runs.
+func (s *Server) idempotent(w http.ResponseWriter, r *http.Request, route string, key *string, made madeAnswer, run func(http.ResponseWriter, *http.Request)) {
 	if isFindOnly(r) {
-		s.findIdempotent(w, r, route, key)
+		s.findIdempotent(w, r, route, key, made)
 		return
 	}
 	if key == nil || s.cfg.Idempotency == nil {
@@ -119,9 +134,20 @@ func (s *Server) idempotent(w http.ResponseWriter, r *http.Request, route string
 		answer.Write(w)
 		return
 	}
+	if answer, err := s.resumeCutOff(w, r, claim, body, made); err != nil || answer != nil {
+		if err != nil {
+			s.writeNodeError(w, err)
+			return
+		}
+		answer.Write(w)
+		return
+	}
 	rec := &keptAnswer{ResponseWriter: w, status: http.StatusOK}
 	r.Body = io.NopCloser(bytes.NewReader(body))
-	run(rec, r)
+	// What it makes carries the request's id: a retry after the node's
+	// end finds it (resumeCutOff).
+	run(rec, r.WithContext(idempotency.WithRequest(r.Context(), claim.ID())))
+	faults.Point(faults.IdempotentAnswered)
 	// Kept even when the client went: its retry gets this sandbox.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), 10*time.Second)
 	defer cancel()
@@ -130,8 +156,37 @@ func (s *Server) idempotent(w http.ResponseWriter, r *http.Request, route string
 	}
 }
 
+// resumeCutOff answers a claim that took over a first request cut off by
+// the node's end (claim.Interrupted) from the sandboxes that request made,
+// and keeps that answer; nil when it made none (or the claim is a plain
+// first request), and then the request runs (anew).
+func (s *Server) resumeCutOff(w http.ResponseWriter, r *http.Request, claim *idempotency.Claim, body []byte, made madeAnswer) (*idempotency.Answer, error) {
+	if !claim.Interrupted() {
+		return nil, nil
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), 10*time.Second)
+	defer cancel()
+	sbs, err := s.node.SandboxesOf(ctx, claim.ID())
+	if err != nil || len(sbs) == 0 {
+		if err != nil {
+			_ = claim.Release(ctx) // its retry looks again
+		}
+		return nil, err
+	}
+	b, err := json.Marshal(made(w, body, sbs))
+	if err != nil {
+		return nil, err
+	}
+	answer := &idempotency.Answer{Status: http.StatusCreated, ContentType: "application/json", Body: append(b, '\n')}
+	if err := claim.Finish(ctx, *answer); err != nil {
+		return nil, err
+	}
+	s.log.Info("idempotent request cut off by the node's end answered from what it made", "sandboxes", len(sbs))
+	return answer, nil
+}
+
 // findIdempotent answers a find-only request: nothing runs.
-func (s *Server) findIdempotent(w http.ResponseWriter, r *http.Request, route string, key *string) {
+func (s *Server) findIdempotent(w http.ResponseWriter, r *http.Request, route string, key *string, made madeAnswer) {
 	if key == nil || s.cfg.Idempotency == nil {
 		writeError(w, http.StatusNotFound, idempotency.ErrUnknown.Error())
 		return
@@ -141,8 +196,19 @@ func (s *Server) findIdempotent(w http.ResponseWriter, r *http.Request, route st
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	answer, err := s.cfg.Idempotency.Find(r.Context(), idempotency.Request{
+	answer, claim, err := s.cfg.Idempotency.Find(r.Context(), idempotency.Request{
 		Client: s.client(r), Route: route, Key: *key, Body: body}, idempotentWait)
+	if claim != nil {
+		// Cut off by the node's end: answered from what it made, or (made
+		// nothing) forgotten here, so the gateway places it anew.
+		if answer, err = s.resumeCutOff(w, r, claim, body, made); err == nil && answer == nil {
+			ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), 10*time.Second)
+			defer cancel()
+			if err = claim.Release(ctx); err == nil {
+				err = idempotency.ErrUnknown
+			}
+		}
+	}
 	switch {
 	case errors.Is(err, idempotency.ErrUnknown):
 		writeError(w, http.StatusNotFound, err.Error())

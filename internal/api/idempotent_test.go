@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/idempotency"
+	"github.com/agentenv/agentenv/internal/orchestrator"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/statedb"
 )
 
@@ -212,5 +214,130 @@ func TestIdempotentFindOnly(t *testing.T) {
 	assertError(t, find(plain, "k1", body), http.StatusNotFound)
 	if len(plain.node.creates) != 0 {
 		t.Fatal("a find ran a create on a node without keys")
+	}
+}
+
+// cutOff makes what a first request with key did before its node ended
+// between making its sandboxes and keeping its answer: the key claimed in
+// the database at path and run (made with the request's id), no answer
+// kept.
+func cutOff(t *testing.T, path, route, key, body string, run func(ctx context.Context)) {
+	t.Helper()
+	db, err := statedb.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	st, err := idempotency.Open(t.Context(), db, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := httptest.NewRequest("POST", "/", nil)
+	r.Header.Set("X-API-Key", testKey)
+	_, claim, err := st.Begin(t.Context(), idempotency.Request{Client: ClientOf(r), Route: route, Key: key, Body: []byte(body)}, time.Second)
+	if err != nil || claim == nil {
+		t.Fatalf("claim: %v %v", claim, err)
+	}
+	run(idempotency.WithRequest(t.Context(), claim.ID()))
+}
+
+// The node ends after a create made its sandbox and before the answer was
+// kept for the key: the retry (to the restarted node) gets that sandbox,
+// as a replay, and no second one is made; a cut-off request that made
+// nothing runs again.
+func TestIdempotentCreateCutOffByTheNodesEnd(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "aenv.db")
+	node := newFakeNode()
+	body := `{"templateID":"base","timeout":60}`
+	var made *sandboxes.Sandbox
+	cutOff(t, path, "POST /v2/sandboxes", "episode-1", body, func(ctx context.Context) {
+		var err error
+		if made, err = node.Create(ctx, orchestrator.CreateRequest{TemplateID: "base", Timeout: time.Minute}); err != nil {
+			t.Fatal(err)
+		}
+	})
+	cutOff(t, path, "POST /v2/sandboxes", "episode-2", body, func(context.Context) {})
+	a := newIdempotentAPI(t, node, path) // the restarted node
+	rec := a.withKey(t.Context(), "POST", "/v2/sandboxes", "episode-1", body)
+	var got struct {
+		SandboxID       string
+		EnvdAccessToken *string
+	}
+	if rec.Code != http.StatusCreated || json.Unmarshal(rec.Body.Bytes(), &got) != nil || got.SandboxID != made.ID ||
+		rec.Header().Get(idempotency.ReplayedHeader) != "true" {
+		t.Fatalf("retry: %d %s %v (made %s)", rec.Code, rec.Body, rec.Header(), made.ID)
+	}
+	if len(node.creates) != 1 {
+		t.Fatalf("%d creates for one key", len(node.creates))
+	}
+	// Its answer is kept like any other.
+	if again := a.withKey(t.Context(), "POST", "/v2/sandboxes", "episode-1", body); again.Body.String() != rec.Body.String() {
+		t.Fatalf("second retry: %d %s", again.Code, again.Body)
+	}
+	assertError(t, a.withKey(t.Context(), "POST", "/v2/sandboxes", "episode-1", `{"templateID":"minimal"}`), http.StatusUnprocessableEntity)
+	// Made nothing: it runs again.
+	if rec := a.withKey(t.Context(), "POST", "/v2/sandboxes", "episode-2", body); rec.Code != http.StatusCreated || strings.Contains(rec.Body.String(), made.ID) {
+		t.Fatalf("retry of a request that made nothing: %d %s", rec.Code, rec.Body)
+	}
+	if len(node.creates) != 2 {
+		t.Fatalf("%d creates", len(node.creates))
+	}
+}
+
+// A fork cut off by the node's end after one of its two children was made
+// answers that child and an error for the other; a gateway's find-only
+// request for a cut-off create that made nothing is told 404 and the key
+// is forgotten (the gateway places it anew), one that made its sandbox
+// gets it.
+func TestIdempotentForkAndFindCutOff(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "aenv.db")
+	node := newFakeNode()
+	parent := node.add(&sandboxes.Sandbox{ID: "parent1", TemplateID: "base"})
+	var child *sandboxes.Sandbox
+	cutOff(t, path, "POST /sandboxes/parent1/fork", "f1", `{"count":2}`, func(ctx context.Context) {
+		res, err := node.Fork(ctx, parent.ID, 1, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		child = res[0].Sandbox
+	})
+	body := `{"templateID":"base"}`
+	var made *sandboxes.Sandbox
+	cutOff(t, path, "POST /v2/sandboxes", "made", body, func(ctx context.Context) {
+		made, _ = node.Create(ctx, orchestrator.CreateRequest{TemplateID: "base"})
+	})
+	cutOff(t, path, "POST /v2/sandboxes", "nothing", body, func(context.Context) {})
+	a := newIdempotentAPI(t, node, path)
+
+	rec := a.withKey(t.Context(), "POST", "/sandboxes/parent1/fork", "f1", `{"count":2}`)
+	var kids []struct {
+		Sandbox *struct{ SandboxID string }
+		Error   *Error
+	}
+	if rec.Code != http.StatusCreated || json.Unmarshal(rec.Body.Bytes(), &kids) != nil || len(kids) != 2 ||
+		kids[0].Sandbox == nil || kids[0].Sandbox.SandboxID != child.ID || kids[1].Error == nil || kids[1].Error.Code != 500 ||
+		!strings.Contains(kids[1].Error.Message, "request id") {
+		t.Fatalf("fork retry: %d %s", rec.Code, rec.Body)
+	}
+	if l, _ := node.List(t.Context()); len(l) != 3 { // parent, child, made
+		t.Fatalf("%d sandboxes", len(l))
+	}
+
+	find := func(key string) *httptest.ResponseRecorder {
+		req := httptest.NewRequestWithContext(t.Context(), "POST", FindOnlyPrefix+"/v2/sandboxes", strings.NewReader(body))
+		req.Header.Set("X-API-Key", testKey)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Idempotency-Key", key)
+		rec := httptest.NewRecorder()
+		a.srv.ServeHTTP(rec, req)
+		return rec
+	}
+	if rec := find("made"); rec.Code != http.StatusCreated || !strings.Contains(rec.Body.String(), made.ID) {
+		t.Fatalf("find of a cut-off create that made its sandbox: %d %s", rec.Code, rec.Body)
+	}
+	assertError(t, find("nothing"), http.StatusNotFound)
+	assertError(t, find("nothing"), http.StatusNotFound)
+	if len(node.creates) != 1 {
+		t.Fatalf("finds ran creates: %d", len(node.creates))
 	}
 }

@@ -162,7 +162,7 @@ func (s *Server) ForkSandbox(w http.ResponseWriter, r *http.Request, sandboxID a
 	if !ok {
 		return
 	}
-	s.idempotent(w, r, "POST /sandboxes/"+id+"/fork", params.IdempotencyKey, func(w http.ResponseWriter, r *http.Request) { s.fork(w, r, id) })
+	s.idempotent(w, r, "POST /sandboxes/"+id+"/fork", params.IdempotencyKey, s.forkChildren, func(w http.ResponseWriter, r *http.Request) { s.fork(w, r, id) })
 }
 
 func (s *Server) fork(w http.ResponseWriter, r *http.Request, id string) {
@@ -209,6 +209,27 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request, id string) {
 		out = append(out, forkResultJSON{Sandbox: &b})
 	}
 	writeJSON(w, http.StatusCreated, out)
+}
+
+// forkChildren is a fork's madeAnswer: the children made, and an error for
+// each the request asked for that was not.
+func (s *Server) forkChildren(w http.ResponseWriter, body []byte, made []*sandboxes.Sandbox) any {
+	var req struct {
+		Count *int `json:"count"`
+	}
+	count := 1
+	if json.Unmarshal(body, &req) == nil && req.Count != nil {
+		count = *req.Count
+	}
+	out := make([]forkResultJSON, 0, max(count, len(made)))
+	for _, c := range made {
+		b := s.sandboxBody(c)
+		out = append(out, forkResultJSON{Sandbox: &b})
+	}
+	for len(out) < count {
+		out = append(out, forkResultJSON{Error: s.errorBody(w, errors.New("the node stopped before this child was made"))})
+	}
+	return out
 }
 
 // snapshotBody describes a named snapshot.

@@ -403,13 +403,13 @@ func truncate(s string, n int) string {
 
 // CreateSandboxV1 is E2B's older create: secure only when asked.
 func (s *Server) CreateSandboxV1(w http.ResponseWriter, r *http.Request, params apispec.CreateSandboxV1Params) {
-	s.idempotent(w, r, "POST /sandboxes", params.IdempotencyKey, func(w http.ResponseWriter, r *http.Request) { s.create(w, r, false) })
+	s.idempotent(w, r, "POST /sandboxes", params.IdempotencyKey, s.oneSandbox, func(w http.ResponseWriter, r *http.Request) { s.create(w, r, false) })
 }
 
 // CreateSandbox, used by current SDKs, creates secure sandboxes unless
 // "secure": false is sent.
 func (s *Server) CreateSandbox(w http.ResponseWriter, r *http.Request, params apispec.CreateSandboxParams) {
-	s.idempotent(w, r, "POST /v2/sandboxes", params.IdempotencyKey, func(w http.ResponseWriter, r *http.Request) { s.create(w, r, true) })
+	s.idempotent(w, r, "POST /v2/sandboxes", params.IdempotencyKey, s.oneSandbox, func(w http.ResponseWriter, r *http.Request) { s.create(w, r, true) })
 }
 
 func (s *Server) create(w http.ResponseWriter, r *http.Request, secureDefault bool) {

@@ -119,4 +119,7 @@ const (
 	PauseSaved     = "pause-saved"     // the saved state is complete, the record says pausing
 	RepoPutFile    = "repo-put-file"   // a repository upload has copied its first file
 	ForkFrozen     = "fork-frozen"     // a fork's snapshot is taken, no child exists yet
+	// IdempotentAnswered: a create or fork with an Idempotency-Key has its
+	// answer, not yet kept for the key's retries (nor sent).
+	IdempotentAnswered = "idempotent-answered"
 )

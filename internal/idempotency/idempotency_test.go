@@ -107,8 +107,9 @@ func TestRetryWaitsForTheFirst(t *testing.T) {
 	}
 }
 
-// Answers survive a restart; what a previous process left running does
-// not (its request went with it), nor what is older than the window.
+// Answers survive a restart; what a previous process left running comes
+// back to its first retry as an interrupted claim (the retry looks for what
+// it made), once; what is older than the window is forgotten.
 func TestRestart(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "aenv.db")
 	s := openStore(t, path, time.Hour)
@@ -127,10 +128,22 @@ func TestRestart(t *testing.T) {
 	if a, _, err := s2.Begin(t.Context(), req, time.Second); err != nil || a == nil || string(a.Body) != "made" {
 		t.Fatalf("after a restart: %+v %v", a, err)
 	}
-	for _, r := range []Request{running, old} {
-		if a, c, err := s2.Begin(t.Context(), r, time.Second); err != nil || a != nil || c == nil {
-			t.Fatalf("%s after a restart: %+v %v", r.Key, a, err)
-		}
+	a, cut, err := s2.Begin(t.Context(), running, time.Second)
+	if err != nil || a != nil || cut == nil || !cut.Interrupted() || cut.ID() != running.ID() {
+		t.Fatalf("cut off by the restart: %+v %+v %v", a, cut, err)
+	}
+	// Taken over once: a second retry waits for the first retry's answer.
+	if _, _, err := s2.Begin(t.Context(), running, 20*time.Millisecond); !errors.Is(err, errkind.ErrConflict) {
+		t.Fatalf("second retry of the cut-off request: %v", err)
+	}
+	if err := cut.Finish(t.Context(), Answer{Status: 201, Body: []byte("found")}); err != nil {
+		t.Fatal(err)
+	}
+	if a, _, err := s2.Begin(t.Context(), running, time.Second); err != nil || a == nil || string(a.Body) != "found" {
+		t.Fatalf("after the takeover answered: %+v %v", a, err)
+	}
+	if a, c, err := s2.Begin(t.Context(), old, time.Second); err != nil || a != nil || c == nil || c.Interrupted() {
+		t.Fatalf("expired key after a restart: %+v %+v %v", a, c, err)
 	}
 	// Past the window a key is new again, also without a restart.
 	s2.now = func() time.Time { return time.Now().Add(2 * time.Hour) }
@@ -143,7 +156,7 @@ func TestRestart(t *testing.T) {
 // running (it waits like a retry), done, another body, expired.
 func TestFind(t *testing.T) {
 	s := openStore(t, filepath.Join(t.TempDir(), "aenv.db"), time.Hour)
-	if _, err := s.Find(t.Context(), req, 0); !errors.Is(err, ErrUnknown) {
+	if _, _, err := s.Find(t.Context(), req, 0); !errors.Is(err, ErrUnknown) {
 		t.Fatalf("unknown key: %v", err)
 	}
 	// Find claimed nothing: the first request still gets its claim.
@@ -151,14 +164,14 @@ func TestFind(t *testing.T) {
 	if err != nil || c == nil {
 		t.Fatalf("first after Find: %v %v", c, err)
 	}
-	if _, err := s.Find(t.Context(), req, 20*time.Millisecond); !errors.Is(err, errkind.ErrConflict) {
+	if _, _, err := s.Find(t.Context(), req, 20*time.Millisecond); !errors.Is(err, errkind.ErrConflict) {
 		t.Fatalf("running, not waited for long enough: %v", err)
 	}
 	got := make(chan *Answer, 1)
 	go func() {
-		a, err := s.Find(context.Background(), req, 5*time.Second)
-		if err != nil {
-			t.Error(err)
+		a, c, err := s.Find(context.Background(), req, 5*time.Second)
+		if err != nil || c != nil {
+			t.Error(c, err)
 		}
 		got <- a
 	}()
@@ -171,11 +184,49 @@ func TestFind(t *testing.T) {
 	}
 	other := req
 	other.Body = []byte(`{"templateID":"minimal"}`)
-	if _, err := s.Find(t.Context(), other, 0); !errors.Is(err, errkind.ErrMismatch) {
+	if _, _, err := s.Find(t.Context(), other, 0); !errors.Is(err, errkind.ErrMismatch) {
 		t.Fatalf("another body: %v", err)
 	}
 	s.now = func() time.Time { return time.Now().Add(2 * time.Hour) }
-	if _, err := s.Find(t.Context(), req, 0); !errors.Is(err, ErrUnknown) {
+	if _, _, err := s.Find(t.Context(), req, 0); !errors.Is(err, ErrUnknown) {
 		t.Fatalf("expired: %v", err)
+	}
+}
+
+// Find takes over a request cut off by a restart (the caller answers from
+// what it made or releases it); once released the key is unknown.
+func TestFindTakesOverACutOffRequest(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "aenv.db")
+	s := openStore(t, path, time.Hour)
+	if _, _, err := s.Begin(t.Context(), req, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	s2 := openStore(t, path, time.Hour)
+	other := req
+	other.Body = []byte(`{"templateID":"minimal"}`)
+	if _, _, err := s2.Find(t.Context(), other, 0); !errors.Is(err, errkind.ErrMismatch) {
+		t.Fatalf("another body: %v", err)
+	}
+	a, c, err := s2.Find(t.Context(), req, 0)
+	if err != nil || a != nil || c == nil || !c.Interrupted() {
+		t.Fatalf("cut off: %+v %+v %v", a, c, err)
+	}
+	if err := c.Release(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := s2.Find(t.Context(), req, 0); !errors.Is(err, ErrUnknown) {
+		t.Fatalf("released: %v", err)
+	}
+	if a, c, err := s2.Begin(t.Context(), req, time.Second); err != nil || a != nil || c == nil || c.Interrupted() {
+		t.Fatalf("a new first request after the release: %+v %+v %v", a, c, err)
+	}
+}
+
+func TestRequestRidesTheContext(t *testing.T) {
+	if got := RequestOf(t.Context()); got != "" {
+		t.Fatalf("no request: %q", got)
+	}
+	if got := RequestOf(WithRequest(t.Context(), req.ID())); got != req.ID() {
+		t.Fatalf("got %q", got)
 	}
 }

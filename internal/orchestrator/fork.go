@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"github.com/agentenv/agentenv/internal/idempotency"
 	"os"
 	"path/filepath"
 	"sync"
@@ -702,6 +703,7 @@ func (n *Node) forkChild(o *operation.Op, parent *sandboxes.Sandbox, snapID stri
 	c := *parent
 	c.ID = NewSandboxID()
 	c.State = sandboxes.Creating
+	c.Request = idempotency.RequestOf(ctx)
 	c.PID = 0
 	c.TrafficToken = newToken()
 	if parent.Secure {

@@ -488,6 +488,23 @@ func (n *Node) List(ctx context.Context) ([]*sandboxes.Sandbox, error) {
 	return all, nil
 }
 
+// SandboxesOf lists the sandboxes the idempotent request id made that
+// are made (not half-made), oldest first: a retry of the request after the
+// node's end answers with them.
+func (n *Node) SandboxesOf(ctx context.Context, request string) ([]*sandboxes.Sandbox, error) {
+	if request == "" {
+		return nil, nil
+	}
+	made, err := n.records.List(ctx, "request = ? AND state NOT IN (?, ?)", request, sandboxes.Pooled, sandboxes.Creating)
+	if err != nil {
+		return nil, err
+	}
+	for _, s := range made {
+		n.withAddr(s)
+	}
+	return made, nil
+}
+
 // SetTimeout sets a running sandbox's end time to now + d.
 func (n *Node) SetTimeout(ctx context.Context, id string, d time.Duration) (*sandboxes.Sandbox, error) {
 	if d <= 0 || d > n.cfg.MaxTimeout {

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/agentenv/agentenv/internal/idempotency"
 	"io"
 	"net/http"
 	"os"
@@ -168,6 +169,7 @@ func (n *Node) create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 		Metadata:            req.Metadata,
 		EnvVars:             mergeEnv(t.EnvVars, req.EnvVars),
 		Lease:               leaseID(req.Lease),
+		Request:             idempotency.RequestOf(ctx),
 		CreatedAt:           now,
 		StartedAt:           now,
 		EndAt:               now.Add(req.Timeout),

@@ -286,7 +286,7 @@ func TestMigratesOldDatabase(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.State != Paused || s.Metadata["a"] != "b" || !s.PublicTraffic || s.AutoResume || s.MemFile != "" {
+	if s.State != Paused || s.Metadata["a"] != "b" || !s.PublicTraffic || s.AutoResume || s.MemFile != "" || s.Request != "" {
 		t.Fatalf("migrated row %+v", s)
 	}
 	// It holds no references yet: the node's adoption finds it.
@@ -298,6 +298,30 @@ func TestMigratesOldDatabase(t *testing.T) {
 	})
 	if err != nil || len(bare) != 1 || !strings.EqualFold(bare[0].ID, "old1") {
 		t.Fatalf("unreferenced: %v, %v", bare, err)
+	}
+}
+
+// The idempotent request that made a sandbox is kept with its record by
+// Insert and Save, and found again by List.
+func TestRecordsKeepTheRequest(t *testing.T) {
+	r, _ := openRecords(t, 8)
+	a, b := newSandbox("a1", Creating), newSandbox("b1", Creating)
+	a.Request = "req-1"
+	for _, s := range []*Sandbox{a, b} {
+		if err := r.InsertNew(t.Context(), s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b.Request = "req-1" // a pooled sandbox takes its request when claimed
+	if err := r.Save(t.Context(), b); err != nil {
+		t.Fatal(err)
+	}
+	got, err := r.List(t.Context(), "request = ?", "req-1")
+	if err != nil || len(got) != 2 || got[0].Request != "req-1" || got[1].Request != "req-1" {
+		t.Fatalf("%v %v", got, err)
+	}
+	if none, err := r.List(t.Context(), "request = ?", "req-2"); err != nil || len(none) != 0 {
+		t.Fatalf("%v %v", none, err)
 	}
 }
 

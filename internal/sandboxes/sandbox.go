@@ -68,6 +68,9 @@ type Sandbox struct {
 	// Lease is the client lease the sandbox is bound to ("": none; package
 	// leases): when it expires the sandbox ends as AutoPause says.
 	Lease string
+	// Request is the idempotent request that made it ("": none; package
+	// idempotency): a retry after the node's end answers with it.
+	Request string
 	// PauseMode is what a paused sandbox's pause kept: PauseFull (memory
 	// and disk) or PauseFilesystem; "" while unknown (set from the pause's
 	// own record by the node; not a column).

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -57,16 +58,16 @@ func TestCrashRecovery(t *testing.T) {
 	})
 	// crashIn arms a fault point, sends the request that reaches it and
 	// waits for the server to die of SIGKILL.
-	crashIn := func(fault, method, path string, body any) {
+	crashWith := func(fault, what string, send func(ctx context.Context) error) {
 		t.Helper()
 		p.stop()
 		start(fault)
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		defer cancel()
-		err := api.rest(ctx, method, path, body, nil)
+		err := send(ctx)
 		var ae *apiError
 		if err == nil || errors.As(err, &ae) {
-			t.Fatalf("%s %s answered (%v) instead of crashing at %s\n%s", method, path, err, fault, p.tail())
+			t.Fatalf("%s answered (%v) instead of crashing at %s\n%s", what, err, fault, p.tail())
 		}
 		werr := p.cmd.Wait()
 		var ee *exec.ExitError
@@ -75,6 +76,10 @@ func TestCrashRecovery(t *testing.T) {
 		}
 		p.cmd = nil
 		start("")
+	}
+	crashIn := func(fault, method, path string, body any) {
+		t.Helper()
+		crashWith(fault, method+" "+path, func(ctx context.Context) error { return api.rest(ctx, method, path, body, nil) })
 	}
 	list := func() map[string]string {
 		t.Helper()
@@ -178,6 +183,43 @@ func TestCrashRecovery(t *testing.T) {
 			t.Fatalf("a create that was never acknowledged left %v", l)
 		}
 		noOrphans("a crash in create (QEMU started)")
+	})
+
+	t.Run("create, made but its answer not kept for the Idempotency-Key", func(t *testing.T) {
+		body := `{"templateID":"minimal","timeout":600}`
+		post := func(ctx context.Context) (int, string, error) {
+			req, _ := http.NewRequestWithContext(ctx, "POST", api.url+"/v2/sandboxes", strings.NewReader(body))
+			req.Header.Set("X-API-Key", apiKey)
+			req.Header.Set("Content-Type", "application/json")
+			req.Header.Set("Idempotency-Key", "crash-episode-1")
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				return 0, "", err
+			}
+			defer resp.Body.Close()
+			var sb sandbox
+			err = json.NewDecoder(resp.Body).Decode(&sb)
+			return resp.StatusCode, sb.SandboxID, err
+		}
+		crashWith("idempotent-answered", "an idempotent create", func(ctx context.Context) error {
+			_, _, err := post(ctx)
+			return err
+		})
+		made := list()
+		if len(made) != 1 {
+			t.Fatalf("after the crash: %v (want the one sandbox the create made)", made)
+		}
+		status, id, err := post(context.Background())
+		if err != nil || status != http.StatusCreated || made[id] != "running" {
+			t.Fatalf("retry after the crash: %d %q %v; sandboxes before it %v\n%s", status, id, err, made, p.tail())
+		}
+		if l := list(); len(l) != 1 {
+			t.Fatalf("the retry made another sandbox: %v", l)
+		}
+		if err := api.rest(context.Background(), "DELETE", "/sandboxes/"+id, nil, nil); err != nil {
+			t.Fatal(err)
+		}
+		noOrphans("a crash between an idempotent create and its kept answer")
 	})
 
 	sb := create()
