@@ -110,7 +110,7 @@ func (c *Cache) Evict(ctx context.Context, keep string) ([]string, error) {
 			return evicted, err
 		}
 		if err := c.st.Tx(ctx, func(tx *sql.Tx) error {
-			if err := store.DropRefs(tx, templates.ImageCacheHolder+"/"+top); err != nil {
+			if err := templates.ReleaseImage(tx, top); err != nil {
 				return err
 			}
 			_, err := tx.ExecContext(ctx, `DELETE FROM image_cache WHERE top_layer = ?`, top)

@@ -6,16 +6,21 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage/image"
+	"github.com/agentenv/agentenv/internal/templates"
 )
 
 // Sandboxes straight from an OCI image (POST /sandboxes-cold), with no
-// template build: the image's layers are converted once per node into the
-// store's shared layers (reused by every later sandbox and template of
-// any image that shares them), the E2B user layer goes on top, and the
-// sandbox boots from them with the node's kernel and envd.
+// template build: the image's layers are converted once into the store's
+// shared layers (reused by every later sandbox and template of any image
+// that shares them), the E2B user layer goes on top, and the sandbox boots
+// from them with the node's kernel and envd. With a repository the
+// converted layers go there too, and a node that lacks them (another node
+// of the cluster, or this one after evicting them) serves them lazily
+// through its chunk cache instead of converting the image again.
 
 // ParseImageRef reads an image reference: a registry reference
 // (credentials from the docker config), oci-layout:DIR[:TAG] or
@@ -90,13 +95,16 @@ func (n *Node) CreateFromImage(ctx context.Context, ref string, req CreateReques
 	// One filesystem size for every image: a layer converted once is
 	// shared whatever size a later sandbox asks for (its overlay may be
 	// larger).
-	t, err := n.templates.ImageLayers(ctx, src, imageDiskMiB, func(f string, a ...any) { n.log.Info(fmt.Sprintf(f, a...)) })
+	t, converted, err := n.remote.ImageLayers(ctx, src, imageDiskMiB, func(f string, a ...any) { n.log.Info(fmt.Sprintf(f, a...)) })
 	if err == nil && n.images != nil {
 		err = n.images.Used(ctx, t.Layer, src.String())
 	}
 	unlock()
 	if err != nil {
 		return nil, err
+	}
+	if converted && n.cfg.Repository != nil {
+		n.pushImage(*t)
 	}
 	if n.images != nil {
 		if evicted, err := n.images.Evict(context.WithoutCancel(ctx), t.Layer); err != nil {
@@ -114,4 +122,23 @@ func (n *Node) CreateFromImage(ctx context.Context, ref string, req CreateReques
 	}
 	req.TemplateID, req.template, req.noSnapshot = t.Name, t, true
 	return n.Create(ctx, req)
+}
+
+// pushImage stores the layers of image template t, just converted, in the
+// repository, in the background: the create does not wait for it.
+func (n *Node) pushImage(t templates.Template) {
+	n.wg.Add(1)
+	go func() {
+		defer n.wg.Done()
+		ctx, cancel := n.stopContext()
+		defer cancel()
+		start := time.Now()
+		unlock := n.imports.lock("push " + t.Layer)
+		defer unlock()
+		if err := n.remote.PushImage(ctx, &t); err != nil {
+			n.log.Error("image layers not stored in the repository", "image", t.Image, "err", err)
+			return
+		}
+		n.log.Info("image layers in the repository", "image", t.Image, "took", time.Since(start).Round(time.Millisecond))
+	}()
 }

@@ -58,6 +58,7 @@ const (
 	LabelTemplateSnapshot = "template-snapshot" // a template's name → its snapshot on this node
 	LabelSnapshot         = "snapshot"          // a named snapshot → its snapshot
 	LabelTemplateTag      = "template-tag"      // "template:tag" → the root layer of that build
+	LabelLazyImage        = "lazy-image"        // an image's top chain ID → the overlay over its layers in the repository
 )
 
 // NameTaken reports what a template or snapshot name already names, in
@@ -400,6 +401,12 @@ func DeleteLabel(tx *sql.Tx, kind, name string) error {
 // prefix, in tx.
 func DeleteLabelsPrefixed(tx *sql.Tx, kind, prefix string) error {
 	_, err := tx.Exec(`DELETE FROM labels WHERE kind = ? AND substr(name, 1, ?) = ?`, kind, len(prefix), prefix)
+	return err
+}
+
+// DeleteLabelsOf removes, in tx, the labels of a kind that point at object.
+func DeleteLabelsOf(tx *sql.Tx, kind, object string) error {
+	_, err := tx.Exec(`DELETE FROM labels WHERE kind = ? AND object = ?`, kind, object)
 	return err
 }
 

@@ -90,18 +90,34 @@ func Push(ctx context.Context, cat *Catalog, repo repository.Repository, name st
 	}
 	rec := templateRecord{Template: *t}
 	rec.Template.RootDisk = ""
+	if rec.Layers, err = pushChain(ctx, repo, chain); err != nil {
+		return err
+	}
+	return putRecord(ctx, repo, repoKindTemplate, name, rec)
+}
+
+// pushChain stores the layer files of chain (bottom first) in repo as
+// chunked layers named by their content, and returns those names. Layers
+// already there are not uploaded again.
+func pushChain(ctx context.Context, repo repository.Repository, chain []string) ([]string, error) {
+	ids := make([]string, 0, len(chain))
 	for _, p := range chain {
 		id, err := ContentID(p)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		if _, err := repo.Stat(ctx, "layer", id); err != nil {
 			if _, err := lazy.PushLayer(ctx, repo, id, p, 0); err != nil {
-				return fmt.Errorf("push layer %s: %w", filepath.Base(p), err)
+				return nil, fmt.Errorf("push layer %s: %w", filepath.Base(p), err)
 			}
 		}
-		rec.Layers = append(rec.Layers, id)
+		ids = append(ids, id)
 	}
+	return ids, nil
+}
+
+// putRecord stores rec as kind/name in repo (replacing what was there).
+func putRecord(ctx context.Context, repo repository.Repository, kind, name string, rec templateRecord) error {
 	stage, err := os.MkdirTemp("", "aenv-tpl-")
 	if err != nil {
 		return err
@@ -111,11 +127,32 @@ func Push(ctx context.Context, cat *Catalog, repo repository.Repository, name st
 	if err := os.WriteFile(filepath.Join(stage, templateRecordFile), b, 0o600); err != nil {
 		return err
 	}
-	if err := repo.Delete(ctx, repoKindTemplate, name); err != nil && !errors.Is(err, repository.ErrNotFound) {
+	if err := repo.Delete(ctx, kind, name); err != nil && !errors.Is(err, repository.ErrNotFound) {
 		return err
 	}
-	_, err = repo.Put(ctx, repoKindTemplate, name, stage)
+	_, err = repo.Put(ctx, kind, name, stage)
 	return err
+}
+
+// getRecord reads kind/name from repo (errkind.ErrNotFound when it is not
+// there).
+func getRecord(ctx context.Context, repo repository.Repository, kind, name string) (*templateRecord, error) {
+	stage, err := os.MkdirTemp("", "aenv-tpl-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(stage)
+	if _, err := repo.Get(ctx, kind, name, stage); err != nil {
+		if errors.Is(err, repository.ErrNotFound) {
+			return nil, fmt.Errorf("%w: %s %q in the repository", errkind.ErrNotFound, kind, name)
+		}
+		return nil, err
+	}
+	var rec templateRecord
+	if err := storage.ReadJSON(filepath.Join(stage, templateRecordFile), &rec); err != nil || len(rec.Layers) == 0 {
+		return nil, fmt.Errorf("%w: %s %s record in the repository", errkind.ErrCorrupt, kind, name)
+	}
+	return &rec, nil
 }
 
 // Remote is the templates of a node's repository, loaded lazily: the NBD
@@ -239,40 +276,46 @@ func (r *Remote) Pull(ctx context.Context, name string) (*Template, error) {
 	if r.repo == nil || !NameRE.MatchString(name) {
 		return nil, fmt.Errorf("%w: template %q", errkind.ErrNotFound, name)
 	}
-	stage, err := os.MkdirTemp("", "aenv-tpl-")
+	rec, err := getRecord(ctx, r.repo, repoKindTemplate, name)
 	if err != nil {
-		return nil, err
-	}
-	defer os.RemoveAll(stage)
-	if _, err := r.repo.Get(ctx, repoKindTemplate, name, stage); err != nil {
-		if errors.Is(err, repository.ErrNotFound) {
+		if errors.Is(err, errkind.ErrNotFound) {
 			return nil, fmt.Errorf("%w: template %q", errkind.ErrNotFound, name)
 		}
 		return nil, err
 	}
-	var rec templateRecord
-	if err := storage.ReadJSON(filepath.Join(stage, templateRecordFile), &rec); err != nil || len(rec.Layers) == 0 {
-		return nil, fmt.Errorf("%w: template %s record in the repository", errkind.ErrCorrupt, name)
+	t := rec.Template
+	t.Name, t.LazyLayers = name, rec.Layers
+	if _, err := r.lazyRoot(ctx, rec.Layers, func(tx *sql.Tx, id string) error {
+		t.Layer = id
+		return Set(tx, t)
+	}); err != nil {
+		return nil, fmt.Errorf("template %s: %w", name, err)
 	}
-	backing, err := r.exportLayers(ctx, rec.Layers)
+	r.log.Info("template loaded lazily from the repository", "template", name, "layers", len(rec.Layers))
+	return r.cat.Get(ctx, name)
+}
+
+// lazyRoot serves layers (bottom first) through the NBD server and makes
+// (if missing) the local thin overlay over them that sandboxes boot from:
+// a layer of the store named by the layers it stands for, recorded with
+// what record adds (that holds it) in one transaction. It returns the
+// overlay's path.
+func (r *Remote) lazyRoot(ctx context.Context, layers []string, record func(tx *sql.Tx, id string) error) (string, error) {
+	backing, err := r.exportLayers(ctx, layers)
 	if err != nil {
-		return nil, err
+		return "", err
 	}
-	// The template's root: a local thin overlay whose backing chain is the
-	// exports, a layer of the store named by the layers it stands for.
-	sum := sha256.Sum256([]byte(strings.Join(rec.Layers, ",")))
+	sum := sha256.Sum256([]byte(strings.Join(layers, ",")))
 	id := "lazy-" + hex.EncodeToString(sum[:20])
 	final := r.cat.st.Abs(filepath.Join(store.LayersDir, id+".qcow2"))
-	t := rec.Template
-	t.Name, t.LazyLayers, t.Layer = name, rec.Layers, id
 	// Made (if missing) and recorded where garbage collection cannot
 	// overlap: the name is fixed, and GC may be removing an earlier copy.
-	if err := r.cat.st.Reuse(ctx, func(tx *sql.Tx) error {
+	err = r.cat.st.Reuse(ctx, func(tx *sql.Tx) error {
 		if _, err := os.Stat(final); err != nil {
 			tmp := filepath.Join(filepath.Dir(final), ".pull-"+id+".qcow2")
 			_ = os.Remove(tmp)
 			if out, err := exec.CommandContext(ctx, "qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", backing, tmp).CombinedOutput(); err != nil {
-				return fmt.Errorf("template %s overlay: %v: %s", name, err, strings.TrimSpace(string(out)))
+				return fmt.Errorf("overlay: %v: %s", err, strings.TrimSpace(string(out)))
 			}
 			if err := os.Chmod(tmp, 0o444); err != nil {
 				return err
@@ -284,12 +327,9 @@ func (r *Remote) Pull(ctx context.Context, name string) (*Template, error) {
 		if err := r.cat.st.Add(tx, id, store.KindLayer, final); err != nil {
 			return err
 		}
-		return Set(tx, t)
-	}); err != nil {
-		return nil, err
-	}
-	r.log.Info("template loaded lazily from the repository", "template", name, "layers", len(rec.Layers))
-	return r.cat.Get(ctx, name)
+		return record(tx, id)
+	})
+	return final, err
 }
 
 // Reexport registers again, after a restart, the layers of the templates
@@ -310,6 +350,7 @@ func (r *Remote) Reexport(ctx context.Context) {
 			r.log.Error("serve the layers of a lazily loaded template", "template", t.Name, "err", err)
 		}
 	}
+	r.reexportImages(ctx)
 }
 
 // peerSet returns the neighbours the chunk cache asks first (nil: none).

@@ -274,6 +274,32 @@ func Import(ctx context.Context, src Source, opt Options) (*Result, error) {
 	return res, nil
 }
 
+// TopChain is the chain ID of the top layer Import of src makes with a
+// Finish layer identified by finishID ("": none), read from the image's
+// config alone: no layer is downloaded or unpacked. Import verifies each
+// layer against the diff IDs it is computed from.
+func TopChain(ctx context.Context, src Source, finishID string) (string, error) {
+	img, err := load(ctx, src)
+	if err != nil {
+		return "", err
+	}
+	cfg, err := img.ConfigFile()
+	if err != nil {
+		return "", fmt.Errorf("%w: config: %v", ErrImage, err)
+	}
+	top := ""
+	for _, d := range cfg.RootFS.DiffIDs {
+		top = chainID(top, d.String())
+	}
+	if finishID != "" {
+		top = chainID(top, "finish:"+finishID)
+	}
+	if top == "" {
+		return "", fmt.Errorf("%w: the image has no layers", ErrImage)
+	}
+	return top, nil
+}
+
 // chainID is the OCI chain ID of a layer: its diff ID over the chain below.
 func chainID(parent, diffID string) string {
 	if parent == "" && strings.HasPrefix(diffID, "sha256:") {

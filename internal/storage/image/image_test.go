@@ -149,6 +149,13 @@ func TestImportLayersWhiteoutsAndSharing(t *testing.T) {
 	if len(res.Layers) != 3 || !finished || len(res.Env) != 2 {
 		t.Fatalf("result: %+v", res)
 	}
+	// The config alone names the top layer Import made.
+	if top, err := TopChain(ctx, Source{Layout: dirA}, "test-v1"); err != nil || LayerPath(layers, top) != res.Top {
+		t.Fatalf("top chain %s %v, Import made %s", top, err, res.Top)
+	}
+	if top, err := TopChain(ctx, Source{Layout: dirA}, ""); err != nil || top != res.Layers[1].ChainID {
+		t.Fatalf("top chain without the finish layer %s %v, want %s", top, err, res.Layers[1].ChainID)
+	}
 	if _, err := os.Stat("/tmp/evil"); err == nil {
 		os.Remove("/tmp/evil")
 		t.Fatal("a layer's symlink let it write to the host's /tmp")
