@@ -4,11 +4,14 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Limits bound one QEMU process through a cgroup of its own: CPU time,
@@ -207,4 +210,19 @@ func CgroupNames() []string {
 		}
 	}
 	return out
+}
+
+// cloneInto makes cmd start in the cgroup v2 directory dir (clone3 with
+// CLONE_INTO_CGROUP): the process begins there. The returned function
+// closes the directory once cmd has started (or failed to).
+func cloneInto(cmd *exec.Cmd, dir string) (func(), error) {
+	fd, err := unix.Open(dir, unix.O_DIRECTORY|unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open cgroup %s: %w", dir, err)
+	}
+	if cmd.SysProcAttr == nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{}
+	}
+	cmd.SysProcAttr.UseCgroupFD, cmd.SysProcAttr.CgroupFD = true, fd
+	return func() { unix.Close(fd) }, nil
 }

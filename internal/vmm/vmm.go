@@ -384,23 +384,48 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 		// (an unprivileged container) still runs sandboxes.
 		cg, cgErr = PrepareCgroup(cfg.Cgroup, cfg.Limits)
 	}
-	cmd, err := jailCommand(bin, cfg.Args(), cg, cfg.Jail)
-	if err != nil {
-		if cg != nil {
-			cg.Remove()
+	// On cgroup v2 the process is made in its cgroup (clone3 with
+	// CLONE_INTO_CGROUP): no migration of a running process, which cgroup
+	// v1 pays for in the jail step.
+	command := func(into bool) (*exec.Cmd, func(), error) {
+		joins := cg
+		if into {
+			joins = nil
 		}
-		return nil, err
+		cmd, err := jailCommand(bin, cfg.Args(), joins, cfg.Jail)
+		if err != nil {
+			return nil, nil, err
+		}
+		cmd.Stdout = logf
+		cmd.Stderr = logf
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		if cfg.Jail.Hide != "" {
+			// A mount namespace of its own, every mount in it private (Go's
+			// fork makes / recursively private), for the jail step to fill.
+			cmd.SysProcAttr.Unshareflags = syscall.CLONE_NEWNS
+		}
+		cmd.ExtraFiles = extra
+		if !into {
+			return cmd, func() {}, nil
+		}
+		done, err := cloneInto(cmd, cg.Dirs[0])
+		return cmd, done, err
 	}
-	cmd.Stdout = logf
-	cmd.Stderr = logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if cfg.Jail.Hide != "" {
-		// A mount namespace of its own, every mount in it private (Go's
-		// fork makes / recursively private), for the jail step to fill.
-		cmd.SysProcAttr.Unshareflags = syscall.CLONE_NEWNS
+	into := cg != nil && cgroupV2()
+	cmd, done, err := command(into)
+	if err == nil {
+		err = startIn(cfg.NetNS, cmd)
+		done()
 	}
-	cmd.ExtraFiles = extra
-	if err := startIn(cfg.NetNS, cmd); err != nil {
+	if err != nil && into {
+		// A kernel without CLONE_INTO_CGROUP (before 5.7): the jail step
+		// joins the cgroup instead.
+		if cmd, done, err = command(false); err == nil {
+			err = startIn(cfg.NetNS, cmd)
+			done()
+		}
+	}
+	if err != nil {
 		if cg != nil {
 			cg.Remove()
 		}
