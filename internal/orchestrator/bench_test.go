@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"sort"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -208,7 +209,10 @@ func BenchmarkFork(b *testing.B) {
 	for _, count := range []int{1, 16} {
 		b.Run(fmt.Sprintf("children-%d", count), func(b *testing.B) {
 			var ds []time.Duration
+			var split []cpuSplit
 			for i := 0; i < b.N; i++ {
+				before := ourCPU()
+				parentCPU, _ := procstat.CPUSeconds(parent.PID)
 				start := time.Now()
 				res, err := n.Fork(ctx, parent.ID, count, time.Hour)
 				if err != nil {
@@ -216,6 +220,18 @@ func BenchmarkFork(b *testing.B) {
 				}
 				ds = append(ds, time.Since(start))
 				b.StopTimer()
+				after := ourCPU()
+				cs := cpuSplit{node: after.node - before.node, tools: after.tools - before.tools}
+				if p, err := procstat.CPUSeconds(parent.PID); err == nil {
+					cs.qemu += p - parentCPU
+				}
+				for _, r := range res {
+					if r.Err == nil {
+						c, _ := procstat.CPUSeconds(r.Sandbox.PID)
+						cs.qemu += c
+					}
+				}
+				split = append(split, cs)
 				if count == 16 && i == b.N-1 {
 					time.Sleep(2 * time.Second) // let the children settle
 					p, _ := n.Get(ctx, parent.ID)
@@ -238,6 +254,8 @@ func BenchmarkFork(b *testing.B) {
 			}
 			fmt.Fprintf(os.Stderr, "fork %2d children: n=%d p50 %s p90 %s\n", count, len(ds),
 				percentile(ds, 50).Round(time.Millisecond), percentile(ds, 90).Round(time.Millisecond))
+			fmt.Fprintf(os.Stderr, "fork %2d children, CPU seconds until every child answered /init (median of %d): %s\n",
+				count, len(split), medianSplit(split))
 			reportPercentiles(b, ds)
 		})
 	}
@@ -320,6 +338,42 @@ func BenchmarkForkFirstCalls(b *testing.B) {
 		len(calls), percentile(calls, 50).Round(time.Millisecond), percentile(calls, 90).Round(time.Millisecond), percentile(calls, 100).Round(time.Millisecond),
 		len(total), percentile(total, 50).Round(time.Millisecond), percentile(total, 90).Round(time.Millisecond))
 	reportPercentiles(b, total)
+}
+
+// cpuSplit is where the CPU time of one operation went: this process (the
+// node's own work, and the benchmark's), the tools it ran and waited for
+// (qemu-img, ip, ...), and the QEMU processes of the sandboxes involved.
+type cpuSplit struct{ node, tools, qemu float64 }
+
+// ourCPU is this process's CPU time (node) and that of the children it has
+// waited for (tools), in seconds.
+func ourCPU() cpuSplit {
+	var self, children syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &self)
+	_ = syscall.Getrusage(syscall.RUSAGE_CHILDREN, &children)
+	sec := func(u syscall.Rusage) float64 {
+		return float64(u.Utime.Nano()+u.Stime.Nano()) / 1e9
+	}
+	return cpuSplit{node: sec(self), tools: sec(children)}
+}
+
+// medianSplit is the median of each part of splits, as a line.
+func medianSplit(splits []cpuSplit) string {
+	median := func(get func(cpuSplit) float64) float64 {
+		v := make([]float64, len(splits))
+		for i, s := range splits {
+			v[i] = get(s)
+		}
+		sort.Float64s(v)
+		if len(v) == 0 {
+			return 0
+		}
+		return v[len(v)/2]
+	}
+	node := median(func(s cpuSplit) float64 { return s.node })
+	tools := median(func(s cpuSplit) float64 { return s.tools })
+	qemu := median(func(s cpuSplit) float64 { return s.qemu })
+	return fmt.Sprintf("node %.2f, tools %.2f, QEMU %.2f", node, tools, qemu)
 }
 
 // rssInfo is a process's memory: RSS split into anonymous and file pages,
