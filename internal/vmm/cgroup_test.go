@@ -7,17 +7,17 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // cgroup2Mount is where a cgroup v2 hierarchy is mounted here: the root
 // on a v2 host, /sys/fs/cgroup/unified on a hybrid one ("" for none).
 func cgroup2Mount() string {
 	for _, dir := range []string{cgroupRoot, filepath.Join(cgroupRoot, "unified")} {
-		if _, err := os.Stat(filepath.Join(dir, "cgroup.procs")); err == nil {
-			if b, err := os.ReadFile("/proc/self/mountinfo"); err == nil && strings.Contains(string(b), " "+dir+" ") &&
-				strings.Contains(string(b), " - cgroup2 ") {
-				return dir
-			}
+		var st unix.Statfs_t
+		if unix.Statfs(dir, &st) == nil && st.Type == unix.CGROUP2_SUPER_MAGIC {
+			return dir
 		}
 	}
 	return ""
