@@ -211,8 +211,12 @@ func BenchmarkFork(b *testing.B) {
 			var ds []time.Duration
 			var split []cpuSplit
 			for i := 0; i < b.N; i++ {
-				before := ourCPU()
-				parentCPU, _ := procstat.CPUSeconds(parent.PID)
+				// A fork may give the parent a new QEMU (the first fork of a
+				// sandbox does): the one it ends is reaped, so its CPU is
+				// counted with the tools', and the new one's whole.
+				parentPID := func() int { p, _ := n.Get(ctx, parent.ID); return p.PID }
+				pidBefore := parentPID()
+				before, parentCPU := ourCPU(), qemuCPU(pidBefore)
 				start := time.Now()
 				res, err := n.Fork(ctx, parent.ID, count, time.Hour)
 				if err != nil {
@@ -222,13 +226,14 @@ func BenchmarkFork(b *testing.B) {
 				b.StopTimer()
 				after := ourCPU()
 				cs := cpuSplit{node: after.node - before.node, tools: after.tools - before.tools}
-				if p, err := procstat.CPUSeconds(parent.PID); err == nil {
-					cs.qemu += p - parentCPU
+				if pid := parentPID(); pid == pidBefore {
+					cs.qemu = qemuCPU(pid) - parentCPU
+				} else {
+					cs.qemu = qemuCPU(pid)
 				}
 				for _, r := range res {
 					if r.Err == nil {
-						c, _ := procstat.CPUSeconds(r.Sandbox.PID)
-						cs.qemu += c
+						cs.qemu += qemuCPU(r.Sandbox.PID)
 					}
 				}
 				split = append(split, cs)
@@ -343,37 +348,32 @@ func BenchmarkForkFirstCalls(b *testing.B) {
 // cpuSplit is where the CPU time of one operation went: this process (the
 // node's own work, and the benchmark's), the tools it ran and waited for
 // (qemu-img, ip, ...), and the QEMU processes of the sandboxes involved.
-type cpuSplit struct{ node, tools, qemu float64 }
+type cpuSplit struct{ node, tools, qemu time.Duration }
 
 // ourCPU is this process's CPU time (node) and that of the children it has
-// waited for (tools), in seconds.
+// waited for (tools).
 func ourCPU() cpuSplit {
 	var self, children syscall.Rusage
 	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &self)
 	_ = syscall.Getrusage(syscall.RUSAGE_CHILDREN, &children)
-	sec := func(u syscall.Rusage) float64 {
-		return float64(u.Utime.Nano()+u.Stime.Nano()) / 1e9
-	}
-	return cpuSplit{node: sec(self), tools: sec(children)}
+	used := func(u syscall.Rusage) time.Duration { return time.Duration(u.Utime.Nano() + u.Stime.Nano()) }
+	return cpuSplit{node: used(self), tools: used(children)}
+}
+
+// qemuCPU is the CPU time process pid has used (0 if it cannot be read).
+func qemuCPU(pid int) time.Duration {
+	sec, _ := procstat.CPUSeconds(pid)
+	return time.Duration(sec * float64(time.Second))
 }
 
 // medianSplit is the median of each part of splits, as a line.
 func medianSplit(splits []cpuSplit) string {
-	median := func(get func(cpuSplit) float64) float64 {
-		v := make([]float64, len(splits))
-		for i, s := range splits {
-			v[i] = get(s)
-		}
-		sort.Float64s(v)
-		if len(v) == 0 {
-			return 0
-		}
-		return v[len(v)/2]
+	var node, tools, qemu []time.Duration
+	for _, s := range splits {
+		node, tools, qemu = append(node, s.node), append(tools, s.tools), append(qemu, s.qemu)
 	}
-	node := median(func(s cpuSplit) float64 { return s.node })
-	tools := median(func(s cpuSplit) float64 { return s.tools })
-	qemu := median(func(s cpuSplit) float64 { return s.qemu })
-	return fmt.Sprintf("node %.2f, tools %.2f, QEMU %.2f", node, tools, qemu)
+	return fmt.Sprintf("node %.2f, tools %.2f, QEMU %.2f",
+		percentile(node, 50).Seconds(), percentile(tools, 50).Seconds(), percentile(qemu, 50).Seconds())
 }
 
 // rssInfo is a process's memory: RSS split into anonymous and file pages,
