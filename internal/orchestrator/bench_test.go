@@ -114,8 +114,10 @@ func BenchmarkPauseResume(b *testing.B) {
 		b.Fatal(err)
 	}
 	type series struct {
-		name string
-		ds   []time.Duration
+		name   string
+		ds     []time.Duration
+		phases map[string][]time.Duration // of the resumes: where their time went
+		order  []string
 	}
 	var all []*series
 	// hot: the pause keeps its QEMU stopped and the resume continues it;
@@ -148,10 +150,20 @@ func BenchmarkPauseResume(b *testing.B) {
 				b.Fatal("the pause kept no hot copy")
 			}
 			t0 = time.Now()
-			if _, err := n.Resume(ctx, s.ID, time.Hour); err != nil {
+			r, err := n.Resume(ctx, s.ID, time.Hour)
+			if err != nil {
 				b.Fatal(err)
 			}
 			resume.ds = append(resume.ds, time.Since(t0))
+			if resume.phases == nil {
+				resume.phases = map[string][]time.Duration{}
+			}
+			for _, p := range r.Phases {
+				if _, ok := resume.phases[p.Name]; !ok {
+					resume.order = append(resume.order, p.Name)
+				}
+				resume.phases[p.Name] = append(resume.phases[p.Name], p.Duration)
+			}
 		}
 		return resume
 	}
@@ -184,6 +196,11 @@ func BenchmarkPauseResume(b *testing.B) {
 	for _, sr := range all {
 		fmt.Fprintf(os.Stderr, "%-28s n=%d p50 %8s p90 %8s\n", sr.name, len(sr.ds),
 			percentile(sr.ds, 50).Round(10*time.Microsecond), percentile(sr.ds, 90).Round(10*time.Microsecond))
+		for _, name := range sr.order {
+			ds := sr.phases[name]
+			fmt.Fprintf(os.Stderr, "    phase %-20s p50 %8s p90 %8s\n", name,
+				percentile(ds, 50).Round(10*time.Microsecond), percentile(ds, 90).Round(10*time.Microsecond))
+		}
 	}
 	reportPercentiles(b, resume.ds)
 }

@@ -38,8 +38,8 @@ func TestQEMUConfinement(t *testing.T) {
 	}
 	if m := n.machines.get(s.ID); m == nil || m.CgroupErr != nil {
 		t.Skipf("skipped: this host's cgroups are not writable (%v)", m.CgroupErr)
-	} else if !m.CgroupAtExec {
-		t.Fatal("QEMU was moved into its cgroup after it started, not born there")
+	} else if !m.CgroupBeforeGuest {
+		t.Fatal("QEMU was not in its cgroup before its guest could run")
 	}
 	name := n.cgroupName(s.ID)
 	cg, err := os.ReadFile("/proc/" + strconv.Itoa(s.PID) + "/cgroup")
@@ -76,6 +76,25 @@ func TestQEMUConfinement(t *testing.T) {
 		t.Fatalf("pids.max %s", got)
 	}
 	t.Logf("QEMU %d: seccomp filter on, cgroup %v (memory %d MiB, %.0f CPUs, 1024 tasks)", s.PID, dirs, want.MemoryBytes>>20, want.CPUs)
+	// A QEMU that restores saved state (here a cold resume; on cgroup v1
+	// it is moved into its cgroup while it initialises) is in its cgroup
+	// before the state loads.
+	ctx := context.Background()
+	if _, err := n.Pause(ctx, s.ID); err != nil {
+		t.Fatal(err)
+	}
+	n.dropHot(s.ID)
+	r, err := n.Resume(ctx, s.ID, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := n.machines.get(s.ID); m == nil || m.CgroupErr != nil || !m.CgroupBeforeGuest {
+		t.Fatalf("the resumed QEMU was not in its cgroup before its guest could run: %+v", m)
+	}
+	// In every hierarchy the created one was in (cgroup v1: cpu, memory, pids).
+	if again, err := os.ReadFile("/proc/" + strconv.Itoa(r.PID) + "/cgroup"); err != nil || strings.Count(string(again), "/aenv/"+name) != strings.Count(string(cg), "/aenv/"+name) {
+		t.Fatalf("the resumed QEMU is not in its cgroup %s: %s (created: %s) %v", name, again, cg, err)
+	}
 	if err := n.Kill(context.Background(), s.ID); err != nil {
 		t.Fatal(err)
 	}

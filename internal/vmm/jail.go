@@ -20,8 +20,10 @@ import (
 // QEMU is not started directly: the process that becomes QEMU is first this
 // program again (any binary linking this package), which sets up the jail
 // and then replaces itself with QEMU (same pid), as Firecracker's jailer
-// does for Firecracker. The jail step joins the sandbox's cgroup, so QEMU
-// runs its first instruction already bounded, and, in the mount namespace
+// does for Firecracker. Unless the process was made in the sandbox's cgroup
+// (cgroup v2) or is moved there before its guest can run (Start, for a
+// restore on cgroup v1), the jail step joins it, so QEMU runs its first
+// instruction already bounded; and, in the mount namespace
 // of its own it was started in, hides the node's data dir behind an empty
 // tmpfs with only this sandbox's files bound back, and mounts a /proc that
 // shows a process only its own user's. Its network namespace was chosen at

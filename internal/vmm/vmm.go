@@ -298,9 +298,10 @@ type Machine struct {
 	// handed to them.
 	uid, gid int
 	// CgroupErr says why the machine runs without its cgroup limits;
-	// CgroupAtExec that it was in its cgroup from its first instruction.
-	CgroupErr    error
-	CgroupAtExec bool
+	// CgroupBeforeGuest that it was in its cgroup before the guest ran an
+	// instruction (see Start).
+	CgroupErr         error
+	CgroupBeforeGuest bool
 
 	exited  chan struct{}
 	exitMu  sync.Mutex
@@ -375,8 +376,10 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 		cfg.slotFDs[i] = 3 + len(extra)
 		extra = append(extra, disk)
 	}
-	// The cgroup exists, with its limits, before QEMU does: the jail step
-	// joins it and only then becomes QEMU.
+	// The cgroup exists, with its limits, before QEMU does: QEMU is made
+	// in it, or the jail step joins it and only then becomes QEMU, or (a
+	// machine waiting for its state, cgroup v1) it is moved in before the
+	// guest can run.
 	var cg *Cgroup
 	var cgErr error
 	if cfg.Cgroup != "" {
@@ -384,12 +387,17 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 		// (an unprivileged container) still runs sandboxes.
 		cg, cgErr = PrepareCgroup(cfg.Cgroup, cfg.Limits)
 	}
-	// On cgroup v2 the process is made in its cgroup (clone3 with
-	// CLONE_INTO_CGROUP): no migration of a running process, which cgroup
-	// v1 pays for in the jail step.
-	command := func(into bool) (*exec.Cmd, func(), error) {
+	// How the process gets into its cgroup: on cgroup v2 it is made in it
+	// (clone3 with CLONE_INTO_CGROUP), no migration of a running process,
+	// which cgroup v1 pays for in the jail step or, below, in Start.
+	const (
+		jailJoins = iota
+		madeInto
+		movedIn
+	)
+	command := func(how int) (*exec.Cmd, func(), error) {
 		joins := cg
-		if into {
+		if how != jailJoins {
 			joins = nil
 		}
 		cmd, err := jailCommand(bin, cfg.Args(), joins, cfg.Jail)
@@ -405,14 +413,29 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 			cmd.SysProcAttr.Unshareflags = syscall.CLONE_NEWNS
 		}
 		cmd.ExtraFiles = extra
-		if !into {
+		if how != madeInto {
 			return cmd, func() {}, nil
 		}
 		done, err := cloneInto(cmd, cg.Dirs[0])
 		return cmd, done, err
 	}
 	into := cg != nil && cgroupV2()
-	cmd, done, err := command(into)
+	// On cgroup v1 a process joins by migrating, and the kernel makes the
+	// first migration into a hierarchy wait for an RCU grace period
+	// (7-15 ms measured here), which the jail step would pay before QEMU
+	// began. A machine that waits for its state runs no guest instruction
+	// until LoadState, after Start: its QEMU is moved in here, while it
+	// initialises, and is in its cgroup before Start returns. A boot
+	// starts its guest at once, so its jail step joins first.
+	lateJoin := cg != nil && !into && cfg.Incoming
+	how := jailJoins
+	switch {
+	case into:
+		how = madeInto
+	case lateJoin:
+		how = movedIn
+	}
+	cmd, done, err := command(how)
 	if err == nil {
 		err = startIn(cfg.NetNS, cmd)
 		done()
@@ -420,7 +443,7 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 	if err != nil && into {
 		// A kernel without CLONE_INTO_CGROUP (before 5.7): the jail step
 		// joins the cgroup instead.
-		if cmd, done, err = command(false); err == nil {
+		if cmd, done, err = command(jailJoins); err == nil {
 			err = startIn(cfg.NetNS, cmd)
 			done()
 		}
@@ -436,7 +459,15 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 		err := cmd.Wait()
 		m.setExited(err)
 	}()
-	if err := m.connect(ctx); err != nil {
+	joined := make(chan error, 1)
+	if lateJoin {
+		go func() { joined <- cg.Join(m.pid) }()
+	} else {
+		joined <- nil
+	}
+	err = m.connect(ctx)
+	joinErr := <-joined
+	if err != nil {
 		_ = m.Kill()
 		<-m.exited
 		if cg != nil {
@@ -445,15 +476,18 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 		return nil, fmt.Errorf("%w%s", err, m.logTail())
 	}
 	// QMP answers, so QEMU runs and the jail step is behind it: it either
-	// joined the cgroup before QEMU began, or could not (read-only
-	// cgroups; its reason is in QEMU's log).
+	// joined the cgroup before QEMU began (or was made in it, or was moved
+	// in above), or could not (read-only cgroups; the jail step's reason
+	// is in QEMU's log).
 	switch {
 	case cgErr != nil:
 		m.CgroupErr = cgErr
+	case joinErr != nil:
+		m.CgroupErr = joinErr
 	case cg != nil && !cg.Holds(m.pid):
 		m.CgroupErr = fmt.Errorf("QEMU did not join its cgroup before starting%s", m.logTail())
 	case cg != nil:
-		m.CgroupAtExec = true
+		m.CgroupBeforeGuest = true
 	}
 	return m, nil
 }
