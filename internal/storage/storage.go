@@ -29,16 +29,20 @@ func FindQEMUImg() (string, error) {
 // the read-only layer base. sizeMiB, when larger than the base's virtual
 // size, grows the disk seen by the guest.
 func CreateOverlay(ctx context.Context, base, path string, sizeMiB int) error {
-	bin, err := FindQEMUImg()
-	if err != nil {
-		return err
-	}
 	absBase, err := filepath.Abs(base)
 	if err != nil {
 		return err
 	}
 	if _, err := os.Stat(absBase); err != nil {
 		return fmt.Errorf("base layer: %w", err)
+	}
+	key, cacheable := overlayKeyOf(absBase, sizeMiB)
+	if b := cachedOverlay(key); cacheable && b != nil {
+		return writeOverlay(path, b)
+	}
+	bin, err := FindQEMUImg()
+	if err != nil {
+		return err
 	}
 	args := []string{"create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", absBase, path}
 	if sizeMiB > 0 {
@@ -53,6 +57,9 @@ func CreateOverlay(ctx context.Context, base, path string, sizeMiB int) error {
 	out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
 	if err != nil {
 		return fmt.Errorf("qemu-img create overlay %s: %w: %s", path, err, strings.TrimSpace(string(out)))
+	}
+	if cacheable {
+		keepOverlay(key, path)
 	}
 	return nil
 }

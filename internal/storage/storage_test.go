@@ -73,6 +73,64 @@ func TestOverlayChain(t *testing.T) {
 	}
 }
 
+// TestOverlayFromTheCache: a second overlay of the same base is written
+// from the first one's bytes, without qemu-img (here not even on PATH),
+// and is the overlay qemu-img makes; a new file at the base's path, or
+// another size, is another overlay.
+func TestOverlayFromTheCache(t *testing.T) {
+	if _, err := FindQEMUImg(); err != nil {
+		t.Skip(err)
+	}
+	ctx := context.Background()
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.qcow2")
+	mkBase := func(size string) {
+		if out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", base, size).CombinedOutput(); err != nil {
+			t.Fatal(err, string(out))
+		}
+	}
+	mkBase("64M")
+	first, second := filepath.Join(dir, "first.qcow2"), filepath.Join(dir, "second.qcow2")
+	if err := CreateOverlay(ctx, base, first, 0); err != nil {
+		t.Fatal(err)
+	}
+	bin, _ := FindQEMUImg()
+	t.Setenv("PATH", t.TempDir())
+	if err := CreateOverlay(ctx, base, second, 0); err != nil {
+		t.Fatalf("the second overlay needed qemu-img: %v", err)
+	}
+	a, _ := os.ReadFile(first)
+	b, _ := os.ReadFile(second)
+	if len(a) == 0 || string(a) != string(b) {
+		t.Fatalf("the cached overlay (%d bytes) differs from qemu-img's (%d)", len(b), len(a))
+	}
+	if err := CreateOverlay(ctx, base, filepath.Join(dir, "grown.qcow2"), 128); err == nil {
+		t.Fatal("another size came from the cache")
+	}
+	t.Setenv("PATH", filepath.Dir(bin))
+	// A new base at the same path (the same name, another size; the
+	// same file size, and maybe the same inode and timestamps).
+	os.Remove(base)
+	mkBase("96M")
+	third := filepath.Join(dir, "third.qcow2")
+	if err := CreateOverlay(ctx, base, third, 0); err != nil {
+		t.Fatal(err)
+	}
+	for _, ov := range []string{second, third} {
+		info, err := Info(ctx, ov)
+		want := int64(64 << 20)
+		if ov == third {
+			want = 96 << 20
+		}
+		if err != nil || info.BackingFilename != base || info.VirtualSize != want {
+			t.Fatalf("%s: %+v %v", filepath.Base(ov), info, err)
+		}
+	}
+	if out, err := exec.Command(bin, "check", second).CombinedOutput(); err != nil {
+		t.Fatalf("qemu-img check of the cached overlay: %v: %s", err, out)
+	}
+}
+
 func TestCloneFileKeepsDataAndHoles(t *testing.T) {
 	dir := t.TempDir()
 	src := filepath.Join(dir, "src")
