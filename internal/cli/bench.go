@@ -123,8 +123,10 @@ func runBench(ctx context.Context, c *apiClient, template string, n int, progres
 	})); err != nil {
 		return nil, err
 	}
-	var pauses, resumes benchResult
-	pauses.op, resumes.op = "pause", "resume"
+	// A resume, and the same resume until a command (true) has answered
+	// in the guest: what a user waits for.
+	var pauses, resumes, answered benchResult
+	pauses.op, resumes.op, answered.op = "pause", "resume", "resume+exec"
 	for i := 0; i < n; i++ {
 		progress("pause", i)
 		start := time.Now()
@@ -137,8 +139,16 @@ func runBench(ctx context.Context, c *apiClient, template string, n int, progres
 			return nil, fmt.Errorf("resume: %w", err)
 		}
 		resumes.d = append(resumes.d, time.Since(start))
+		code, err := e.run(ctx, &processpb.StartRequest{Process: &processpb.ProcessConfig{Cmd: "true"}}, nil, discard{}, discard{}, false)
+		if err == nil && code != 0 {
+			err = fmt.Errorf("true exited %d", code)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("exec after a resume: %w", err)
+		}
+		answered.d = append(answered.d, time.Since(start))
 	}
-	out = append(out, pauses, resumes)
+	out = append(out, pauses, resumes, answered)
 	if err := add(timed("fork", func() error {
 		var res []struct {
 			Sandbox *apispec.Sandbox `json:"sandbox"`

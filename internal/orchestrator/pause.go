@@ -466,7 +466,7 @@ func (n *Node) resumeWith(ctx context.Context, id string, opts ResumeOptions) (*
 	}
 	o.Finish(nil)
 	s.StartedAt, s.EndAt, s.State = now, now.Add(timeout), sandboxes.Running
-	n.log.Info("sandbox resumed", "sandbox", id, "took", o.Elapsed().Round(time.Microsecond))
+	n.log.Info("sandbox resumed", "sandbox", id, "took", o.Elapsed().Round(time.Microsecond), "phases", s.Phases)
 	return n.withAddr(s), nil
 }
 

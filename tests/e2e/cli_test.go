@@ -263,7 +263,7 @@ func TestCLI(t *testing.T) {
 
 	t.Run("bench and doctor", func(t *testing.T) {
 		out := mustCLI(t, s, home, "bench", "-n", "2", "--template", "minimal")
-		for _, op := range []string{"baseline", "create", "exec", "pause", "resume", "fork", "kill", "P50"} {
+		for _, op := range []string{"baseline", "create", "exec", "pause", "resume", "resume+exec", "fork", "kill", "P50"} {
 			if !strings.Contains(out, op) {
 				t.Fatalf("bench output lacks %s:\n%s", op, out)
 			}
