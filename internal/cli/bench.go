@@ -114,13 +114,14 @@ func runBench(ctx context.Context, c *apiClient, template string, n int, progres
 	if err != nil {
 		return nil, err
 	}
-	if err := add(timed("exec", func() error {
+	runTrue := func() error {
 		code, err := e.run(ctx, &processpb.StartRequest{Process: &processpb.ProcessConfig{Cmd: "true"}}, nil, discard{}, discard{}, false)
 		if err == nil && code != 0 {
 			err = fmt.Errorf("true exited %d", code)
 		}
 		return err
-	})); err != nil {
+	}
+	if err := add(timed("exec", runTrue)); err != nil {
 		return nil, err
 	}
 	// A resume, and the same resume until a command (true) has answered
@@ -139,11 +140,7 @@ func runBench(ctx context.Context, c *apiClient, template string, n int, progres
 			return nil, fmt.Errorf("resume: %w", err)
 		}
 		resumes.d = append(resumes.d, time.Since(start))
-		code, err := e.run(ctx, &processpb.StartRequest{Process: &processpb.ProcessConfig{Cmd: "true"}}, nil, discard{}, discard{}, false)
-		if err == nil && code != 0 {
-			err = fmt.Errorf("true exited %d", code)
-		}
-		if err != nil {
+		if err := runTrue(); err != nil {
 			return nil, fmt.Errorf("exec after a resume: %w", err)
 		}
 		answered.d = append(answered.d, time.Since(start))

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/procstat"
+	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
@@ -55,7 +56,7 @@ func BenchmarkColdBoot(b *testing.B) {
 	for _, tmpl := range []string{"minimal", "base"} {
 		b.Run(tmpl, func(b *testing.B) {
 			var ds []time.Duration
-			phases := map[string][]time.Duration{}
+			var phases phaseSeries
 			for i := 0; i < b.N; i++ {
 				start := time.Now()
 				s, err := n.Create(context.Background(), CreateRequest{TemplateID: tmpl, Secure: true})
@@ -63,9 +64,7 @@ func BenchmarkColdBoot(b *testing.B) {
 					b.Fatal(err)
 				}
 				ds = append(ds, time.Since(start))
-				for _, p := range s.Phases {
-					phases[p.Name] = append(phases[p.Name], p.Duration)
-				}
+				phases.add(s.Phases)
 				b.StopTimer()
 				if err := n.Kill(context.Background(), s.ID); err != nil {
 					b.Fatal(err)
@@ -74,11 +73,37 @@ func BenchmarkColdBoot(b *testing.B) {
 			}
 			reportPercentiles(b, ds)
 			if os.Getenv("AENV_BENCH_PHASES") != "" {
-				for name, d := range phases {
-					fmt.Fprintf(os.Stderr, "%s %-20s p50 %s\n", tmpl, name, percentile(d, 50).Round(time.Millisecond))
-				}
+				phases.print(tmpl + " phase ")
 			}
 		})
+	}
+}
+
+// phaseSeries collects the phases of many operations (Sandbox.Phases),
+// by name, in the order they first came.
+type phaseSeries struct {
+	order []string
+	ds    map[string][]time.Duration
+}
+
+func (ps *phaseSeries) add(phases []sandboxes.Phase) {
+	if ps.ds == nil {
+		ps.ds = map[string][]time.Duration{}
+	}
+	for _, p := range phases {
+		if _, ok := ps.ds[p.Name]; !ok {
+			ps.order = append(ps.order, p.Name)
+		}
+		ps.ds[p.Name] = append(ps.ds[p.Name], p.Duration)
+	}
+}
+
+// print writes each phase's p50 and p90 to stderr, a line each after prefix.
+func (ps *phaseSeries) print(prefix string) {
+	for _, name := range ps.order {
+		ds := ps.ds[name]
+		fmt.Fprintf(os.Stderr, "%s%-20s p50 %8s p90 %8s\n", prefix, name,
+			percentile(ds, 50).Round(10*time.Microsecond), percentile(ds, 90).Round(10*time.Microsecond))
 	}
 }
 
@@ -116,8 +141,7 @@ func BenchmarkPauseResume(b *testing.B) {
 	type series struct {
 		name   string
 		ds     []time.Duration
-		phases map[string][]time.Duration // of the resumes: where their time went
-		order  []string
+		phases phaseSeries // of the resumes: where their time went
 	}
 	var all []*series
 	// hot: the pause keeps its QEMU stopped and the resume continues it;
@@ -155,15 +179,7 @@ func BenchmarkPauseResume(b *testing.B) {
 				b.Fatal(err)
 			}
 			resume.ds = append(resume.ds, time.Since(t0))
-			if resume.phases == nil {
-				resume.phases = map[string][]time.Duration{}
-			}
-			for _, p := range r.Phases {
-				if _, ok := resume.phases[p.Name]; !ok {
-					resume.order = append(resume.order, p.Name)
-				}
-				resume.phases[p.Name] = append(resume.phases[p.Name], p.Duration)
-			}
+			resume.phases.add(r.Phases)
 		}
 		return resume
 	}
@@ -196,11 +212,7 @@ func BenchmarkPauseResume(b *testing.B) {
 	for _, sr := range all {
 		fmt.Fprintf(os.Stderr, "%-28s n=%d p50 %8s p90 %8s\n", sr.name, len(sr.ds),
 			percentile(sr.ds, 50).Round(10*time.Microsecond), percentile(sr.ds, 90).Round(10*time.Microsecond))
-		for _, name := range sr.order {
-			ds := sr.phases[name]
-			fmt.Fprintf(os.Stderr, "    phase %-20s p50 %8s p90 %8s\n", name,
-				percentile(ds, 50).Round(10*time.Microsecond), percentile(ds, 90).Round(10*time.Microsecond))
-		}
+		sr.phases.print("    phase ")
 	}
 	reportPercentiles(b, resume.ds)
 }

@@ -81,13 +81,8 @@ func keepOverlay(k overlayKey, path string) {
 // writeOverlay writes a copy of an overlay's bytes to path, as qemu-img
 // would (replacing a file there, mode 0644 less the umask).
 func writeOverlay(path string, b []byte) error {
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o644)
-	if err != nil {
+	if err := os.WriteFile(path, b, 0o644); err != nil {
 		return fmt.Errorf("create overlay %s: %w", path, err)
 	}
-	if _, err := f.Write(b); err != nil {
-		f.Close()
-		return fmt.Errorf("create overlay %s: %w", path, err)
-	}
-	return f.Close()
+	return nil
 }

@@ -41,9 +41,7 @@ func TestOverlayChain(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
 	base := filepath.Join(dir, "base.qcow2")
-	if out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", base, "64M").CombinedOutput(); err != nil {
-		t.Fatal(err, string(out))
-	}
+	makeQcow2(t, base, "64M")
 	tests := []struct {
 		name    string
 		sizeMiB int
@@ -84,12 +82,7 @@ func TestOverlayFromTheCache(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
 	base := filepath.Join(dir, "base.qcow2")
-	mkBase := func(size string) {
-		if out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", base, size).CombinedOutput(); err != nil {
-			t.Fatal(err, string(out))
-		}
-	}
-	mkBase("64M")
+	makeQcow2(t, base, "64M")
 	first, second := filepath.Join(dir, "first.qcow2"), filepath.Join(dir, "second.qcow2")
 	if err := CreateOverlay(ctx, base, first, 0); err != nil {
 		t.Fatal(err)
@@ -111,7 +104,7 @@ func TestOverlayFromTheCache(t *testing.T) {
 	// A new base at the same path (the same name, another size; the
 	// same file size, and maybe the same inode and timestamps).
 	os.Remove(base)
-	mkBase("96M")
+	makeQcow2(t, base, "96M")
 	third := filepath.Join(dir, "third.qcow2")
 	if err := CreateOverlay(ctx, base, third, 0); err != nil {
 		t.Fatal(err)
@@ -128,6 +121,14 @@ func TestOverlayFromTheCache(t *testing.T) {
 	}
 	if out, err := exec.Command(bin, "check", second).CombinedOutput(); err != nil {
 		t.Fatalf("qemu-img check of the cached overlay: %v: %s", err, out)
+	}
+}
+
+// makeQcow2 makes an empty qcow2 image of size at path.
+func makeQcow2(t *testing.T, path, size string) {
+	t.Helper()
+	if out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", path, size).CombinedOutput(); err != nil {
+		t.Fatal(err, string(out))
 	}
 }
 

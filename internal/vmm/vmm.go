@@ -427,12 +427,11 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 	// until LoadState, after Start: its QEMU is moved in here, while it
 	// initialises, and is in its cgroup before Start returns. A boot
 	// starts its guest at once, so its jail step joins first.
-	lateJoin := cg != nil && !into && cfg.Incoming
 	how := jailJoins
 	switch {
 	case into:
 		how = madeInto
-	case lateJoin:
+	case cg != nil && cfg.Incoming:
 		how = movedIn
 	}
 	cmd, done, err := command(how)
@@ -460,7 +459,7 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 		m.setExited(err)
 	}()
 	joined := make(chan error, 1)
-	if lateJoin {
+	if how == movedIn {
 		go func() { joined <- cg.Join(m.pid) }()
 	} else {
 		joined <- nil
