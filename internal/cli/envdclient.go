@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/signal"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -135,6 +136,10 @@ func execCmd() *cobra.Command {
 // run starts a process and streams its output until it ends; it returns
 // the exit code.
 func (e *envdConn) run(ctx context.Context, req *processpb.StartRequest, in io.Reader, stdout, stderr io.Writer, sendStdin bool) (int, error) {
+	// A stdin that cannot reach the process ends the run (cause: why).
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	var stdinCut atomic.Pointer[error] // set before the process can see its stdin end early
 	stream, err := e.proc.Start(ctx, connect.NewRequest(req))
 	if err != nil {
 		return 0, err
@@ -147,7 +152,12 @@ func (e *envdConn) run(ctx context.Context, req *processpb.StartRequest, in io.R
 		case ev.GetStart() != nil:
 			pid = ev.GetStart().GetPid()
 			if sendStdin {
-				go e.pumpStdin(ctx, pid, in)
+				go func() {
+					cut := func(err error) { stdinCut.Store(&err) }
+					if err := e.pumpStdin(ctx, pid, in, cut); errors.Is(err, errStdinLost) {
+						cancel(err) // the process would wait for it forever
+					}
+				}()
 			}
 			if ctx.Done() != nil {
 				go func() {
@@ -169,8 +179,16 @@ func (e *envdConn) run(ctx context.Context, req *processpb.StartRequest, in io.R
 			if end.Error != nil && *end.Error != "" && !end.GetExited() {
 				return 0, fmt.Errorf("the command did not run: %s", *end.Error)
 			}
+			if err := stdinCut.Load(); err != nil {
+				// What the process read ended early: its exit code is not
+				// the answer to the input it was given.
+				return 0, *err
+			}
 			return int(end.GetExitCode()), nil
 		}
+	}
+	if cause := context.Cause(ctx); errors.Is(cause, errStdinLost) {
+		return 0, cause
 	}
 	if err := stream.Err(); err != nil {
 		if ctx.Err() != nil {
@@ -181,21 +199,49 @@ func (e *envdConn) run(ctx context.Context, req *processpb.StartRequest, in io.R
 	return 0, errors.New("the process stream ended without an exit code")
 }
 
-// pumpStdin sends in to the process, then closes its stdin.
-func (e *envdConn) pumpStdin(ctx context.Context, pid uint32, in io.Reader) {
+// errStdinLost: neither the input nor its end reached the process, which
+// is left waiting for it.
+var errStdinLost = errors.New("the command's stdin could not be delivered, nor closed")
+
+// pumpStdin sends in to the process, then closes its stdin. When a send
+// (or reading in) fails, cut hears why and the stdin is closed at once, so
+// that the process reads an end instead of waiting for input that will not
+// come; the error is errStdinLost when the close failed too. A process that
+// has ended (it stopped reading) is no error.
+func (e *envdConn) pumpStdin(ctx context.Context, pid uint32, in io.Reader, cut func(error)) error {
 	sel := &processpb.ProcessSelector{Selector: &processpb.ProcessSelector_Pid{Pid: pid}}
+	closeStdin := func(why error) error {
+		if why != nil {
+			cut(why)
+		}
+		_, err := e.proc.CloseStdin(ctx, connect.NewRequest(&processpb.CloseStdinRequest{Process: sel}))
+		if err == nil || connect.CodeOf(err) == connect.CodeNotFound {
+			return nil
+		}
+		if why != nil {
+			return fmt.Errorf("%w: %v; closing it: %v", errStdinLost, why, err)
+		}
+		return fmt.Errorf("%w: closing it: %v", errStdinLost, err)
+	}
 	buf := make([]byte, 32<<10)
+	var sent int64
 	for {
 		n, err := in.Read(buf)
 		if n > 0 {
 			if _, serr := e.proc.SendInput(ctx, connect.NewRequest(&processpb.SendInputRequest{Process: sel,
 				Input: &processpb.ProcessInput{Input: &processpb.ProcessInput_Stdin{Stdin: append([]byte(nil), buf[:n]...)}}})); serr != nil {
-				return
+				if connect.CodeOf(serr) == connect.CodeNotFound || ctx.Err() != nil {
+					return nil // the process ended, or the run was stopped
+				}
+				return closeStdin(fmt.Errorf("the command's stdin was cut short after %d bytes: %w", sent, serr))
 			}
+			sent += int64(n)
 		}
-		if err != nil {
-			e.proc.CloseStdin(ctx, connect.NewRequest(&processpb.CloseStdinRequest{Process: sel}))
-			return
+		switch {
+		case err == io.EOF:
+			return closeStdin(nil)
+		case err != nil:
+			return closeStdin(fmt.Errorf("the command's stdin was cut short after %d bytes: reading it: %w", sent, err))
 		}
 	}
 }

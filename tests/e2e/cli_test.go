@@ -105,7 +105,12 @@ func TestCLI(t *testing.T) {
 	})
 
 	id := strings.TrimSpace(mustCLI(t, s, home, "create", "minimal", "--timeout", "10m", "--metadata", "suite=cli", "--env", "GREETING=hi"))
-	t.Cleanup(func() { aenvCLI(t, s, home, "", "kill", id) })
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("the server's log about %s:\n%s", id, s.logAbout(id, 80))
+		}
+		aenvCLI(t, s, home, "", "kill", id)
+	})
 
 	t.Run("ls and info", func(t *testing.T) {
 		if out := mustCLI(t, s, home, "ls", "--metadata", "suite=cli"); !strings.Contains(out, id) || !strings.Contains(out, "SANDBOX") {

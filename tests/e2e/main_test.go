@@ -75,6 +75,9 @@ func TestMain(m *testing.M) {
 	code := m.Run()
 	if srv != nil {
 		srv.stop()
+		if code != 0 {
+			srv.keepLog()
+		}
 	}
 	if tmpRoot != "" {
 		os.RemoveAll(tmpRoot)
@@ -239,6 +242,33 @@ func (s *server) log() string {
 		b = b[len(b)-8000:]
 	}
 	return string(b)
+}
+
+// logAbout is the last max lines of the server's log that mention what
+// (a sandbox id): what a failed test shows of the server's side.
+func (s *server) logAbout(what string, max int) string {
+	b, _ := os.ReadFile(s.logPath)
+	var lines []string
+	for _, l := range strings.Split(string(b), "\n") {
+		if strings.Contains(l, what) {
+			lines = append(lines, l)
+		}
+	}
+	if len(lines) > max {
+		lines = lines[len(lines)-max:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// keepLog moves the server's log out of the run's temporary root, which
+// goes, and says where: a failed run's log is what explains it.
+func (s *server) keepLog() {
+	kept := filepath.Join(os.TempDir(), fmt.Sprintf("aenv-e2e-server-%s.log", time.Now().UTC().Format("20060102T150405")))
+	if err := os.Rename(s.logPath, kept); err != nil {
+		fmt.Fprintln(os.Stderr, "the server's log could not be kept:", err)
+		return
+	}
+	fmt.Fprintln(os.Stderr, "the run failed; the server's log is kept in", kept)
 }
 
 // stop kills every sandbox (they would outlive the server) and stops it.
