@@ -65,7 +65,7 @@ func TestSetupTeardown(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = m.Teardown(ep) })
-	tap, err := m.OpenTap(ep)
+	tap, err := m.OpenTap(ep, GuestAsks)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -103,5 +103,63 @@ func TestSetupTeardown(t *testing.T) {
 	}
 	if err := m.Teardown(ep); err != nil {
 		t.Fatalf("second teardown: %v", err)
+	}
+}
+
+// TestTapModes: every tap has TapMAC (what TapMAC reads back); a tap for
+// a guest that knows it has the guest's MAC as a permanent neighbour (no
+// ARP before the first packet to the guest), one for a guest that may not
+// has none, and the namespace asks. A tap opened again after its QEMU's
+// went (a resume) is set up the same way.
+func TestTapModes(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create network namespaces")
+	}
+	if _, err := exec.LookPath("nft"); err != nil {
+		t.Skip("nft not installed")
+	}
+	m, err := NewManager("10.219.0.0/24", "aenet")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	ep, err := m.Endpoint("taptest", 4, false, Egress{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Setup(ctx, ep); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = m.Teardown(ep) })
+	neighbours := func() string {
+		out, err := exec.Command("ip", "netns", "exec", ep.Namespace, "ip", "neigh", "show", "dev", TapName).CombinedOutput()
+		if err != nil {
+			t.Fatal(err, string(out))
+		}
+		return string(out)
+	}
+	for _, tt := range []struct {
+		name      string
+		mode      TapMode
+		permanent bool
+	}{
+		{"the guest knows the tap", GuestKnows, true},
+		{"the guest may not", GuestAsks, false},
+		{"the guest knows it, a second QEMU", GuestKnows, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			tap, err := m.OpenTap(ep, tt.mode)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tap.Close() // the device goes with it, as with QEMU's exit
+			if mac, err := m.TapMAC(ep); err != nil || mac != TapMAC {
+				t.Fatalf("tap MAC %q (%v), want %s", mac, err, TapMAC)
+			}
+			want := GuestIP.String() + " lladdr " + GuestMAC + " PERMANENT"
+			if got := neighbours(); strings.Contains(got, want) != tt.permanent {
+				t.Fatalf("neighbours of the tap:\n%s\nwant %q: %v", got, want, tt.permanent)
+			}
+		})
 	}
 }

@@ -61,6 +61,10 @@ type snapshotManifest struct {
 	// FilesystemOnly: the snapshot is a disk (and volumes) alone, with no
 	// memory or device state.
 	FilesystemOnly bool `json:"filesystemOnly,omitempty"`
+	// GatewayMAC is the MAC of the tap the captured guest ran behind (see
+	// tapModeFor); empty in snapshots made before it was kept, and in
+	// imported ones.
+	GatewayMAC string `json:"gatewayMAC,omitempty"`
 }
 
 func (n *Node) snapshotDir(id string) string { return filepath.Join(n.cfg.DataDir, snapshotsDir, id) }
@@ -393,7 +397,7 @@ func (n *Node) freeze(o *operation.Op, s *sandboxes.Sandbox, opState sandboxes.S
 			return err
 		}
 		early := snapshotManifest{ID: snapID, SandboxID: s.ID, TemplateID: s.TemplateID,
-			ParentLayer: before.BackingFilename, MemoryMiB: s.MemoryMiB, CreatedAt: time.Now().UTC()}
+			ParentLayer: before.BackingFilename, MemoryMiB: s.MemoryMiB, CreatedAt: time.Now().UTC(), GatewayMAC: n.gatewayMAC(s)}
 		if err := storage.WriteJSONAtomic(filepath.Join(sdir, snapManifestName), early, 0o600); err != nil {
 			return err
 		}
@@ -586,7 +590,7 @@ func (n *Node) restOnSnapshot(ctx context.Context, s *sandboxes.Sandbox, snapID 
 	if err != nil {
 		return err
 	}
-	rec := pauseRecord{StateSHA256: sum, RAMInState: hasRAM, RAMDiff: hasRAM, PausedAt: time.Now().UTC()}
+	rec := pauseRecord{StateSHA256: sum, RAMInState: hasRAM, RAMDiff: hasRAM, PausedAt: time.Now().UTC(), GatewayMAC: man.GatewayMAC}
 	if err := storage.WriteJSONAtomic(filepath.Join(pdir, pauseRecordName), rec, 0o600); err != nil {
 		return err
 	}
@@ -647,7 +651,9 @@ func (n *Node) startIncoming(ctx context.Context, s *sandboxes.Sandbox, snapID s
 	if err != nil {
 		return nil, err
 	}
-	tap, err := n.openTap(ctx, ep)
+	var man snapshotManifest // its gateway MAC; unread, the guest is asked
+	_ = storage.ReadJSON(filepath.Join(n.snapshotDir(snapID), snapManifestName), &man)
+	tap, err := n.openTap(ctx, ep, tapModeFor(man.GatewayMAC))
 	if err != nil {
 		return nil, err
 	}

@@ -77,7 +77,7 @@ func (n *Node) snapshotLive(o *operation.Op, s *sandboxes.Sandbox, opState sandb
 	}
 	man := snapshotManifest{ID: snapID, SandboxID: s.ID, TemplateID: s.TemplateID,
 		ParentLayer: info.BackingFilename, MemoryMiB: s.MemoryMiB, CreatedAt: time.Now().UTC(),
-		MemoryBase: n.memoryBaseOf(s), StateHasRAM: true}
+		MemoryBase: n.memoryBaseOf(s), StateHasRAM: true, GatewayMAC: n.gatewayMAC(s)}
 	if err := os.MkdirAll(stage, 0o700); err != nil {
 		return "", nil, err
 	}

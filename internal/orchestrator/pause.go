@@ -111,6 +111,7 @@ func (n *Node) pauseMachine(ctx context.Context, s *sandboxes.Sandbox, from sand
 	// take them for this pause's.
 	os.Remove(filepath.Join(dir, pauseRecordName))
 	os.Remove(filepath.Join(dir, stateFileName))
+	gateway := n.gatewayMAC(s) // while its QEMU holds the tap
 	if err := step("stop-vcpus", func(ctx context.Context) error { return m.Pause(ctx) }); err != nil {
 		return err
 	}
@@ -159,7 +160,7 @@ func (n *Node) pauseMachine(ctx context.Context, s *sandboxes.Sandbox, from sand
 	phase("sync to disk")
 	// The record is written first, then the state file takes its final
 	// name: a state file under its final name always has a valid record.
-	rec := pauseRecord{StateSHA256: sum, RAMInState: s.MemPrivate, RAMDiff: s.MemPrivate}
+	rec := pauseRecord{StateSHA256: sum, RAMInState: s.MemPrivate, RAMDiff: s.MemPrivate, GatewayMAC: gateway}
 	if err := step("publish", func(ctx context.Context) error {
 		rec.PausedAt = time.Now().UTC()
 		if err := storage.WriteJSONAtomic(filepath.Join(dir, pauseRecordName), rec, 0o600); err != nil {
@@ -290,6 +291,9 @@ type pauseRecord struct {
 	// the sandbox maps (its mem_file), loaded over that image.
 	RAMDiff  bool      `json:"ramDiff,omitempty"`
 	PausedAt time.Time `json:"pausedAt"`
+	// GatewayMAC is the MAC of the tap the guest ran behind (see
+	// tapModeFor); empty in records written before it was kept.
+	GatewayMAC string `json:"gatewayMAC,omitempty"`
 }
 
 // verifyPausedState checks that a paused sandbox has every file its pause
@@ -351,15 +355,42 @@ func readPauseRecord(dir string) (*pauseRecord, error) {
 
 // openTap opens a tap in a sandbox's namespace for a new QEMU, building the
 // network again when the namespace is gone (a host reboot).
-func (n *Node) openTap(ctx context.Context, ep *network.Endpoint) (*os.File, error) {
-	tap, err := n.net.OpenTap(ep)
+func (n *Node) openTap(ctx context.Context, ep *network.Endpoint, mode network.TapMode) (*os.File, error) {
+	tap, err := n.net.OpenTap(ep, mode)
 	if err == nil {
 		return tap, nil
 	}
 	if err := n.net.Setup(ctx, ep); err != nil {
 		return nil, err
 	}
-	return n.net.OpenTap(ep)
+	return n.net.OpenTap(ep, mode)
+}
+
+// gatewayMAC is the MAC of the tap s's guest runs behind now, for the
+// record of a state saved from it ("": it cannot be read, and a restore
+// of that state asks the guest).
+func (n *Node) gatewayMAC(s *sandboxes.Sandbox) string {
+	ep, err := n.endpoint(s)
+	if err != nil {
+		return ""
+	}
+	mac, err := n.net.TapMAC(ep)
+	if err != nil {
+		return ""
+	}
+	return mac
+}
+
+// tapModeFor is how the tap of a guest restored from a state saved behind
+// gatewayMAC is set up: a guest with TapMAC as its gateway's needs no ARP
+// before the node's first packet to it; any other (a state saved before
+// taps had one MAC, or with the MAC unknown) is asked, which also tells it
+// the tap's MAC.
+func tapModeFor(gatewayMAC string) network.TapMode {
+	if gatewayMAC == network.TapMAC {
+		return network.GuestKnows
+	}
+	return network.GuestAsks
 }
 
 // Resume restarts a paused sandbox exactly where it stopped and gives it a
@@ -504,7 +535,7 @@ func (n *Node) resumeMachine(o *operation.Op, s *sandboxes.Sandbox, reboot bool)
 	if err != nil {
 		return err
 	}
-	m, err := n.startMachine(o, s, ep, true, phase)
+	m, err := n.startMachine(o, s, ep, true, tapModeFor(rec.GatewayMAC), phase)
 	if err != nil {
 		return err
 	}
@@ -608,7 +639,7 @@ func (n *Node) rebootPaused(o *operation.Op, s *sandboxes.Sandbox) error {
 	if err != nil {
 		return err
 	}
-	m, err := n.startMachine(o, s, ep, false, phase)
+	m, err := n.startMachine(o, s, ep, false, network.GuestKnows, phase) // a boot
 	if err != nil {
 		return err
 	}
@@ -656,13 +687,13 @@ func (n *Node) rebootPaused(o *operation.Op, s *sandboxes.Sandbox) error {
 // startMachine opens the tap of s's network (building the network again
 // if it is gone) and starts its QEMU (incoming: waiting for saved state),
 // as the steps network and qemu-start of o.
-func (n *Node) startMachine(o *operation.Op, s *sandboxes.Sandbox, ep *network.Endpoint, incoming bool, phase func(string)) (*vmm.Machine, error) {
+func (n *Node) startMachine(o *operation.Op, s *sandboxes.Sandbox, ep *network.Endpoint, incoming bool, mode network.TapMode, phase func(string)) (*vmm.Machine, error) {
 	// Never two QEMUs on one sandbox's files.
 	n.dropHot(s.ID)
 	var tap *os.File
 	if err := o.Do("network", func(ctx context.Context) error {
 		var err error
-		tap, err = n.openTap(ctx, ep)
+		tap, err = n.openTap(ctx, ep, mode)
 		return err
 	}); err != nil {
 		return nil, err

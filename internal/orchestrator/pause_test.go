@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
@@ -235,4 +237,66 @@ func TestPauseWithoutMemory(t *testing.T) {
 	if _, err := n.Resume(ctx, s.ID, time.Minute); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestResumeKnowsTheGatewayMAC: a guest whose pause record names the tap
+// MAC every tap has resumes with its MAC a permanent neighbour of the
+// namespace (no ARP round trip through a cold guest before envd's answer);
+// a guest that ran behind a tap with another MAC (every state saved before
+// taps had one MAC, and records without the field) is asked, learns the
+// new tap's MAC from the request and answers, and its next pause records
+// the fixed MAC.
+func TestResumeKnowsTheGatewayMAC(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	n := testNode(t, coldPauseOnly)
+	s := create(t, n, CreateRequest{TemplateID: "base"})
+	ep, err := n.endpoint(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inNS := func(args ...string) string {
+		out, err := exec.Command("ip", append([]string{"netns", "exec", ep.Namespace}, args...)...).CombinedOutput()
+		if err != nil {
+			t.Fatal(args, err, string(out))
+		}
+		return string(out)
+	}
+	permanent := func() bool {
+		return strings.Contains(inNS("ip", "neigh", "show", "dev", network.TapName), network.GuestIP.String()+" lladdr "+network.GuestMAC+" PERMANENT")
+	}
+	if !permanent() {
+		t.Fatal("a booted guest's tap has no permanent neighbour entry for it")
+	}
+	// The tap takes another MAC and the namespace forgets the guest's: the
+	// next packet to the guest asks it, and it learns the other MAC.
+	const other = "02:00:00:00:00:99"
+	inNS("ip", "link", "set", network.TapName, "address", other)
+	inNS("ip", "neigh", "flush", "dev", network.TapName, "nud", "all")
+	if r, err := newEnvdClient(s).run(ctx, "", "true"); err != nil || r.exit != 0 {
+		t.Fatalf("a command behind the other MAC: %+v %v", r, err)
+	}
+	cycle := func(wantRecorded string, wantPermanent bool) {
+		t.Helper()
+		if _, err := n.Pause(ctx, s.ID); err != nil {
+			t.Fatal(err)
+		}
+		rec, err := readPauseRecord(n.sandboxDir(s.ID))
+		if err != nil || rec.GatewayMAC != wantRecorded {
+			t.Fatalf("pause record's gateway MAC %q (%v), want %q", rec.GatewayMAC, err, wantRecorded)
+		}
+		r, err := n.Resume(ctx, s.ID, time.Hour)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("resume phases: %v", r.Phases)
+		if got := permanent(); got != wantPermanent {
+			t.Fatalf("after the resume the guest's MAC is a permanent neighbour: %v, want %v", got, wantPermanent)
+		}
+		if res, err := newEnvdClient(r).run(ctx, "", "true"); err != nil || res.exit != 0 {
+			t.Fatalf("a command after the resume: %+v %v", res, err)
+		}
+	}
+	cycle(other, false)         // asked: it learns TapMAC
+	cycle(network.TapMAC, true) // known
 }

@@ -360,7 +360,7 @@ func (n *Node) boot(ctx context.Context, s *sandboxes.Sandbox, t *Template) erro
 	if err := n.net.Setup(ctx, ep); err != nil {
 		return err
 	}
-	tap, err := n.net.OpenTap(ep)
+	tap, err := n.net.OpenTap(ep, network.GuestKnows) // a boot: the guest asks for its gateway
 	if err != nil {
 		return err
 	}

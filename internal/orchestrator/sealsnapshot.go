@@ -92,7 +92,7 @@ func (n *Node) snapshotSealed(o *operation.Op, s *sandboxes.Sandbox, m *vmm.Mach
 	n.forgetStageOnFailure(o, sdir, lease)
 	man := snapshotManifest{ID: snapID, SandboxID: s.ID, TemplateID: s.TemplateID,
 		ParentLayer: info.BackingFilename, MemoryMiB: s.MemoryMiB, CreatedAt: time.Now().UTC(),
-		MemoryBase: n.memoryBaseOf(s), StateHasRAM: true}
+		MemoryBase: n.memoryBaseOf(s), StateHasRAM: true, GatewayMAC: n.gatewayMAC(s)}
 	if err := o.Do("link-disk", func(context.Context) error {
 		if err := os.MkdirAll(sdir, 0o700); err != nil {
 			return err
