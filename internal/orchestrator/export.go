@@ -87,6 +87,10 @@ func (n *Node) exportSnapshot(ctx context.Context, ns *NamedSnapshot) error {
 	}
 	rec := *ns
 	rec.TemplateLayer, rec.StateHasRAM = t.Layer, hasRAM
+	var man snapshotManifest
+	if err := storage.ReadJSON(filepath.Join(sdir, snapManifestName), &man); err == nil {
+		rec.GatewayMAC = man.GatewayMAC
+	}
 	rec.AccessToken = n.tokens.Seal(ns.AccessToken) // never in plaintext in shared storage
 	if err := storage.WriteJSONAtomic(filepath.Join(stage, exportRecordName), rec, 0o600); err != nil {
 		return err
@@ -175,7 +179,7 @@ func (n *Node) importSnapshot(ctx context.Context, name string) (*NamedSnapshot,
 	if err := storage.WriteJSONAtomic(filepath.Join(stage, snapManifestName), snapshotManifest{
 		ID: snapID, SandboxID: rec.SandboxID, TemplateID: rec.TemplateID, ParentLayer: t.RootDisk,
 		MemoryMiB: rec.MemoryMiB, StateSHA256: sum, CreatedAt: time.Now().UTC(), StateHasRAM: rec.StateHasRAM,
-		FilesystemOnly: rec.FilesystemOnly,
+		FilesystemOnly: rec.FilesystemOnly, GatewayMAC: rec.GatewayMAC,
 	}, 0o600); err != nil {
 		return nil, err
 	}

@@ -251,20 +251,8 @@ func TestResumeKnowsTheGatewayMAC(t *testing.T) {
 	defer cancel()
 	n := testNode(t, coldPauseOnly)
 	s := create(t, n, CreateRequest{TemplateID: "base"})
-	ep, err := n.endpoint(s)
-	if err != nil {
-		t.Fatal(err)
-	}
-	inNS := func(args ...string) string {
-		out, err := exec.Command("ip", append([]string{"netns", "exec", ep.Namespace}, args...)...).CombinedOutput()
-		if err != nil {
-			t.Fatal(args, err, string(out))
-		}
-		return string(out)
-	}
-	permanent := func() bool {
-		return strings.Contains(inNS("ip", "neigh", "show", "dev", network.TapName), network.GuestIP.String()+" lladdr "+network.GuestMAC+" PERMANENT")
-	}
+	inNS := func(args ...string) string { return inNamespace(t, n, s, args...) }
+	permanent := func() bool { return guestIsPermanentNeighbour(t, n, s) }
 	if !permanent() {
 		t.Fatal("a booted guest's tap has no permanent neighbour entry for it")
 	}
@@ -299,4 +287,26 @@ func TestResumeKnowsTheGatewayMAC(t *testing.T) {
 	}
 	cycle(other, false)         // asked: it learns TapMAC
 	cycle(network.TapMAC, true) // known
+}
+
+// inNamespace runs a command in s's network namespace and returns its output.
+func inNamespace(t *testing.T, n *Node, s *sandboxes.Sandbox, args ...string) string {
+	t.Helper()
+	ep, err := n.endpoint(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("ip", append([]string{"netns", "exec", ep.Namespace}, args...)...).CombinedOutput()
+	if err != nil {
+		t.Fatal(args, err, string(out))
+	}
+	return string(out)
+}
+
+// guestIsPermanentNeighbour is whether s's namespace has its guest's MAC
+// as a permanent neighbour (network.GuestKnows).
+func guestIsPermanentNeighbour(t *testing.T, n *Node, s *sandboxes.Sandbox) bool {
+	t.Helper()
+	return strings.Contains(inNamespace(t, n, s, "ip", "neigh", "show", "dev", network.TapName),
+		network.GuestIP.String()+" lladdr "+network.GuestMAC+" PERMANENT")
 }

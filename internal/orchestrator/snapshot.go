@@ -47,6 +47,9 @@ type NamedSnapshot struct {
 	// StateHasRAM: the state holds the pages that differ from the RAM image
 	// (in repository copies of incremental snapshots).
 	StateHasRAM bool `json:"stateHasRAM,omitempty"`
+	// GatewayMAC is the MAC of the tap the snapshot's guest ran behind (in
+	// repository copies; see tapModeFor).
+	GatewayMAC string `json:"gatewayMAC,omitempty"`
 	// GuestStopped is how long taking this snapshot stopped the sandbox's
 	// vCPUs, when it was taken live (not stored).
 	GuestStopped time.Duration `json:"-"`

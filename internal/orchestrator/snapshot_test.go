@@ -114,6 +114,10 @@ func TestSnapshotRepository(t *testing.T) {
 	}
 	os.RemoveAll(filepath.Join(n.cfg.DataDir, snapshotsDir, ns.SnapshotID))
 	s := create(t, n, CreateRequest{TemplateID: "durable"})
+	// The copy says which tap MAC its guest knows: no ARP through it.
+	if !guestIsPermanentNeighbour(t, n, s) {
+		t.Error("a sandbox from the repository copy is asked for its MAC: the copy lost its gateway MAC")
+	}
 	r, err := newEnvdClient(s).run(ctx, "", "/bin/sh", "-c", "cat /home/user/f")
 	if err != nil || r.stdout != "durable\n" {
 		t.Fatalf("sandbox from the repository copy: %+v %v", r, err)
