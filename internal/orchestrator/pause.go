@@ -111,7 +111,13 @@ func (n *Node) pauseMachine(ctx context.Context, s *sandboxes.Sandbox, from sand
 	// take them for this pause's.
 	os.Remove(filepath.Join(dir, pauseRecordName))
 	os.Remove(filepath.Join(dir, stateFileName))
-	gateway := n.gatewayMAC(s) // while its QEMU holds the tap
+	// The tap's MAC, while its QEMU holds it: what the guest knows once it
+	// has answered through it. A resume that failed may not have got so
+	// far (the guest never asked, nor was asked): its next restore asks.
+	gateway := ""
+	if from != sandboxes.Resuming {
+		gateway = n.gatewayMAC(s)
+	}
 	if err := step("stop-vcpus", func(ctx context.Context) error { return m.Pause(ctx) }); err != nil {
 		return err
 	}

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/faults"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 )
@@ -264,11 +265,9 @@ func TestResumeKnowsTheGatewayMAC(t *testing.T) {
 	if r, err := newEnvdClient(s).run(ctx, "", "true"); err != nil || r.exit != 0 {
 		t.Fatalf("a command behind the other MAC: %+v %v", r, err)
 	}
-	cycle := func(wantRecorded string, wantPermanent bool) {
+	// resume checks the paused sandbox's record and resumes it.
+	resume := func(wantRecorded string, wantPermanent bool) {
 		t.Helper()
-		if _, err := n.Pause(ctx, s.ID); err != nil {
-			t.Fatal(err)
-		}
 		rec, err := readPauseRecord(n.sandboxDir(s.ID))
 		if err != nil || rec.GatewayMAC != wantRecorded {
 			t.Fatalf("pause record's gateway MAC %q (%v), want %q", rec.GatewayMAC, err, wantRecorded)
@@ -285,8 +284,23 @@ func TestResumeKnowsTheGatewayMAC(t *testing.T) {
 			t.Fatalf("a command after the resume: %+v %v", res, err)
 		}
 	}
-	cycle(other, false)         // asked: it learns TapMAC
-	cycle(network.TapMAC, true) // known
+	pause := func() {
+		t.Helper()
+		if _, err := n.Pause(ctx, s.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pause()
+	resume(other, false) // asked: it learns TapMAC
+	pause()
+	resume(network.TapMAC, true) // known
+	// A resume that fails once its guest runs pauses it again without the
+	// MAC (the guest may not have answered through that tap): asked next.
+	pause()
+	if _, err := n.Resume(faults.With(ctx, faults.NewInjector("resume/envd-init")), s.ID, time.Hour); !errors.Is(err, faults.ErrInjected) {
+		t.Fatalf("resume failing at envd-init: %v", err)
+	}
+	resume("", false)
 }
 
 // inNamespace runs a command in s's network namespace and returns its output.
