@@ -7,7 +7,6 @@ import (
 	"errors"
 	"math/rand"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -81,54 +80,15 @@ func TestPrivatePagesOfACopyOnWriteMapping(t *testing.T) {
 // Machine. incoming: it waits for a migration stream.
 func qemuWithRAM(t *testing.T, bin, image string, mib int, incoming bool) *Machine {
 	t.Helper()
-	dir, err := os.MkdirTemp("", "aenv-pp-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	sock := filepath.Join(dir, "qmp.sock")
 	mem := strconv.Itoa(mib) + "M"
 	args := []string{"-M", "microvm,x-option-roms=off,isa-serial=on,rtc=on,memory-backend=mem", "-accel", "tcg",
 		"-m", mem, "-object", "memory-backend-file,id=mem,size=" + mem + ",mem-path=" + image + ",share=off",
 		"-nodefaults", "-no-user-config", "-display", "none",
-		"-device", "virtio-rng-device", "-device", "virtio-balloon-device",
-		"-qmp", "unix:" + sock + ",server=on,wait=off"}
+		"-device", "virtio-rng-device", "-device", "virtio-balloon-device"}
 	if incoming {
 		args = append(args, "-S", "-incoming", "defer")
 	}
-	cmd := exec.Command(bin, args...)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	m := &Machine{pid: cmd.Process.Pid, runDir: dir, uid: -1, gid: -1, exited: make(chan struct{})}
-	go func() {
-		err := cmd.Wait()
-		m.setExited(err)
-	}()
-	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		<-m.exited
-		if t.Failed() {
-			t.Logf("QEMU %d said: %s", m.pid, stderr.String())
-		}
-	})
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	for {
-		q, err := DialQMP(ctx, sock)
-		if err == nil {
-			m.qmp = q
-			break
-		}
-		if ctx.Err() != nil {
-			t.Fatalf("QMP: %v: %s", err, stderr.String())
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	t.Cleanup(func() { m.qmp.Close() })
-	return m
+	return startQEMU(t, bin, args)
 }
 
 // guestRAM reads all of m's mapping of image.

@@ -48,11 +48,17 @@ type QEMUInfo struct {
 	DevicesState bool
 	// Seals is whether QMP has what Machine.Seal and ReleaseSealed use.
 	Seals bool
+	// Restacks is whether QMP has what Machine.Restack uses.
+	Restacks bool
 }
 
 // SealsDisks reports whether live snapshots of this QEMU seal the disk's
 // top in place (Machine.Seal) instead of copying it.
 func (q QEMUInfo) SealsDisks() bool { return q.Seals }
+
+// RestacksDisks reports whether a QEMU of this binary waiting for its
+// state can have its root disk put on other images (Machine.Restack).
+func (q QEMUInfo) RestacksDisks() bool { return q.Restacks }
 
 // RunWithUser reports whether this QEMU drops privileges with
 // `-run-with user=` rather than `-runas`.
@@ -109,6 +115,8 @@ var (
 	// sealCommands are what sealing a disk needs (without them live
 	// snapshots copy the disk's top).
 	sealCommands = []string{"add-fd", "remove-fd", "query-fdsets", "blockdev-add", "blockdev-del", "blockdev-snapshot", "query-block"}
+	// restackCommands are what Machine.Restack needs.
+	restackCommands = []string{"add-fd", "remove-fd", "blockdev-add", "blockdev-del", "blockdev-reopen", "query-block", "query-named-block-nodes"}
 )
 
 // probeCache keeps probes by binary (path, size, modification time): a
@@ -184,7 +192,7 @@ func ProbeQEMU(ctx context.Context, explicit string) (QEMUInfo, error) {
 		return QEMUInfo{}, fmt.Errorf("%s (QEMU %s) lacks what sandboxes need: %s; install Debian's qemu-system-x86 or name another binary with --qemu",
 			path, v, strings.Join(missing, ", "))
 	}
-	info.RunWith, info.DevicesState, info.Seals = probe.RunWith, probe.DevicesState, probe.Seals
+	info.RunWith, info.DevicesState, info.Seals, info.Restacks = probe.RunWith, probe.DevicesState, probe.Seals, probe.Restacks
 	probeCache.Lock()
 	probeCache.m[key] = info
 	probeCache.Unlock()
@@ -222,6 +230,7 @@ type QMPProbe struct {
 	Missing      []string
 	RunWith      bool
 	Seals        bool
+	Restacks     bool
 	DevicesState bool
 }
 
@@ -292,6 +301,10 @@ func ParseQMPProbe(out []byte) (QMPProbe, error) {
 			p.Seals = true
 			for _, c := range sealCommands {
 				p.Seals = p.Seals && have[c]
+			}
+			p.Restacks = true
+			for _, c := range restackCommands {
+				p.Restacks = p.Restacks && have[c]
 			}
 		}
 	}

@@ -85,6 +85,7 @@ func TestParseQMPProbe(t *testing.T) {
 		runWith    bool
 		noDevices  bool // no xen-save-devices-state
 		noSeal     bool // no blockdev-snapshot
+		noRestack  bool // no blockdev-reopen
 		missing    []string
 	}{
 		{name: "7.2", file: "qmp-probe-7.2.jsonl"},
@@ -92,6 +93,10 @@ func TestParseQMPProbe(t *testing.T) {
 		{name: "no device state alone", file: "qmp-probe-7.2.jsonl", noDevices: true,
 			edit: func(s string) string {
 				return strings.ReplaceAll(s, `"name": "xen-save-devices-state"`, `"name": "x"`)
+			}},
+		{name: "no blockdev-reopen", file: "qmp-probe-7.2.jsonl", noRestack: true,
+			edit: func(s string) string {
+				return strings.ReplaceAll(s, `"name": "blockdev-reopen"`, `"name": "x"`)
 			}},
 		{name: "no blockdev-snapshot", file: "qmp-probe-10.0.jsonl", runWith: true, noSeal: true,
 			edit: func(s string) string {
@@ -141,6 +146,9 @@ func TestParseQMPProbe(t *testing.T) {
 			}
 			if p.Seals == tc.noSeal {
 				t.Errorf("seals disks: %v, want %v", p.Seals, !tc.noSeal)
+			}
+			if p.Restacks == tc.noRestack {
+				t.Errorf("restacks disks: %v, want %v", p.Restacks, !tc.noRestack)
 			}
 		})
 	}

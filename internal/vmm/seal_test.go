@@ -28,20 +28,9 @@ func TestSealFreezesTheTopAndReleasesIt(t *testing.T) {
 		}
 		return n
 	}
-	bin, err := FindQEMU(os.Getenv("AENV_QEMU"))
-	if err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatal(err)
-		}
-		t.Skip(err)
-	}
+	bin := testQEMU(t)
 	dir := t.TempDir()
-	img := func(args ...string) {
-		t.Helper()
-		if out, err := exec.Command("qemu-img", args...).CombinedOutput(); err != nil {
-			t.Fatalf("qemu-img %v: %v: %s", args, err, out)
-		}
-	}
+	img := func(args ...string) { t.Helper(); qemuImg(t, "", args...) }
 	base, top := filepath.Join(dir, "base.qcow2"), filepath.Join(dir, "top.qcow2")
 	img("create", "-q", "-f", "qcow2", base, "64M")
 	img("create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", base, top)
@@ -56,42 +45,15 @@ func TestSealFreezesTheTopAndReleasesIt(t *testing.T) {
 	}
 	defer ro.Close()
 	c := Config{rootDiskFDs: [2]int{3, 4}}
-	sock := filepath.Join(dir, "qmp.sock")
 	args := append([]string{"-M", "microvm", "-accel", "tcg", "-m", "64M", "-nodefaults", "-no-user-config", "-display", "none"},
 		c.rootDiskArgs()...)
-	args = append(args, "-device", "virtio-blk-device,drive=root", "-qmp", "unix:"+sock+",server=on,wait=off")
-	cmd := exec.Command(bin, args...)
-	cmd.ExtraFiles = []*os.File{rw, ro}
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
+	args = append(args, "-device", "virtio-blk-device,drive=root")
+	m := startQEMU(t, bin, args, rw, ro)
 	rw.Close()
 	ro.Close()
-	m := &Machine{pid: cmd.Process.Pid, runDir: dir, uid: -1, gid: -1, exited: make(chan struct{})}
-	go func() { m.setExited(cmd.Wait()) }()
-	defer func() { _ = cmd.Process.Kill(); <-m.exited }()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	for {
-		if m.qmp, err = DialQMP(ctx, sock); err == nil {
-			break
-		}
-		if ctx.Err() != nil {
-			t.Fatalf("QMP: %v: %s", err, stderr.String())
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	defer m.qmp.Close()
-
-	hmp := func(line string) {
-		t.Helper()
-		out, err := m.qmp.Execute(ctx, "human-monitor-command", map[string]any{"command-line": line})
-		if err != nil || strings.Contains(strings.ToLower(string(out)), "fail") || strings.Contains(string(out), "rror") {
-			t.Fatalf("%s: %s %v", line, out, err)
-		}
-	}
+	hmp := func(line string) { t.Helper(); hmp(t, m, line) }
 	sum := func(p string) [32]byte {
 		b, err := os.ReadFile(p)
 		if err != nil {
@@ -117,7 +79,7 @@ func TestSealFreezesTheTopAndReleasesIt(t *testing.T) {
 			t.Fatal(err)
 		}
 		if err := m.Seal(ctx, next); err != nil {
-			t.Fatalf("round %d: %v: %s", round, err, stderr.String())
+			t.Fatalf("round %d: %v", round, err)
 		}
 		if err := m.Resume(ctx); err != nil {
 			t.Fatal(err)

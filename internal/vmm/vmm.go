@@ -254,7 +254,8 @@ func (c *Config) rootDiskArgs() []string {
 			args = append(args, "-add-fd", "fd="+strconv.Itoa(c.rootDiskFDs[i])+",set="+strconv.Itoa(rootFdset)+",opaque="+opaque)
 		}
 	}
-	return append(args, "-drive", "id="+rootDriveID+",file="+c.rootDiskFile()+c.rootDiskLocking()+",format=qcow2,if=none,cache=writeback,discard=unmap")
+	return append(args, "-drive", "id="+rootDriveID+",node-name="+rootImageNode+",file.node-name="+rootFileNode+
+		",file="+c.rootDiskFile()+c.rootDiskLocking()+",format=qcow2,if=none,cache=writeback,discard=unmap")
 }
 
 // rootDiskLocking turns QEMU's image locking off for an inherited root
