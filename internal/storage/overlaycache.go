@@ -1,10 +1,13 @@
 package storage
 
 import (
+	"bytes"
+	"context"
 	"encoding/binary"
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"sync"
 )
 
@@ -83,6 +86,83 @@ func keepOverlay(k overlayKey, path string) {
 func writeOverlay(path string, b []byte) error {
 	if err := os.WriteFile(path, b, 0o644); err != nil {
 		return fmt.Errorf("create overlay %s: %w", path, err)
+	}
+	return nil
+}
+
+// emptyOverlay returns the bytes of an empty overlay on base (absolute) of
+// base's own size: from the cache, or made by CreateOverlay in a directory
+// of its own.
+func emptyOverlay(ctx context.Context, base string) ([]byte, error) {
+	if key, ok := overlayKeyOf(base, 0); ok {
+		if b := cachedOverlay(key); b != nil {
+			return b, nil
+		}
+	}
+	dir, err := os.MkdirTemp("", "aenv-overlay-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(dir)
+	p := filepath.Join(dir, "overlay.qcow2")
+	if err := CreateOverlay(ctx, base, p, 0); err != nil {
+		return nil, err
+	}
+	return os.ReadFile(p)
+}
+
+// RebaseEmptyOverlay makes the empty overlay at path, made by
+// CreateOverlay on oldBase, an empty overlay on newBase instead, in place:
+// the same file (a QEMU that has it open but inactive, waiting for its
+// state, reads the new header when the state loads), rewritten and
+// synced. It refuses, changing nothing, when the file is not exactly such
+// an empty overlay (something wrote to it) or the two bases differ in
+// size (the guest's disk would change size under it).
+func RebaseEmptyOverlay(ctx context.Context, path, oldBase, newBase string) error {
+	oldBase, err := filepath.Abs(oldBase)
+	if err != nil {
+		return err
+	}
+	newBase, err = filepath.Abs(newBase)
+	if err != nil {
+		return err
+	}
+	oldKey, ok1 := overlayKeyOf(oldBase, 0)
+	newKey, ok2 := overlayKeyOf(newBase, 0)
+	if !ok1 || !ok2 {
+		return fmt.Errorf("rebase %s: %s or %s is not a qcow2 image", path, oldBase, newBase)
+	}
+	if oldKey.virtualSize != newKey.virtualSize {
+		return fmt.Errorf("rebase %s: %s is %d bytes, %s %d", path, newBase, newKey.virtualSize, oldBase, oldKey.virtualSize)
+	}
+	was, err := emptyOverlay(ctx, oldBase)
+	if err != nil {
+		return err
+	}
+	next, err := emptyOverlay(ctx, newBase)
+	if err != nil {
+		return err
+	}
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	cur, err := io.ReadAll(io.LimitReader(f, int64(len(was))+1))
+	if err != nil {
+		return err
+	}
+	if !bytes.Equal(cur, was) {
+		return fmt.Errorf("rebase %s: it is not an empty overlay on %s", path, oldBase)
+	}
+	if _, err := f.WriteAt(next, 0); err != nil {
+		return fmt.Errorf("rebase %s: %w", path, err)
+	}
+	if err := f.Truncate(int64(len(next))); err != nil {
+		return fmt.Errorf("rebase %s: %w", path, err)
+	}
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("rebase %s: %w", path, err)
 	}
 	return nil
 }

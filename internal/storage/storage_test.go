@@ -1,6 +1,7 @@
 package storage
 
 import (
+	"bytes"
 	"context"
 	"os"
 	"os/exec"
@@ -172,5 +173,67 @@ func TestCloneFileKeepsDataAndHoles(t *testing.T) {
 	os.WriteFile(out, []byte("changed"), 0o600)
 	if b, _ := os.ReadFile(src); string(b[:5]) != "start" {
 		t.Fatal("writing the clone changed the source")
+	}
+}
+
+// TestRebaseEmptyOverlay moves an empty overlay onto another base in
+// place (the same inode, as a waiting QEMU holds it), and refuses an
+// overlay something wrote to, or a base of another size, changing nothing.
+func TestRebaseEmptyOverlay(t *testing.T) {
+	if _, err := FindQEMUImg(); err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	ctx := context.Background()
+	dir := t.TempDir()
+	p := func(name string) string { return filepath.Join(dir, name) }
+	makeQcow2(t, p("base.qcow2"), "64M")
+	makeQcow2(t, p("other-size.qcow2"), "96M")
+	if out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", p("base.qcow2"), p("a-much-longer-name-of-the-newer-layer.qcow2")).CombinedOutput(); err != nil {
+		t.Fatal(err, string(out))
+	}
+	newer := p("a-much-longer-name-of-the-newer-layer.qcow2")
+	if out, err := exec.Command("qemu-io", "-c", "write -P 0x5a 0 64k", newer).CombinedOutput(); err != nil {
+		t.Fatal(err, string(out))
+	}
+	top, written := p("top.qcow2"), p("written.qcow2")
+	for _, ov := range []string{top, written} {
+		if err := CreateOverlay(ctx, p("base.qcow2"), ov, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if out, err := exec.Command("qemu-io", "-c", "write -P 0x11 1M 4k", written).CombinedOutput(); err != nil {
+		t.Fatal(err, string(out))
+	}
+	before, _ := os.Stat(top)
+	wroteBefore, _ := os.ReadFile(written)
+	for name, tc := range map[string]struct{ path, base string }{
+		"written to": {written, newer}, "another size": {top, p("other-size.qcow2")}, "not a qcow2": {top, p("missing")},
+	} {
+		if err := RebaseEmptyOverlay(ctx, tc.path, p("base.qcow2"), tc.base); err == nil {
+			t.Errorf("%s: rebased", name)
+		}
+	}
+	if b, _ := os.ReadFile(written); !bytes.Equal(b, wroteBefore) {
+		t.Fatal("a refused rebase changed the overlay")
+	}
+	if err := RebaseEmptyOverlay(ctx, top, p("base.qcow2"), newer); err != nil {
+		t.Fatal(err)
+	}
+	after, _ := os.Stat(top)
+	if !os.SameFile(before, after) {
+		t.Fatal("the rebase replaced the file instead of rewriting it")
+	}
+	info, err := Info(ctx, top)
+	if err != nil || info.BackingFilename != newer || info.VirtualSize != 64<<20 {
+		t.Fatalf("%+v %v", info, err)
+	}
+	if out, err := exec.Command("qemu-img", "check", top).CombinedOutput(); err != nil {
+		t.Fatalf("qemu-img check: %v: %s", err, out)
+	}
+	if out, err := exec.Command("qemu-io", "-r", "-c", "read -P 0x5a 0 64k", top).CombinedOutput(); err != nil || bytes.Contains(out, []byte("fail")) {
+		t.Fatalf("the newer layer's data through the rebased overlay: %v: %s", err, out)
 	}
 }
