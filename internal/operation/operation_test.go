@@ -71,8 +71,11 @@ func TestCleanupsRunAfterTimeout(t *testing.T) {
 	o := Start(context.Background(), "x", time.Millisecond, nil)
 	ran := false
 	o.OnFailure("undo", func(ctx context.Context) error { ran = ctx.Err() == nil; return nil })
-	time.Sleep(5 * time.Millisecond)
-	_ = o.Finish(o.Context().Err())
+	<-o.Context().Done() // not a sleep: under load the timer may fire late
+	err := o.Finish(o.Context().Err())
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Finish returned %v, want the deadline", err)
+	}
 	if !ran {
 		t.Fatal("cleanup did not get a live context after the operation timed out")
 	}
