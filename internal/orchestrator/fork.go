@@ -201,6 +201,13 @@ func (n *Node) fork(ctx context.Context, id string, count int, timeout time.Dura
 	if c == nil {
 		return nil, err
 	}
+	if err == nil {
+		// The parent runs on a memory base now: machines can wait for the
+		// children of its next fork.
+		if p, gerr := n.records.Get(context.WithoutCancel(ctx), id); gerr == nil && p.State == sandboxes.Running {
+			n.registerFork(context.WithoutCancel(ctx), p)
+		}
+	}
 	return c.children, err
 }
 
@@ -270,6 +277,15 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 	// parent's restore changes its copy meanwhile).
 	model := *s
 	model.Phases = nil
+	// Children of a fork whose disk stacks on its memory base's take the
+	// machines pre-started for it, as far as there are any.
+	var stack *forkStack
+	var pre []*pooledSandbox
+	if count > 0 {
+		if stack = n.forkStackOf(octx, s, snap); stack != nil {
+			pre = n.takeForkMachines(&model, stack, count)
+		}
+	}
 	var parentErr error
 	if !live {
 		wg.Add(1)
@@ -284,7 +300,11 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
-			c.children[i] = n.forkChild(o, &model, snap, timeout)
+			var e *pooledSandbox
+			if i < len(pre) {
+				e = pre[i]
+			}
+			c.children[i] = n.forkChild(o, &model, snap, timeout, e, stack)
 		}(i)
 	}
 	wg.Wait()
@@ -703,7 +723,7 @@ func (n *Node) finishRestore(ctx context.Context, s *sandboxes.Sandbox, m *vmm.M
 
 // forkChild restores one child of parent from snapshot snapID. A child
 // that fails is removed: it is new, and nothing of it was the user's.
-func (n *Node) forkChild(o *operation.Op, parent *sandboxes.Sandbox, snapID string, timeout time.Duration) ForkResult {
+func (n *Node) forkChild(o *operation.Op, parent *sandboxes.Sandbox, snapID string, timeout time.Duration, pre *pooledSandbox, stack *forkStack) ForkResult {
 	ctx := o.Context()
 	now := time.Now().UTC().Truncate(time.Millisecond)
 	c := *parent
@@ -723,14 +743,36 @@ func (n *Node) forkChild(o *operation.Op, parent *sandboxes.Sandbox, snapID stri
 	}
 	c.SnapshotID, c.BaseLayer, c.MemFile, c.MemPrivate = snapID, "", image, true
 	c.Volumes = asCopies(parent.Volumes) // the parent keeps the volumes
+	if pre != nil {
+		// A pre-started machine becomes the child: it keeps its id,
+		// network slot and QEMU, and takes everything else.
+		c.ID, c.Slot, c.PID = pre.s.ID, pre.s.Slot, pre.s.PID
+	}
 	unlock := n.lockOp(c.ID)
 	defer unlock()
-	if err := o.Do("record-child", func(ctx context.Context) error { return n.records.InsertNew(ctx, &c) }); err != nil {
+	if err := o.Do("record-child", func(ctx context.Context) error {
+		if pre == nil {
+			return n.records.InsertNew(ctx, &c)
+		}
+		if err := n.records.Move(ctx, c.ID, sandboxes.Pooled, sandboxes.Creating, ""); err != nil {
+			return err
+		}
+		return n.records.Save(ctx, &c)
+	}); err != nil {
+		if pre != nil {
+			n.destroy(context.WithoutCancel(ctx), &c)
+		}
 		return ForkResult{Err: err}
 	}
-	err = o.Do("restore-child", func(ctx context.Context) error {
-		return n.restoreFromSnapshot(ctx, &c, snapID, parent.AccessToken, true)
-	})
+	if pre != nil {
+		err = o.Do("claim-prestarted", func(ctx context.Context) error {
+			return n.claimForkMachine(ctx, &c, pre, stack, snapID, parent.AccessToken)
+		})
+	} else {
+		err = o.Do("restore-child", func(ctx context.Context) error {
+			return n.restoreFromSnapshot(ctx, &c, snapID, parent.AccessToken, true)
+		})
+	}
 	if err == nil {
 		err = n.records.Move(ctx, c.ID, sandboxes.Creating, sandboxes.Running, "")
 	}

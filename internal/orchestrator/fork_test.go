@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/faults"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 )
 
@@ -121,5 +122,166 @@ func TestFork(t *testing.T) {
 	snaps, _ := os.ReadDir(filepath.Join(n.cfg.DataDir, snapshotsDir))
 	if len(snaps) != 0 {
 		t.Fatalf("snapshots left after all sandboxes were killed: %v", snaps)
+	}
+}
+
+// TestForkIntoPrestartedMachines forks a sandbox that was forked before:
+// its children take the machines pre-started for its memory base (as many
+// as wait; the rest restore as usual), read the parent's disk as it was at
+// this fork (not the memory base's), and pause and resume cold on it. A
+// claim that fails removes that child and nothing else; once no sandbox
+// runs on the memory base its machines go, and with them the snapshots.
+func TestForkIntoPrestartedMachines(t *testing.T) {
+	n := testNode(t, coldPauseOnly, func(c *Config) { c.ForkPoolSize = 2 })
+	if !n.qemu.RestacksDisks() {
+		t.Fatal("this QEMU cannot restack a waiting machine's disk")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	parent := create(t, n, CreateRequest{TemplateID: "base"})
+	runOK := func(s *sandboxes.Sandbox, script string) string {
+		t.Helper()
+		cur, err := n.Get(ctx, s.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := newEnvdClient(cur).run(ctx, "root", "bash", "-c", script)
+		if err != nil || r.exit != 0 {
+			t.Fatalf("%s: %q: %+v %v", s.ID, script, r, err)
+		}
+		return r.stdout
+	}
+	// What the guests read must come from their disks, not the page cache
+	// their RAM carries.
+	const fromDisk = "sync; echo 3 > /proc/sys/vm/drop_caches; cat /home/user/f"
+	runOK(parent, "echo first > /home/user/f; sync")
+	first, err := n.Fork(ctx, parent.ID, 1, time.Minute)
+	if err != nil || first[0].Err != nil {
+		t.Fatalf("first fork: %v %v", err, first)
+	}
+	p, err := n.records.Get(ctx, parent.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := forkPoolKey("base", n.memoryBaseOf(p))
+	waitPool := func(want int) []string {
+		t.Helper()
+		deadline := time.Now().Add(90 * time.Second)
+		for n.forkPool.Len(key) != want {
+			if time.Now().After(deadline) {
+				t.Fatalf("fork pool holds %d machines, want %d", n.forkPool.Len(key), want)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		var ids []string
+		for _, e := range n.forkPool.Entries(key) {
+			ids = append(ids, e.s.ID)
+		}
+		return ids
+	}
+	pooled := waitPool(2)
+
+	runOK(parent, "echo second > /home/user/f; sync")
+	res, err := n.Fork(ctx, parent.ID, 3, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	took := 0
+	for i, fr := range res {
+		if fr.Err != nil {
+			t.Fatalf("child %d: %v", i, fr.Err)
+		}
+		for _, id := range pooled {
+			if fr.Sandbox.ID == id {
+				took++
+			}
+		}
+		if out := runOK(fr.Sandbox, fromDisk+"; echo child-"+strconv.Itoa(i)+" > /home/user/f; sync"); out != "second\n" {
+			t.Fatalf("child %d reads %q, want the parent's disk at the fork", i, out)
+		}
+	}
+	if took != 2 {
+		t.Fatalf("%d of the fork's children took the 2 pre-started machines %v", took, pooled)
+	}
+	// A child on a pre-started machine pauses and resumes cold on its own
+	// disk, whose header names the fork's image.
+	var child *sandboxes.Sandbox
+	for _, fr := range res {
+		if fr.Sandbox.ID == pooled[0] {
+			child = fr.Sandbox
+		}
+	}
+	if _, err := n.Pause(ctx, child.ID); err != nil {
+		t.Fatal(err)
+	}
+	if n.hot.has(child.ID) {
+		t.Fatal("the pause stayed hot; this test wants the cold path")
+	}
+	if _, err := n.Resume(ctx, child.ID, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if out := runOK(child, fromDisk); !strings.HasPrefix(out, "child-") {
+		t.Fatalf("child after a cold pause and resume reads %q", out)
+	}
+	if out := runOK(parent, fromDisk); out != "second\n" {
+		t.Fatalf("parent reads %q after its children wrote", out)
+	}
+
+	// A claim that fails between the restack and the overlay's new header
+	// removes its child; the rest of the fork and the parent are untouched.
+	pooled = waitPool(2)
+	inj := faults.NewInjector(forkRebaseFault)
+	bad, err := n.Fork(faults.With(ctx, inj), parent.ID, 3, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	failed := 0
+	for _, fr := range bad {
+		if fr.Err == nil {
+			if out := runOK(fr.Sandbox, fromDisk); out != "second\n" {
+				t.Fatalf("restored child reads %q", out)
+			}
+			continue
+		}
+		if !errors.Is(fr.Err, faults.ErrInjected) {
+			t.Fatalf("child failed with %v", fr.Err)
+		}
+		failed++
+	}
+	if failed != 2 {
+		t.Fatalf("%d children failed, want the 2 on pre-started machines", failed)
+	}
+	for _, id := range pooled {
+		if _, err := n.records.Get(ctx, id); !errors.Is(err, ErrNotFound) {
+			t.Fatalf("failed child %s left a record: %v", id, err)
+		}
+		if _, err := os.Stat(n.sandboxDir(id)); !os.IsNotExist(err) {
+			t.Fatalf("failed child %s left its directory: %v", id, err)
+		}
+	}
+	if out := runOK(parent, "cat /home/user/f"); out != "second\n" {
+		t.Fatalf("parent after the failed claims: %q", out)
+	}
+
+	// Once nothing runs on the memory base, its machines and the snapshots go.
+	waitPool(2)
+	all, _ := n.records.List(ctx, "state != ?", sandboxes.Pooled)
+	for _, s := range all {
+		if err := n.Kill(ctx, s.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitPool(0)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		left, _ := n.records.List(ctx, "")
+		snaps, _ := os.ReadDir(filepath.Join(n.cfg.DataDir, snapshotsDir))
+		if len(left) == 0 && len(snaps) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("left after every sandbox was killed: %d records, snapshots %v", len(left), snaps)
+		}
+		time.Sleep(200 * time.Millisecond)
 	}
 }

@@ -111,6 +111,10 @@ type Config struct {
 	// PoolSize is how many pre-started sandboxes wait per template
 	// snapshot (0: none).
 	PoolSize int
+	// ForkPoolSize is how many machines wait pre-started for the children
+	// of the next fork of a sandbox forked before, per memory base (for
+	// the two most recently forked; 0: none). See forkpool.go.
+	ForkPoolSize int
 	// TCGTranslationCacheMiB bounds QEMU's TCG translation cache per sandbox.
 	TCGTranslationCacheMiB int
 	// LayerCacheMiB bounds the local cache of chunks of templates loaded
@@ -254,9 +258,12 @@ type Node struct {
 	hot       *hotPaused // stopped QEMUs of paused sandboxes (hotpause.go)
 	ops       opLocks
 	pool      *warmpool.Pool[*pooledSandbox]
-	builds    *builds.Builds
-	files     *buildfiles.Store // COPY archives of template builds
-	remote    *templates.Remote // templates of the repository, loaded lazily
+	// forkPool and forkShapes: machines pre-started for forks (forkpool.go).
+	forkPool   *warmpool.Pool[*pooledSandbox]
+	forkShapes forkShapes
+	builds     *builds.Builds
+	files      *buildfiles.Store // COPY archives of template builds
+	remote     *templates.Remote // templates of the repository, loaded lazily
 	// cgroupWarn says once that sandboxes run without cgroup limits.
 	cgroupWarn sync.Once
 	// shelf holds the paused sandboxes shared with the cluster's other
@@ -349,6 +356,7 @@ func open(ctx context.Context, cfg Config, qemu vmm.QEMUInfo, lock *datadir.Lock
 		qemu:      qemu,
 	}
 	n.pool = warmpool.New(cfg.PoolSize, poolStarter{n}, n.log)
+	n.forkPool = warmpool.New(cfg.ForkPoolSize, forkStarter{n}, n.log)
 	if n.admission, err = newAdmission(cfg, n.committedMemory); err != nil {
 		return fail(err)
 	}
@@ -422,6 +430,7 @@ func (n *Node) Close() error {
 	close(n.stop)
 	n.wg.Wait()
 	n.pool.Close(context.Background())
+	n.forkPool.Close(context.Background())
 	n.remote.Close()
 	n.net.Close() // the guests' resolvers and proxies: a next node attaches again
 	// Running QEMUs stay for the next node to re-adopt; hot paused ones
@@ -563,6 +572,7 @@ func (n *Node) expiryLoop() {
 			n.endExpired(ctx, s, "timeout")
 		}
 		n.expireLeases(ctx)
+		n.drainForkPool(ctx)
 	}
 }
 

@@ -137,15 +137,12 @@ func (n *Node) claimPooled(ctx context.Context, s *sandboxes.Sandbox) error {
 	if err := os.Remove(filepath.Join(n.sandboxDir(s.ID), PooledMarker)); err != nil {
 		return err
 	}
+	if err := n.applyEgress(ctx, s); err != nil {
+		return err
+	}
 	ep, err := n.endpoint(s)
 	if err != nil {
 		return err
-	}
-	// The pooled sandbox has the default rules; the create's replace them.
-	if !s.AllowInternet || len(s.Egress.Allow) > 0 || len(s.Egress.Deny) > 0 {
-		if err := n.net.SetEgress(ctx, ep, s.AllowInternet, s.Egress); err != nil {
-			return err
-		}
 	}
 	phase := s.PhaseTimer()
 	if err := initEnvdAs(ctx, ep.GuestAddr(EnvdPort), s, "", true); err != nil {
@@ -153,6 +150,19 @@ func (n *Node) claimPooled(ctx context.Context, s *sandboxes.Sandbox) error {
 	}
 	phase("envd init")
 	return nil
+}
+
+// applyEgress gives a claimed pooled sandbox, which has the default
+// rules, the egress rules of s.
+func (n *Node) applyEgress(ctx context.Context, s *sandboxes.Sandbox) error {
+	if s.AllowInternet && len(s.Egress.Allow) == 0 && len(s.Egress.Deny) == 0 {
+		return nil
+	}
+	ep, err := n.endpoint(s)
+	if err != nil {
+		return err
+	}
+	return n.net.SetEgress(ctx, ep, s.AllowInternet, s.Egress)
 }
 
 // warmUp restores the snapshot into a pooled machine and lets it run, idle,

@@ -526,7 +526,9 @@ func (n *Node) adopt(id string, m *vmm.Machine) {
 		}
 		switch s.State {
 		case sandboxes.Pooled:
-			n.pool.Lost(id)
+			if !n.pool.Lost(id) {
+				n.forkPool.Lost(id)
+			}
 		case sandboxes.Running:
 			n.log.Warn("sandbox's QEMU exited unexpectedly; removing the sandbox", "sandbox", id, "exit", m.ExitErr())
 			if err := n.Kill(ctx, id); err != nil && !errors.Is(err, ErrNotFound) {
