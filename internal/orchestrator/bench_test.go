@@ -16,6 +16,7 @@ import (
 	"github.com/agentenv/agentenv/internal/procstat"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/vmm"
+	"github.com/agentenv/agentenv/internal/warmpool"
 )
 
 // BenchmarkColdBoot measures creating a sandbox by cold-booting a template
@@ -223,9 +224,9 @@ func BenchmarkPauseResume(b *testing.B) {
 // the parent plus 16 idle children (file-backed pages are the page cache
 // shared with the frozen RAM image).
 func BenchmarkFork(b *testing.B) {
-	n := testNode(b)
+	n := testNode(b, func(c *Config) { c.ForkPoolSize = MaxForkChildren })
 	ctx := context.Background()
-	parent, err := n.Create(ctx, CreateRequest{TemplateID: "base", Secure: true})
+	parent, err := n.Create(ctx, CreateRequest{TemplateID: "base", Secure: true, Timeout: time.Hour})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -235,11 +236,37 @@ func BenchmarkFork(b *testing.B) {
 	}
 	time.Sleep(2 * time.Second)
 	parentRSS := rss(parent.PID)
-	for _, count := range []int{1, 16} {
-		b.Run(fmt.Sprintf("children-%d", count), func(b *testing.B) {
+	// The first fork gives the parent its memory base; the later ones,
+	// measured, are incremental against it. children-N (no machines
+	// pre-started) is the baseline of children-N-prestarted.
+	if _, err := n.Fork(ctx, parent.ID, 1, time.Hour); err != nil {
+		b.Fatal(err)
+	}
+	for _, mode := range []struct {
+		count      int
+		prestarted bool
+		restores   int // children restoring at once (0: all)
+	}{{1, false, 0}, {1, true, 0}, {16, false, 0}, {16, true, 0}, {16, false, 2}, {16, true, 2}, {16, true, 4}} {
+		name := fmt.Sprintf("children-%d", mode.count)
+		if mode.prestarted {
+			name += "-prestarted"
+		}
+		if mode.restores > 0 {
+			name += fmt.Sprintf("-%d-at-a-time", mode.restores)
+		}
+		count := mode.count
+		n.cfg.ForkRestores = mode.restores
+		b.Run(name, func(b *testing.B) {
 			var ds []time.Duration
 			var split []cpuSplit
+			phases := map[string][]time.Duration{}
+			key := usePrestarted(b, n, parent.ID, mode.prestarted)
 			for i := 0; i < b.N; i++ {
+				if mode.prestarted {
+					b.StopTimer()
+					waitForkPool(b, n, key, i == 0)
+					b.StartTimer()
+				}
 				// A fork may give the parent a new QEMU (the first fork of a
 				// sandbox does): the one it ends is reaped, so its CPU is
 				// counted with the tools', and the new one's whole.
@@ -282,16 +309,78 @@ func BenchmarkFork(b *testing.B) {
 					if r.Err != nil {
 						b.Fatalf("child %d: %v", j, r.Err)
 					}
+					for _, ph := range r.Sandbox.Phases {
+						phases[ph.Name] = append(phases[ph.Name], ph.Duration)
+					}
 					n.Kill(ctx, r.Sandbox.ID)
 				}
 				b.StartTimer()
 			}
-			fmt.Fprintf(os.Stderr, "fork %2d children: n=%d p50 %s p90 %s\n", count, len(ds),
+			fmt.Fprintf(os.Stderr, "%s: n=%d p50 %s p90 %s\n", name, len(ds),
 				percentile(ds, 50).Round(time.Millisecond), percentile(ds, 90).Round(time.Millisecond))
-			fmt.Fprintf(os.Stderr, "fork %2d children, CPU seconds until every child answered /init (median of %d): %s\n",
-				count, len(split), medianSplit(split))
+			fmt.Fprintf(os.Stderr, "%s, CPU seconds until every child answered /init (median of %d): %s\n",
+				name, len(split), medianSplit(split))
+			printPhases(name, phases)
 			reportPercentiles(b, ds)
 		})
+	}
+}
+
+// usePrestarted makes the fork pool keep machines for the forks of the
+// sandbox id (on), or none (off); it returns the pool's key.
+func usePrestarted(b *testing.B, n *Node, id string, on bool) warmpool.Key {
+	b.Helper()
+	ctx := context.Background()
+	p, err := n.records.Get(ctx, id)
+	if err != nil {
+		b.Fatal(err)
+	}
+	key := forkPoolKey(p.TemplateID, n.memoryBaseOf(p))
+	if !on {
+		n.forkPool.SetSize(0)
+		n.forkPool.DrainStale(ctx, func(warmpool.Key) bool { return false })
+		return key
+	}
+	n.forkPool.SetSize(MaxForkChildren)
+	n.registerFork(ctx, p)
+	return key
+}
+
+// waitForkPool waits until the fork pool under key is full (it refills
+// after each fork; a fork timed beside a refill would share the cores with
+// it); the first time it prints what the waiting machines hold of the
+// host's memory.
+func waitForkPool(b *testing.B, n *Node, key warmpool.Key, report bool) {
+	b.Helper()
+	deadline := time.Now().Add(3 * time.Minute)
+	start := time.Now()
+	count := MaxForkChildren
+	for n.forkPool.Len(key) < count {
+		if time.Now().After(deadline) {
+			b.Fatalf("the fork pool holds %d machines after 3 minutes, want %d", n.forkPool.Len(key), count)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if report {
+		var total rssInfo
+		for _, e := range n.forkPool.Entries(key) {
+			total = total.add(rss(e.s.PID))
+		}
+		fmt.Fprintf(os.Stderr, "%d pre-started fork machines (filled in %s): %s\n", count, time.Since(start).Round(time.Millisecond), total)
+	}
+}
+
+// printPhases prints the median and p90 of each phase of the children's
+// restores.
+func printPhases(name string, phases map[string][]time.Duration) {
+	names := make([]string, 0, len(phases))
+	for k := range phases {
+		names = append(names, k)
+	}
+	sort.Strings(names)
+	for _, k := range names {
+		fmt.Fprintf(os.Stderr, "%s child phase %-30q n=%d p50 %s p90 %s\n", name, k, len(phases[k]),
+			percentile(phases[k], 50).Round(10*time.Microsecond), percentile(phases[k], 90).Round(10*time.Microsecond))
 	}
 }
 
@@ -302,9 +391,9 @@ func BenchmarkFork(b *testing.B) {
 // with the slowest child's calls. Baseline, same run: the same three calls
 // on the parent.
 func BenchmarkForkFirstCalls(b *testing.B) {
-	n := testNode(b)
+	n := testNode(b, func(c *Config) { c.ForkPoolSize = MaxForkChildren })
 	ctx := context.Background()
-	parent, err := n.Create(ctx, CreateRequest{TemplateID: "base", Secure: true})
+	parent, err := n.Create(ctx, CreateRequest{TemplateID: "base", Secure: true, Timeout: time.Hour})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -328,50 +417,74 @@ func BenchmarkForkFirstCalls(b *testing.B) {
 		return time.Since(t0), nil
 	}
 	const children = 16
-	var baseline, forks, calls, total []time.Duration
-	for i := 0; i < b.N; i++ {
-		d, err := threeCalls(newEnvdClient(parent), fmt.Sprintf("parent-%d", i))
-		if err != nil {
-			b.Fatal(err)
-		}
-		baseline = append(baseline, d)
-		start := time.Now()
-		res, err := n.Fork(ctx, parent.ID, children, time.Hour)
-		if err != nil {
-			b.Fatal(err)
-		}
-		forks = append(forks, time.Since(start))
-		each := make([]time.Duration, len(res))
-		errs := make([]error, len(res))
-		var wg sync.WaitGroup
-		for j, r := range res {
-			if r.Err != nil {
-				b.Fatalf("child %d: %v", j, r.Err)
-			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				each[j], errs[j] = threeCalls(newEnvdClient(r.Sandbox), fmt.Sprintf("child-%d", j))
-			}()
-		}
-		wg.Wait()
-		total = append(total, time.Since(start))
-		for j, err := range errs {
-			if err != nil {
-				b.Fatalf("child %d: %v", j, err)
-			}
-		}
-		calls = append(calls, each...)
-		for _, r := range res {
-			n.Kill(ctx, r.Sandbox.ID)
-		}
+	// The first fork gives the parent its memory base; the measured ones
+	// are incremental against it, with no machines pre-started (the
+	// baseline) and with them (the pool refills while the children run).
+	if _, err := n.Fork(ctx, parent.ID, 1, time.Hour); err != nil {
+		b.Fatal(err)
 	}
-	fmt.Fprintf(os.Stderr, "baseline: three calls on the parent  n=%d p50 %s p90 %s\nfork %d until each child answered /init n=%d p50 %s p90 %s\neach child's first three calls          n=%d p50 %s p90 %s max %s\nfork and every child's three calls     n=%d p50 %s p90 %s\n",
-		len(baseline), percentile(baseline, 50).Round(time.Millisecond), percentile(baseline, 90).Round(time.Millisecond),
-		children, len(forks), percentile(forks, 50).Round(time.Millisecond), percentile(forks, 90).Round(time.Millisecond),
-		len(calls), percentile(calls, 50).Round(time.Millisecond), percentile(calls, 90).Round(time.Millisecond), percentile(calls, 100).Round(time.Millisecond),
-		len(total), percentile(total, 50).Round(time.Millisecond), percentile(total, 90).Round(time.Millisecond))
-	reportPercentiles(b, total)
+	for _, prestarted := range []bool{false, true} {
+		name := "fresh"
+		if prestarted {
+			name = "prestarted"
+		}
+		b.Run(name, func(b *testing.B) {
+			key := usePrestarted(b, n, parent.ID, prestarted)
+			var baseline, forks, calls, total []time.Duration
+			for i := 0; i < b.N; i++ {
+				b.StopTimer()
+				if prestarted {
+					waitForkPool(b, n, key, i == 0)
+				}
+				d, err := threeCalls(newEnvdClient(parent), fmt.Sprintf("parent-%d", i))
+				if err != nil {
+					p, gerr := n.records.Get(ctx, parent.ID)
+					console, _ := n.ConsoleLog(ctx, parent.ID, 4096)
+					b.Fatalf("the parent's calls: %v\nits record: %+v %v\nthe end of its console:\n%s", err, p, gerr, console)
+				}
+				baseline = append(baseline, d)
+				b.StartTimer()
+				start := time.Now()
+				res, err := n.Fork(ctx, parent.ID, children, time.Hour)
+				if err != nil {
+					b.Fatal(err)
+				}
+				forks = append(forks, time.Since(start))
+				each := make([]time.Duration, len(res))
+				errs := make([]error, len(res))
+				var wg sync.WaitGroup
+				for j, r := range res {
+					if r.Err != nil {
+						b.Fatalf("child %d: %v", j, r.Err)
+					}
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						each[j], errs[j] = threeCalls(newEnvdClient(r.Sandbox), fmt.Sprintf("child-%d", j))
+					}()
+				}
+				wg.Wait()
+				total = append(total, time.Since(start))
+				for j, err := range errs {
+					if err != nil {
+						b.Fatalf("child %d: %v", j, err)
+					}
+				}
+				calls = append(calls, each...)
+				b.StopTimer()
+				for _, r := range res {
+					n.Kill(ctx, r.Sandbox.ID)
+				}
+				b.StartTimer()
+			}
+			fmt.Fprintf(os.Stderr, "[%s] baseline: three calls on the parent  n=%d p50 %s p90 %s\n[%s] fork %d until each child answered /init n=%d p50 %s p90 %s\n[%s] each child's first three calls          n=%d p50 %s p90 %s max %s\n[%s] fork and every child's three calls     n=%d p50 %s p90 %s\n",
+				name, len(baseline), percentile(baseline, 50).Round(time.Millisecond), percentile(baseline, 90).Round(time.Millisecond),
+				name, children, len(forks), percentile(forks, 50).Round(time.Millisecond), percentile(forks, 90).Round(time.Millisecond),
+				name, len(calls), percentile(calls, 50).Round(time.Millisecond), percentile(calls, 90).Round(time.Millisecond), percentile(calls, 100).Round(time.Millisecond),
+				name, len(total), percentile(total, 50).Round(time.Millisecond), percentile(total, 90).Round(time.Millisecond))
+			reportPercentiles(b, total)
+		})
+	}
 }
 
 // cpuSplit is where the CPU time of one operation went: this process (the

@@ -296,10 +296,16 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 			})
 		}()
 	}
+	bound := make(chan struct{}, max(1, count))
+	if n.cfg.ForkRestores > 0 && n.cfg.ForkRestores < count {
+		bound = make(chan struct{}, n.cfg.ForkRestores)
+	}
 	for i := range c.children {
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
+			bound <- struct{}{}
+			defer func() { <-bound }()
 			var e *pooledSandbox
 			if i < len(pre) {
 				e = pre[i]

@@ -227,6 +227,18 @@ func TestForkIntoPrestartedMachines(t *testing.T) {
 		t.Fatalf("parent reads %q after its children wrote", out)
 	}
 
+	// Killing the children that took pre-started machines, and the pool's
+	// refill, leave the parent as it was.
+	for _, fr := range res {
+		if err := n.Kill(ctx, fr.Sandbox.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitPool(2)
+	if out := runOK(parent, fromDisk); out != "second\n" {
+		t.Fatalf("parent reads %q after its children were killed", out)
+	}
+
 	// A claim that fails between the restack and the overlay's new header
 	// removes its child; the rest of the fork and the parent are untouched.
 	pooled = waitPool(2)

@@ -125,12 +125,14 @@ func (f forkStarter) Discard(ctx context.Context, e *pooledSandbox) {
 	f.n.gc(ctx)
 }
 
-// forkBaseInUse reports whether a sandbox other than a pooled one of the
-// key's template runs on the key's memory base.
+// forkBaseInUse reports whether a sandbox of the key's template that may
+// fork runs on the key's memory base: running, or in an operation (a fork
+// in progress shows its parent forking and its children creating).
+// Pooled, paused and dying ones do not count.
 func (n *Node) forkBaseInUse(ctx context.Context, key warmpool.Key) bool {
 	image := filepath.Join(n.snapshotDir(key.Snapshot), snapMemName)
-	list, err := n.records.List(ctx, "state = ? AND template_id = ? AND mem_file = ? AND mem_private = 1",
-		sandboxes.Running, key.Template, image)
+	list, err := n.records.List(ctx, "state NOT IN (?, ?, ?) AND template_id = ? AND mem_file = ? AND mem_private = 1",
+		sandboxes.Pooled, sandboxes.Paused, sandboxes.Killing, key.Template, image)
 	return err == nil && len(list) > 0
 }
 

@@ -115,6 +115,10 @@ type Config struct {
 	// of the next fork of a sandbox forked before, per memory base (for
 	// the two most recently forked; 0: none). See forkpool.go.
 	ForkPoolSize int
+	// ForkRestores bounds how many children of one fork restore at once
+	// (0: all of them). Under TCG sixteen guests translating the same code
+	// on two cores spend more CPU than the same restores a few at a time.
+	ForkRestores int
 	// TCGTranslationCacheMiB bounds QEMU's TCG translation cache per sandbox.
 	TCGTranslationCacheMiB int
 	// LayerCacheMiB bounds the local cache of chunks of templates loaded
