@@ -55,6 +55,7 @@ type serverOptions struct {
 	instance       string
 	poolSize       int
 	forkPoolSize   int
+	forkRestores   int
 	layerCache     int
 	volumeSizeGiB  int
 	peers          []string
@@ -106,6 +107,7 @@ func serverFlags(cmd *cobra.Command, o *serverOptions) {
 	cmd.Flags().StringVar(&o.networkCIDR, "network-cidr", "", "IPv4 range for sandbox veth pairs (default 10.213.0.0/16)")
 	cmd.Flags().StringVar(&o.instance, "instance", "aenv", "prefix of host objects (netns, veth, nftables); nodes sharing a host need distinct ones")
 	cmd.Flags().IntVar(&o.poolSize, "pool-size", 2, "pre-started sandboxes kept waiting per template snapshot")
+	cmd.Flags().IntVar(&o.forkRestores, "fork-restores", 0, "children of one fork restored at once (0: all)")
 	cmd.Flags().IntVar(&o.forkPoolSize, "fork-pool-size", 0, "machines kept pre-started for the children of the next fork of a forked sandbox, per memory base (two most recent); 0: none")
 	cmd.Flags().IntVar(&o.layerCache, "layer-cache-mib", 10240, "local cache for chunks of templates run lazily from the repository, in MiB")
 	cmd.Flags().IntVar(&o.volumeSizeGiB, "volume-size-gib", volumes.DefaultSize>>30, "size of the filesystem of a new volume, in GiB (sparse: a volume takes the room its files take)")
@@ -270,6 +272,7 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		TemplateSnapshots: true,
 		PoolSize:          o.poolSize,
 		ForkPoolSize:      o.forkPoolSize,
+		ForkRestores:      o.forkRestores,
 		LayerCacheMiB:     o.layerCache,
 		SharePaused:       cluster != nil && o.repository != "",
 		QEMUUIDBase:       o.qemuUIDBase,

@@ -222,7 +222,10 @@ func BenchmarkPauseResume(b *testing.B) {
 // into 1 and into 16 children, b.N times each, timing until every child's
 // envd has accepted /init, and prints the RSS of the parent alone against
 // the parent plus 16 idle children (file-backed pages are the page cache
-// shared with the frozen RAM image).
+// shared with the frozen RAM image). Each count runs fresh (the baseline)
+// and with machines pre-started by the fork pool, and the 16-way fork also
+// with its restores bounded; the phases of the children's restores are
+// printed with each.
 func BenchmarkFork(b *testing.B) {
 	n := testNode(b, func(c *Config) { c.ForkPoolSize = MaxForkChildren })
 	ctx := context.Background()
@@ -244,12 +247,12 @@ func BenchmarkFork(b *testing.B) {
 	}
 	for _, mode := range []struct {
 		count      int
-		prestarted bool
+		prestarted int // machines the fork pool keeps
 		restores   int // children restoring at once (0: all)
-	}{{1, false, 0}, {1, true, 0}, {16, false, 0}, {16, true, 0}, {16, false, 2}, {16, true, 2}, {16, true, 4}} {
+	}{{1, 0, 0}, {1, 16, 0}, {16, 0, 0}, {16, 16, 0}, {16, 0, 2}, {16, 16, 2}, {16, 0, 4}, {16, 4, 4}, {16, 16, 4}} {
 		name := fmt.Sprintf("children-%d", mode.count)
-		if mode.prestarted {
-			name += "-prestarted"
+		if mode.prestarted > 0 {
+			name += fmt.Sprintf("-prestarted-%d", mode.prestarted)
 		}
 		if mode.restores > 0 {
 			name += fmt.Sprintf("-%d-at-a-time", mode.restores)
@@ -262,7 +265,7 @@ func BenchmarkFork(b *testing.B) {
 			phases := map[string][]time.Duration{}
 			key := usePrestarted(b, n, parent.ID, mode.prestarted)
 			for i := 0; i < b.N; i++ {
-				if mode.prestarted {
+				if mode.prestarted > 0 {
 					b.StopTimer()
 					waitForkPool(b, n, key, i == 0)
 					b.StartTimer()
@@ -326,9 +329,9 @@ func BenchmarkFork(b *testing.B) {
 	}
 }
 
-// usePrestarted makes the fork pool keep machines for the forks of the
-// sandbox id (on), or none (off); it returns the pool's key.
-func usePrestarted(b *testing.B, n *Node, id string, on bool) warmpool.Key {
+// usePrestarted makes the fork pool keep size machines for the forks of
+// the sandbox id (0: none); it returns the pool's key.
+func usePrestarted(b *testing.B, n *Node, id string, size int) warmpool.Key {
 	b.Helper()
 	ctx := context.Background()
 	p, err := n.records.Get(ctx, id)
@@ -336,12 +339,11 @@ func usePrestarted(b *testing.B, n *Node, id string, on bool) warmpool.Key {
 		b.Fatal(err)
 	}
 	key := forkPoolKey(p.TemplateID, n.memoryBaseOf(p))
-	if !on {
-		n.forkPool.SetSize(0)
-		n.forkPool.DrainStale(ctx, func(warmpool.Key) bool { return false })
+	n.forkPool.SetSize(size)
+	n.forkPool.DrainStale(ctx, func(warmpool.Key) bool { return false })
+	if size == 0 {
 		return key
 	}
-	n.forkPool.SetSize(MaxForkChildren)
 	n.registerFork(ctx, p)
 	return key
 }
@@ -354,7 +356,7 @@ func waitForkPool(b *testing.B, n *Node, key warmpool.Key, report bool) {
 	b.Helper()
 	deadline := time.Now().Add(3 * time.Minute)
 	start := time.Now()
-	count := MaxForkChildren
+	count := n.forkPool.Size()
 	for n.forkPool.Len(key) < count {
 		if time.Now().After(deadline) {
 			b.Fatalf("the fork pool holds %d machines after 3 minutes, want %d", n.forkPool.Len(key), count)
@@ -389,7 +391,9 @@ func printPhases(name string, phases map[string][]time.Duration) {
 // command, a file written, the file read back): it reports the fork until
 // every child answered its /init, each child's three calls, and the fork
 // with the slowest child's calls. Baseline, same run: the same three calls
-// on the parent.
+// on the parent. It runs with fresh children and with children taking
+// machines pre-started by the fork pool (refilled while the children make
+// their calls).
 func BenchmarkForkFirstCalls(b *testing.B) {
 	n := testNode(b, func(c *Config) { c.ForkPoolSize = MaxForkChildren })
 	ctx := context.Background()
@@ -429,7 +433,7 @@ func BenchmarkForkFirstCalls(b *testing.B) {
 			name = "prestarted"
 		}
 		b.Run(name, func(b *testing.B) {
-			key := usePrestarted(b, n, parent.ID, prestarted)
+			key := usePrestarted(b, n, parent.ID, map[bool]int{true: MaxForkChildren}[prestarted])
 			var baseline, forks, calls, total []time.Duration
 			for i := 0; i < b.N; i++ {
 				b.StopTimer()

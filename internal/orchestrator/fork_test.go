@@ -6,7 +6,9 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -180,6 +182,26 @@ func TestForkIntoPrestartedMachines(t *testing.T) {
 		return ids
 	}
 	pooled := waitPool(2)
+	// A waiting machine whose QEMU dies is removed and replaced.
+	dead := n.forkPool.Entries(key)[0].s
+	if err := syscall.Kill(dead.PID, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		ids := waitPool(2)
+		if !slices.Contains(ids, dead.ID) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the dead machine %s is still in the fork pool", dead.ID)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if _, err := n.records.Get(ctx, dead.ID); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("the dead machine's record: %v", err)
+	}
+	pooled = waitPool(2)
 
 	runOK(parent, "echo second > /home/user/f; sync")
 	res, err := n.Fork(ctx, parent.ID, 3, time.Minute)
@@ -284,7 +306,7 @@ func TestForkIntoPrestartedMachines(t *testing.T) {
 		}
 	}
 	waitPool(0)
-	deadline := time.Now().Add(30 * time.Second)
+	deadline = time.Now().Add(30 * time.Second)
 	for {
 		left, _ := n.records.List(ctx, "")
 		snaps, _ := os.ReadDir(filepath.Join(n.cfg.DataDir, snapshotsDir))

@@ -271,9 +271,11 @@ func (n *Node) claimForkMachine(ctx context.Context, c *sandboxes.Sandbox, e *po
 	if err := n.applyEgress(ctx, c); err != nil {
 		return err
 	}
+	phase("claim pre-started machine")
 	if err := e.m.Restack(ctx, st.layers); err != nil {
 		return err
 	}
+	phase("restack the fork's images")
 	if err := faults.Check(ctx, forkRebaseFault); err != nil {
 		return err
 	}
@@ -281,7 +283,7 @@ func (n *Node) claimForkMachine(ctx context.Context, c *sandboxes.Sandbox, e *po
 		filepath.Join(n.snapshotDir(st.memBase), snapDiskName), st.layers[0]); err != nil {
 		return fmt.Errorf("put the child's disk on the fork's: %w", err)
 	}
-	phase("restack pre-started machine")
+	phase("rewrite overlay header")
 	if err := n.verifySnapshotState(snapID); err != nil {
 		return err
 	}

@@ -49,6 +49,10 @@ func testNodeIn(t testing.TB, dir string, opts ...func(*Config)) *Node {
 	slot := takeTestSlot()
 	n := openTestNodeIn(t, dir, slot, opts...)
 	t.Cleanup(func() {
+		// The pools discard their own machines first: a pooled record
+		// destroyed below would be destroyed again by the pool's Close.
+		n.pool.Close(context.Background())
+		n.forkPool.Close(context.Background())
 		all, _ := n.records.List(context.Background(), "")
 		for _, s := range all {
 			if err := n.Kill(context.Background(), s.ID); err != nil {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -111,6 +112,19 @@ func emptyOverlay(ctx context.Context, base string) ([]byte, error) {
 	return os.ReadFile(p)
 }
 
+// swappedBacking returns the empty overlay was (on oldBase) on newBase
+// instead, made without qemu-img when the two names have the same length:
+// the backing file's name is the one thing that differs (its offset and
+// size in the header stay), so it is swapped in place. The bases of a
+// sandbox (snapshot and layer directories named by equal-length ids) are
+// such names.
+func swappedBacking(was []byte, oldBase, newBase string) ([]byte, error) {
+	if len(oldBase) != len(newBase) || bytes.Count(was, []byte(oldBase)) != 1 {
+		return nil, errors.New("the backing names differ in length")
+	}
+	return bytes.Replace(was, []byte(oldBase), []byte(newBase), 1), nil
+}
+
 // RebaseEmptyOverlay makes the empty overlay at path, made by
 // CreateOverlay on oldBase, an empty overlay on newBase instead, in place:
 // the same file (a QEMU that has it open but inactive, waiting for its
@@ -139,7 +153,10 @@ func RebaseEmptyOverlay(ctx context.Context, path, oldBase, newBase string) erro
 	if err != nil {
 		return err
 	}
-	next, err := emptyOverlay(ctx, newBase)
+	next, err := swappedBacking(was, oldBase, newBase)
+	if err != nil {
+		next, err = emptyOverlay(ctx, newBase)
+	}
 	if err != nil {
 		return err
 	}

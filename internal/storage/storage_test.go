@@ -236,4 +236,26 @@ func TestRebaseEmptyOverlay(t *testing.T) {
 	if out, err := exec.Command("qemu-io", "-r", "-c", "read -P 0x5a 0 64k", top).CombinedOutput(); err != nil || bytes.Contains(out, []byte("fail")) {
 		t.Fatalf("the newer layer's data through the rebased overlay: %v: %s", err, out)
 	}
+	// A base whose name has the old one's length (as snapshot ids do) gets
+	// the name swapped, without qemu-img: the very bytes CreateOverlay makes
+	// on it.
+	same := p("nwer.qcow2") // as long as base.qcow2
+	if out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", p("base.qcow2"), same).CombinedOutput(); err != nil {
+		t.Fatal(err, string(out))
+	}
+	swapped, made := p("swapped.qcow2"), p("made.qcow2")
+	if err := CreateOverlay(ctx, p("base.qcow2"), swapped, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := RebaseEmptyOverlay(ctx, swapped, p("base.qcow2"), same); err != nil {
+		t.Fatal(err)
+	}
+	if err := CreateOverlay(ctx, same, made, 0); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := os.ReadFile(swapped)
+	want, _ := os.ReadFile(made)
+	if !bytes.Equal(got, want) {
+		t.Fatalf("the swapped overlay (%d bytes) differs from qemu-img's (%d bytes)", len(got), len(want))
+	}
 }

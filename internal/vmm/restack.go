@@ -50,21 +50,28 @@ func (m *Machine) Restack(ctx context.Context, layers []string) (err error) {
 	for _, set := range sets {
 		next = max(next, set.FdsetID+1)
 	}
-	var nodes []string
+	var top string // the node of layers[0], once added
 	var added []int
 	defer func() {
 		if err == nil {
 			return
 		}
 		undo := context.WithoutCancel(ctx)
-		for i := len(nodes) - 1; i >= 0; i-- {
-			_, _ = m.qmp.Execute(undo, "blockdev-del", map[string]any{"node-name": nodes[i]})
+		if top != "" {
+			// Its inline backing images go with it.
+			_, _ = m.qmp.Execute(undo, "blockdev-del", map[string]any{"node-name": top})
 		}
 		for _, id := range added {
+			// (QEMU 7.2 closes a removed descriptor only once the machine
+			// runs; the node destroys a machine whose restack failed.)
 			_, _ = m.qmp.Execute(undo, "remove-fd", map[string]any{"fdset-id": id})
 		}
 	}()
-	// From the lowest up, each on the one before.
+	// Every layer's descriptor, then the whole chain in one blockdev-add,
+	// each layer's backing defined inline in the one above it (a command
+	// per layer costs ~1.4 ms here; sealed chains are up to 33 deep).
+	var def any = below
+	name := ""
 	for i := len(layers) - 1; i >= 0; i-- {
 		id := next
 		next++
@@ -72,15 +79,16 @@ func (m *Machine) Restack(ctx context.Context, layers []string) (err error) {
 			return err
 		}
 		added = append(added, id)
-		node := "restack-" + strconv.Itoa(id)
-		if _, err := m.qmp.Execute(ctx, "blockdev-add", map[string]any{"driver": "qcow2", "node-name": node, "read-only": true,
+		name = "restack-" + strconv.Itoa(id)
+		def = map[string]any{"driver": "qcow2", "node-name": name, "read-only": true,
 			"file":    map[string]any{"driver": "file", "filename": "/dev/fdset/" + strconv.Itoa(id), "locking": "off"},
-			"backing": below}); err != nil {
-			return fmt.Errorf("restack: open %s: %w", layers[i], err)
-		}
-		nodes = append(nodes, node)
-		below = node
+			"backing": def}
 	}
+	if _, err := m.qmp.Execute(ctx, "blockdev-add", def); err != nil {
+		return fmt.Errorf("restack: open the images: %w", err)
+	}
+	top = name
+	below = name
 	// The top's options as the command line set them, with the new
 	// backing (options left out of a reopen return to their defaults).
 	if _, err := m.qmp.Execute(ctx, "blockdev-reopen", map[string]any{"options": []any{map[string]any{

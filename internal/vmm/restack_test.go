@@ -86,6 +86,15 @@ func TestRestackPutsImagesUnderTheTop(t *testing.T) {
 	if after := nodes(); after != before || strings.Contains(after, "restack") {
 		t.Fatalf("a failed restack left nodes: %s (before: %s)", after, before)
 	}
+	// One QEMU refuses to open (the state file is no qcow2): the images
+	// above it, in the same command, go with it.
+	if err := m.Restack(ctx, []string{path("layer2.qcow2"), state}); err == nil {
+		t.Fatal("a restack onto a file that is no qcow2 image succeeded")
+	}
+	if after := nodes(); after != before {
+		t.Fatalf("a refused restack left nodes: %s (before: %s)", after, before)
+	}
+
 	if err := m.Restack(ctx, []string{path("layer2.qcow2"), path("layer1.qcow2")}); err != nil {
 		t.Fatal(err)
 	}

@@ -72,6 +72,13 @@ func (p *Pool[E]) SetSize(size int) {
 	p.mu.Unlock()
 }
 
+// Size is how many entries the pool keeps per key.
+func (p *Pool[E]) Size() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.size
+}
+
 // Take hands out a live entry of key that fits, if one waits.
 func (p *Pool[E]) Take(key Key, vcpus, memMiB int) (E, bool) {
 	p.mu.Lock()
