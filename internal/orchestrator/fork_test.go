@@ -181,7 +181,7 @@ func TestForkIntoPrestartedMachines(t *testing.T) {
 		}
 		return ids
 	}
-	pooled := waitPool(2)
+	waitPool(2)
 	// A waiting machine whose QEMU dies is removed and replaced.
 	dead := n.forkPool.Entries(key)[0].s
 	if err := syscall.Kill(dead.PID, syscall.SIGKILL); err != nil {
@@ -201,7 +201,7 @@ func TestForkIntoPrestartedMachines(t *testing.T) {
 	if _, err := n.records.Get(ctx, dead.ID); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("the dead machine's record: %v", err)
 	}
-	pooled = waitPool(2)
+	pooled := waitPool(2)
 
 	runOK(parent, "echo second > /home/user/f; sync")
 	res, err := n.Fork(ctx, parent.ID, 3, time.Minute)

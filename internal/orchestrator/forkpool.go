@@ -26,7 +26,11 @@ import (
 // under the machine's overlay (vmm.Machine.Restack, the images passed as
 // descriptors), points the overlay's header at them and loads the fork's
 // state: what a child saves is the QEMU start, its network set-up and
-// overlay (a third of a child's restore here). The pool is keyed by the
+// overlay, at the cost of the restack (which opens the fork's images, up
+// to the sealed chain's bound). Under TCG the guests' own CPU after the
+// restore dominates a wide fork and the pool does not shorten it beyond
+// noise (docs/PERFORMANCE.md, session 22), so it is off unless
+// --fork-pool-size is given. The pool is keyed by the
 // template and the memory base, filled after each fork of a sandbox (in
 // the background, one machine at a time), and drained once no running
 // sandbox has that memory base; only the most recently forked bases keep
