@@ -745,6 +745,9 @@ func (n *Node) forkChild(o *operation.Op, parent *sandboxes.Sandbox, snapID stri
 	c.Phases = nil
 	image, _, err := n.snapshotRAM(snapID)
 	if err != nil {
+		if pre != nil { // taken from the pool, and nobody's now
+			forkStarter{n}.Discard(context.WithoutCancel(ctx), pre)
+		}
 		return ForkResult{Err: err}
 	}
 	c.SnapshotID, c.BaseLayer, c.MemFile, c.MemPrivate = snapID, "", image, true
