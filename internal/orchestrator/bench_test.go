@@ -427,13 +427,13 @@ func BenchmarkForkFirstCalls(b *testing.B) {
 	if _, err := n.Fork(ctx, parent.ID, 1, time.Hour); err != nil {
 		b.Fatal(err)
 	}
-	for _, prestarted := range []bool{false, true} {
-		name := "fresh"
-		if prestarted {
-			name = "prestarted"
-		}
+	for _, mode := range []struct {
+		name string
+		pool int // machines the fork pool keeps
+	}{{"fresh", 0}, {"prestarted", MaxForkChildren}} {
+		name, prestarted := mode.name, mode.pool > 0
 		b.Run(name, func(b *testing.B) {
-			key := usePrestarted(b, n, parent.ID, map[bool]int{true: MaxForkChildren}[prestarted])
+			key := usePrestarted(b, n, parent.ID, mode.pool)
 			var baseline, forks, calls, total []time.Duration
 			for i := 0; i < b.N; i++ {
 				b.StopTimer()

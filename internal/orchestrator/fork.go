@@ -296,10 +296,11 @@ func (n *Node) capture(ctx context.Context, opName, id string, count int, timeou
 			})
 		}()
 	}
-	bound := make(chan struct{}, max(1, count))
-	if n.cfg.ForkRestores > 0 && n.cfg.ForkRestores < count {
-		bound = make(chan struct{}, n.cfg.ForkRestores)
+	atOnce := count
+	if n.cfg.ForkRestores > 0 {
+		atOnce = min(count, n.cfg.ForkRestores)
 	}
+	bound := make(chan struct{}, max(1, atOnce))
 	for i := range c.children {
 		wg.Add(1)
 		go func(i int) {

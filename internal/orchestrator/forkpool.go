@@ -11,6 +11,7 @@ import (
 	"github.com/agentenv/agentenv/internal/faults"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/storage"
+	"github.com/agentenv/agentenv/internal/vmm"
 	"github.com/agentenv/agentenv/internal/warmpool"
 )
 
@@ -44,15 +45,14 @@ const forkRebaseFault = "fork/rebase-child-overlay"
 // forkPoolBases is how many memory bases keep pre-started machines.
 const forkPoolBases = 2
 
-// forkShape is what a pre-started fork machine must match: the sandbox
-// whose forks it serves (its size, template, disk and volume slots).
+// forkShape is what a pre-started fork machine must match beyond its key
+// (template and memory base): the size, disk and volume slots of the
+// sandbox whose forks it serves.
 type forkShape struct {
-	templateID  string
 	vcpus       int
 	memoryMiB   int
 	diskMiB     int
 	volumeSlots int
-	memBase     string
 	defaultUser string
 	workdir     string
 	registered  time.Time
@@ -119,7 +119,7 @@ func (f forkStarter) Start(ctx context.Context, key warmpool.Key) (*pooledSandbo
 		f.n.forkShapes.forget(key)
 		return nil, warmpool.ErrStale
 	}
-	return f.n.prestartFork(ctx, shape)
+	return f.n.prestartFork(ctx, key, shape)
 }
 
 // Discard kills a pre-started fork machine and forgets it, and with it
@@ -158,27 +158,16 @@ func (n *Node) drainForkPool(ctx context.Context) {
 // prestartFork starts a machine for forks of sandboxes of shape: recorded
 // as pooled, over an overlay on the memory base's disk, mapping its RAM
 // image, and waiting for a state.
-func (n *Node) prestartFork(ctx context.Context, shape forkShape) (*pooledSandbox, error) {
+func (n *Node) prestartFork(ctx context.Context, key warmpool.Key, shape forkShape) (*pooledSandbox, error) {
+	memBase := key.Snapshot
 	now := time.Now().UTC().Truncate(time.Millisecond)
 	s := &sandboxes.Sandbox{
-		ID: NewSandboxID(), TemplateID: shape.templateID, State: sandboxes.Pooled, VCPUs: shape.vcpus, MemoryMiB: shape.memoryMiB,
+		ID: NewSandboxID(), TemplateID: key.Template, State: sandboxes.Pooled, VCPUs: shape.vcpus, MemoryMiB: shape.memoryMiB,
 		DiskMiB: shape.diskMiB, AllowInternet: true, PublicTraffic: true, DefaultUser: shape.defaultUser, DefaultWorkdir: shape.workdir,
-		SnapshotID: shape.memBase, MemFile: filepath.Join(n.snapshotDir(shape.memBase), snapMemName), MemPrivate: true,
+		SnapshotID: memBase, MemFile: filepath.Join(n.snapshotDir(memBase), snapMemName), MemPrivate: true,
 		VolumeSlots: shape.volumeSlots, CreatedAt: now, StartedAt: now, EndAt: now,
 	}
-	if err := n.records.InsertNew(ctx, s); err != nil {
-		return nil, err
-	}
-	if err := n.makePooledDir(s.ID); err != nil {
-		n.destroy(context.WithoutCancel(ctx), s)
-		return nil, err
-	}
-	m, err := n.startIncoming(ctx, s, shape.memBase)
-	if err != nil {
-		n.destroy(context.WithoutCancel(ctx), s)
-		return nil, err
-	}
-	return &pooledSandbox{s: s, m: m}, nil
+	return n.startPooled(ctx, s, func() (*vmm.Machine, error) { return n.startIncoming(ctx, s, memBase) })
 }
 
 // forkStack is how the children of a fork can use pre-started machines:
@@ -236,8 +225,8 @@ func (n *Node) registerFork(ctx context.Context, s *sandboxes.Sandbox) {
 		return
 	}
 	key := forkPoolKey(s.TemplateID, memBase)
-	dropped := n.forkShapes.add(key, forkShape{templateID: s.TemplateID, vcpus: s.VCPUs, memoryMiB: s.MemoryMiB,
-		diskMiB: s.DiskMiB, volumeSlots: s.VolumeSlots, memBase: memBase, defaultUser: s.DefaultUser, workdir: s.DefaultWorkdir})
+	dropped := n.forkShapes.add(key, forkShape{vcpus: s.VCPUs, memoryMiB: s.MemoryMiB,
+		diskMiB: s.DiskMiB, volumeSlots: s.VolumeSlots, defaultUser: s.DefaultUser, workdir: s.DefaultWorkdir})
 	if len(dropped) > 0 {
 		n.drainForkPool(ctx)
 	}

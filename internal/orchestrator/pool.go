@@ -92,13 +92,7 @@ func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) 
 		VolumeSlots: ts.VolumeSlots,
 		CreatedAt:   now, StartedAt: now, EndAt: now,
 	}
-	if err := n.records.InsertNew(ctx, s); err != nil {
-		return nil, err
-	}
-	m, err := func() (*vmm.Machine, error) {
-		if err := n.makePooledDir(s.ID); err != nil {
-			return nil, err
-		}
+	return n.startPooled(ctx, s, func() (*vmm.Machine, error) {
 		if err := n.copySnapshotRAM(ts.SnapshotID, s.ID); err != nil {
 			return nil, err
 		}
@@ -107,6 +101,21 @@ func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) 
 			return m, err
 		}
 		return m, n.warmUp(ctx, s, m, ts.SnapshotID)
+	})
+}
+
+// startPooled records s (state pooled), makes its marked directory and
+// starts its machine with start; on any failure it removes all of it.
+// Both pools' entries are made this way.
+func (n *Node) startPooled(ctx context.Context, s *sandboxes.Sandbox, start func() (*vmm.Machine, error)) (*pooledSandbox, error) {
+	if err := n.records.InsertNew(ctx, s); err != nil {
+		return nil, err
+	}
+	m, err := func() (*vmm.Machine, error) {
+		if err := n.makePooledDir(s.ID); err != nil {
+			return nil, err
+		}
+		return start()
 	}()
 	if err != nil {
 		n.destroy(context.WithoutCancel(ctx), s)

@@ -120,7 +120,7 @@ func emptyOverlay(ctx context.Context, base string) ([]byte, error) {
 // such names.
 func swappedBacking(was []byte, oldBase, newBase string) ([]byte, error) {
 	if len(oldBase) != len(newBase) || bytes.Count(was, []byte(oldBase)) != 1 {
-		return nil, errors.New("the backing names differ in length")
+		return nil, errors.New("the backing name cannot be swapped in place")
 	}
 	return bytes.Replace(was, []byte(oldBase), []byte(newBase), 1), nil
 }

@@ -71,7 +71,7 @@ func (m *Machine) Restack(ctx context.Context, layers []string) (err error) {
 	// each layer's backing defined inline in the one above it (a command
 	// per layer costs ~1.4 ms here; sealed chains are up to 33 deep).
 	var def any = below
-	name := ""
+	var name string // layers[0]'s, the new backing of the top
 	for i := len(layers) - 1; i >= 0; i-- {
 		id := next
 		next++
@@ -88,11 +88,10 @@ func (m *Machine) Restack(ctx context.Context, layers []string) (err error) {
 		return fmt.Errorf("restack: open the images: %w", err)
 	}
 	top = name
-	below = name
 	// The top's options as the command line set them, with the new
 	// backing (options left out of a reopen return to their defaults).
 	if _, err := m.qmp.Execute(ctx, "blockdev-reopen", map[string]any{"options": []any{map[string]any{
-		"driver": "qcow2", "node-name": rootImageNode, "file": rootFileNode, "backing": below,
+		"driver": "qcow2", "node-name": rootImageNode, "file": rootFileNode, "backing": top,
 		"discard": "unmap", "cache": map[string]any{"direct": false, "no-flush": false},
 	}}}); err != nil {
 		return fmt.Errorf("restack: reopen the root disk: %w", err)
