@@ -261,40 +261,46 @@ func TestForkIntoPrestartedMachines(t *testing.T) {
 		t.Fatalf("parent reads %q after its children were killed", out)
 	}
 
-	// A claim that fails between the restack and the overlay's new header
-	// removes its child; the rest of the fork and the parent are untouched.
-	pooled = waitPool(2)
-	inj := faults.NewInjector(forkRebaseFault)
-	bad, err := n.Fork(faults.With(ctx, inj), parent.ID, 3, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	failed := 0
-	for _, fr := range bad {
-		if fr.Err == nil {
-			if out := runOK(fr.Sandbox, fromDisk); out != "second\n" {
-				t.Fatalf("restored child reads %q", out)
+	// A step of a pre-started child that fails (recording it, claiming the
+	// machine, or between the restack and the overlay's new header)
+	// removes that child; the rest of the fork and the parent are
+	// untouched. record-child fails the fresh child too.
+	for _, point := range []struct {
+		name   string
+		failed int
+	}{{"fork/record-child", 3}, {"fork/claim-prestarted", 2}, {forkRebaseFault, 2}} {
+		pooled = waitPool(2)
+		bad, err := n.Fork(faults.With(ctx, faults.NewInjector(point.name)), parent.ID, 3, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		failed := 0
+		for _, fr := range bad {
+			if fr.Err == nil {
+				if out := runOK(fr.Sandbox, fromDisk); out != "second\n" {
+					t.Fatalf("%s: restored child reads %q", point.name, out)
+				}
+				continue
 			}
-			continue
+			if !errors.Is(fr.Err, faults.ErrInjected) {
+				t.Fatalf("%s: child failed with %v", point.name, fr.Err)
+			}
+			failed++
 		}
-		if !errors.Is(fr.Err, faults.ErrInjected) {
-			t.Fatalf("child failed with %v", fr.Err)
+		if failed != point.failed {
+			t.Fatalf("%s: %d children failed, want %d", point.name, failed, point.failed)
 		}
-		failed++
-	}
-	if failed != 2 {
-		t.Fatalf("%d children failed, want the 2 on pre-started machines", failed)
-	}
-	for _, id := range pooled {
-		if _, err := n.records.Get(ctx, id); !errors.Is(err, ErrNotFound) {
-			t.Fatalf("failed child %s left a record: %v", id, err)
+		for _, id := range pooled {
+			if _, err := n.records.Get(ctx, id); !errors.Is(err, ErrNotFound) {
+				t.Fatalf("%s: failed child %s left a record: %v", point.name, id, err)
+			}
+			if _, err := os.Stat(n.sandboxDir(id)); !os.IsNotExist(err) {
+				t.Fatalf("%s: failed child %s left its directory: %v", point.name, id, err)
+			}
 		}
-		if _, err := os.Stat(n.sandboxDir(id)); !os.IsNotExist(err) {
-			t.Fatalf("failed child %s left its directory: %v", id, err)
+		if out := runOK(parent, "cat /home/user/f"); out != "second\n" {
+			t.Fatalf("%s: parent after the failed children: %q", point.name, out)
 		}
-	}
-	if out := runOK(parent, "cat /home/user/f"); out != "second\n" {
-		t.Fatalf("parent after the failed claims: %q", out)
 	}
 
 	// Once nothing runs on the memory base, its machines and the snapshots go.
