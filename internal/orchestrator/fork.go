@@ -650,7 +650,7 @@ func (n *Node) restoreFromSnapshot(ctx context.Context, s *sandboxes.Sandbox, sn
 		return err
 	}
 	phase := s.PhaseTimer()
-	m, err := n.startIncoming(ctx, s, snapID)
+	m, err := n.startIncoming(ctx, s, snapID, false)
 	if err != nil {
 		return err
 	}
@@ -661,7 +661,9 @@ func (n *Node) restoreFromSnapshot(ctx context.Context, s *sandboxes.Sandbox, sn
 // startIncoming prepares everything of s but the guest itself: its disk
 // overlay on the snapshot's layer, its network, and a QEMU waiting for the
 // snapshot's device state. The pool of pre-started sandboxes stops here.
-func (n *Node) startIncoming(ctx context.Context, s *sandboxes.Sandbox, snapID string) (*vmm.Machine, error) {
+// An idle machine (one the fork pool starts ahead of need) runs under
+// SCHED_IDLE until it is claimed.
+func (n *Node) startIncoming(ctx context.Context, s *sandboxes.Sandbox, snapID string, idle bool) (*vmm.Machine, error) {
 	dir := n.sandboxDir(s.ID)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
@@ -685,7 +687,9 @@ func (n *Node) startIncoming(ctx context.Context, s *sandboxes.Sandbox, snapID s
 		return nil, err
 	}
 	defer tap.Close()
-	m, err := vmm.Start(ctx, n.vmConfig(s, tap, true))
+	cfg := n.vmConfig(s, tap, true)
+	cfg.Idle = idle
+	m, err := vmm.Start(ctx, cfg)
 	if err != nil {
 		return nil, err
 	}

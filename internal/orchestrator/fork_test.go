@@ -14,6 +14,8 @@ import (
 
 	"github.com/agentenv/agentenv/internal/faults"
 	"github.com/agentenv/agentenv/internal/sandboxes"
+	"github.com/agentenv/agentenv/internal/vmm"
+	"golang.org/x/sys/unix"
 )
 
 func TestFork(t *testing.T) {
@@ -202,6 +204,10 @@ func TestForkIntoPrestartedMachines(t *testing.T) {
 		t.Fatalf("the dead machine's record: %v", err)
 	}
 	pooled := waitPool(2)
+	// A waiting machine takes only CPU nobody else wants.
+	for _, e := range n.forkPool.Entries(key) {
+		assertPolicy(t, e.m, unix.SCHED_IDLE)
+	}
 
 	runOK(parent, "echo second > /home/user/f; sync")
 	res, err := n.Fork(ctx, parent.ID, 3, time.Minute)
@@ -224,6 +230,15 @@ func TestForkIntoPrestartedMachines(t *testing.T) {
 	}
 	if took != 2 {
 		t.Fatalf("%d of the fork's children took the 2 pre-started machines %v", took, pooled)
+	}
+	// Every child runs at normal priority, those on pre-started machines
+	// too.
+	for _, fr := range res {
+		m := n.machines.get(fr.Sandbox.ID)
+		if m == nil {
+			t.Fatalf("child %s has no machine", fr.Sandbox.ID)
+		}
+		assertPolicy(t, m, unix.SCHED_NORMAL)
 	}
 	// A child on a pre-started machine pauses and resumes cold on its own
 	// disk, whose header names the fork's image.
@@ -303,6 +318,80 @@ func TestForkIntoPrestartedMachines(t *testing.T) {
 		}
 	}
 
+	// A caller that goes away at any step of a fork onto pre-started
+	// machines changes nothing of how it ends: gone before the fork
+	// began, nothing was made (the pool's machines wait on); gone at any
+	// step (the steps recorded from a fork that fails nowhere), the fork
+	// runs to its end and every child runs on the parent's disk.
+	before := map[string]bool{}
+	if all, err := n.records.List(ctx, "state != ?", sandboxes.Pooled); err == nil {
+		for _, s := range all {
+			before[s.ID] = true
+		}
+	}
+	forkGone := func(at string, cctx context.Context) {
+		t.Helper()
+		pooled := waitPool(2)
+		res, err := n.Fork(cctx, parent.ID, 2, time.Minute)
+		if at == "" {
+			if !errors.Is(err, context.Canceled) {
+				t.Fatalf("a fork whose caller was gone before it began: %v", err)
+			}
+			all, _ := n.records.List(ctx, "state != ?", sandboxes.Pooled)
+			for _, s := range all {
+				if !before[s.ID] {
+					t.Fatalf("the fork that did not begin left %s (%s)", s.ID, s.State)
+				}
+			}
+			if ids := waitPool(2); !slices.Equal(ids, pooled) {
+				t.Fatalf("the fork that did not begin changed the pool: %v, was %v", ids, pooled)
+			}
+		} else if err != nil {
+			t.Fatalf("caller gone at %s: %v", at, err)
+		}
+		for _, fr := range res {
+			if fr.Err != nil {
+				t.Fatalf("caller gone at %s: child: %v", at, fr.Err)
+			}
+			if !slices.Contains(pooled, fr.Sandbox.ID) {
+				t.Fatalf("caller gone at %s: child %s is not on a pre-started machine %v", at, fr.Sandbox.ID, pooled)
+			}
+			if out := runOK(fr.Sandbox, fromDisk); out != "second\n" {
+				t.Fatalf("caller gone at %s: child reads %q", at, out)
+			}
+			if err := n.Kill(ctx, fr.Sandbox.ID); err != nil {
+				t.Fatal(err)
+			}
+		}
+		p, err := n.records.Get(ctx, parent.ID)
+		if err != nil || p.State != sandboxes.Running {
+			t.Fatalf("caller gone at %s: parent %+v %v", at, p, err)
+		}
+		if out := runOK(parent, "cat /home/user/f"); out != "second\n" {
+			t.Fatalf("caller gone at %s: parent reads %q", at, out)
+		}
+	}
+	gone, hangUp := context.WithCancel(ctx)
+	hangUp()
+	forkGone("", gone)
+	rec := faults.NewInjector()
+	forkGone("nowhere", faults.With(ctx, rec))
+	steps := distinct(rec.Seen(), "fork")
+	if !slices.Contains(steps, "fork/claim-prestarted") {
+		t.Fatalf("the fork's steps %v miss the pre-started claim", steps)
+	}
+	for _, step := range steps {
+		cctx, hangUp := context.WithCancel(ctx)
+		inj := faults.NewInjector()
+		inj.Hook = func(name string) {
+			if name == step {
+				hangUp()
+			}
+		}
+		forkGone(step, faults.With(cctx, inj))
+		hangUp()
+	}
+
 	// Once nothing runs on the memory base, its machines and the snapshots go.
 	waitPool(2)
 	all, _ := n.records.List(ctx, "state != ?", sandboxes.Pooled)
@@ -323,5 +412,24 @@ func TestForkIntoPrestartedMachines(t *testing.T) {
 			t.Fatalf("left after every sandbox was killed: %d records, snapshots %v", len(left), snaps)
 		}
 		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// assertPolicy fails unless every thread of m's QEMU has the scheduling
+// policy want.
+func assertPolicy(t *testing.T, m *vmm.Machine, want uint32) {
+	t.Helper()
+	tids, err := m.Threads()
+	if err != nil || len(tids) == 0 {
+		t.Fatalf("threads of qemu %d: %v %v", m.PID(), tids, err)
+	}
+	for _, tid := range tids {
+		a, err := unix.SchedGetAttr(tid, 0)
+		if err != nil {
+			t.Fatalf("policy of qemu %d thread %d: %v", m.PID(), tid, err)
+		}
+		if a.Policy != want {
+			t.Fatalf("qemu %d thread %d (of %d) has policy %d, want %d", m.PID(), tid, len(tids), a.Policy, want)
+		}
 	}
 }

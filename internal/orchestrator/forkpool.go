@@ -33,7 +33,9 @@ import (
 // noise (docs/PERFORMANCE.md, session 22), so it is off unless
 // --fork-pool-size is given. The pool is keyed by the
 // template and the memory base, filled after each fork of a sandbox (in
-// the background, one machine at a time), and drained once no running
+// the background, one machine at a time, its QEMU under SCHED_IDLE until a
+// child claims it, so the refill takes no CPU from the children that just
+// forked), and drained once no running
 // sandbox has that memory base; only the most recently forked bases keep
 // machines (forkPoolBases), so a node forking many sandboxes does not
 // keep sixteen idle QEMUs for each.
@@ -167,7 +169,7 @@ func (n *Node) prestartFork(ctx context.Context, key warmpool.Key, shape forkSha
 		SnapshotID: memBase, MemFile: filepath.Join(n.snapshotDir(memBase), snapMemName), MemPrivate: true,
 		VolumeSlots: shape.volumeSlots, CreatedAt: now, StartedAt: now, EndAt: now,
 	}
-	return n.startPooled(ctx, s, func() (*vmm.Machine, error) { return n.startIncoming(ctx, s, memBase) })
+	return n.startPooled(ctx, s, func() (*vmm.Machine, error) { return n.startIncoming(ctx, s, memBase, true) })
 }
 
 // forkStack is how the children of a fork can use pre-started machines:
@@ -254,9 +256,13 @@ func (n *Node) takeForkMachines(s *sandboxes.Sandbox, st *forkStack, count int) 
 // claimForkMachine makes the pre-started machine of child c (already
 // recorded as c) the fork's child: the fork's images under its overlay,
 // the overlay's header naming them, the child's egress rules, then the
-// fork's state loaded and envd initialised.
+// fork's state loaded and envd initialised. Its QEMU gets the normal
+// scheduling policy back first.
 func (n *Node) claimForkMachine(ctx context.Context, c *sandboxes.Sandbox, e *pooledSandbox, st *forkStack, snapID, authToken string) error {
 	phase := c.PhaseTimer()
+	if err := e.m.Prioritize(); err != nil {
+		return err
+	}
 	dir := n.sandboxDir(c.ID)
 	if err := os.Remove(filepath.Join(dir, PooledMarker)); err != nil {
 		return err

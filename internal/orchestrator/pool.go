@@ -96,7 +96,7 @@ func (n *Node) prestart(ctx context.Context, t *Template, ts *templateSnapshot) 
 		if err := n.copySnapshotRAM(ts.SnapshotID, s.ID); err != nil {
 			return nil, err
 		}
-		m, err := n.startIncoming(ctx, s, ts.SnapshotID)
+		m, err := n.startIncoming(ctx, s, ts.SnapshotID, false)
 		if err != nil {
 			return m, err
 		}

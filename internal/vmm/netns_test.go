@@ -24,7 +24,7 @@ func BenchmarkStartInNetNS(b *testing.B) {
 	run := func(path string) time.Duration {
 		cmd := exec.Command("/bin/true")
 		start := time.Now()
-		if err := startIn(path, cmd); err != nil {
+		if err := startIn(path, false, cmd); err != nil {
 			b.Fatal(err)
 		}
 		took := time.Since(start)

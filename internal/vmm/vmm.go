@@ -49,6 +49,9 @@ type Config struct {
 	// Incoming starts QEMU waiting for a saved device state (LoadState)
 	// instead of booting the kernel; the guest stays paused until Resume.
 	Incoming bool
+	// Idle starts QEMU under SCHED_IDLE (sched.go), for a machine started
+	// ahead of need; Machine.Prioritize ends it.
+	Idle bool
 	// PrivateMemory maps MemFile copy-on-write (MAP_PRIVATE): the guest's
 	// writes stay in this process and the file is never modified, so many
 	// machines can restore from one frozen memory image.
@@ -437,14 +440,14 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 	}
 	cmd, done, err := command(how)
 	if err == nil {
-		err = startIn(cfg.NetNS, cmd)
+		err = startIn(cfg.NetNS, cfg.Idle, cmd)
 		done()
 	}
 	if err != nil && into {
 		// A kernel without CLONE_INTO_CGROUP (before 5.7): the jail step
 		// joins the cgroup instead.
 		if cmd, done, err = command(jailJoins); err == nil {
-			err = startIn(cfg.NetNS, cmd)
+			err = startIn(cfg.NetNS, cfg.Idle, cmd)
 			done()
 		}
 	}
@@ -465,7 +468,7 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 	} else {
 		joined <- nil
 	}
-	err = m.connect(ctx)
+	err = m.connect(ctx, qmpWait(cfg.Idle))
 	joinErr := <-joined
 	if err != nil {
 		_ = m.Kill()
@@ -527,7 +530,7 @@ func Attach(ctx context.Context, runDir string) (*Machine, error) {
 		}
 		m.setExited(errors.New("qemu exited"))
 	}()
-	if err := m.connect(ctx); err != nil {
+	if err := m.connect(ctx, qmpWait(false)); err != nil {
 		return nil, err
 	}
 	return m, nil
@@ -597,8 +600,8 @@ func KillStray(pid int, runDir string) {
 	}
 }
 
-func (m *Machine) connect(ctx context.Context) error {
-	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+func (m *Machine) connect(ctx context.Context, wait time.Duration) error {
+	cctx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
 	type res struct {
 		q   *QMP
