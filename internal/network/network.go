@@ -27,6 +27,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/egressproxy"
 	"github.com/agentenv/agentenv/internal/mountinfo"
+	"github.com/agentenv/agentenv/internal/nsthread"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -357,7 +358,7 @@ func (m *Manager) Setup(ctx context.Context, ep *Endpoint) (err error) {
 	if err := nh.RouteAdd(&netlink.Route{LinkIndex: peer.Attrs().Index, Gw: gw}); err != nil {
 		return fmt.Errorf("default route in %s: %w", ep.Namespace, err)
 	}
-	if err := inNS(ns, func() error {
+	if err := nsthread.Run(ns, func() error {
 		return os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1\n"), 0o644)
 	}); err != nil {
 		return fmt.Errorf("enable forwarding in %s: %w", ep.Namespace, err)
@@ -401,7 +402,7 @@ func (m *Manager) Close() {
 // its namespace (they keep it alive until closed: Teardown closes them).
 func (m *Manager) serve(ns netns.NsHandle, ep *Endpoint) error {
 	var cfg egressproxy.Config
-	err := inNS(ns, func() error {
+	err := nsthread.Run(ns, func() error {
 		var err error
 		if cfg.DNSPacket, err = net.ListenPacket("udp4", ":53"); err != nil {
 			return err
@@ -453,7 +454,7 @@ func (m *Manager) dialFrom(ctx context.Context, namespace string, dst netip.Addr
 	}
 	defer ns.Close()
 	var c net.Conn
-	err = inNS(ns, func() error {
+	err = nsthread.Run(ns, func() error {
 		var d net.Dialer
 		var err error
 		c, err = d.DialContext(ctx, "tcp4", dst.String())
@@ -534,7 +535,7 @@ func (m *Manager) OpenTap(ep *Endpoint, mode TapMode) (*os.File, error) {
 	}
 	defer ns.Close()
 	var f *os.File
-	err = inNS(ns, func() error {
+	err = nsthread.Run(ns, func() error {
 		var err error
 		f, err = openTap(TapName)
 		return err
@@ -712,30 +713,6 @@ func newNamedNS(name string) (netns.NsHandle, error) {
 		runtime.Goexit()
 	}
 	return ns, err
-}
-
-// inNS runs fn on a thread switched into ns.
-func inNS(ns netns.NsHandle, fn func() error) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer orig.Close()
-		if err := netns.Set(ns); err != nil {
-			errc <- err
-			runtime.UnlockOSThread()
-			return
-		}
-		errc <- fn()
-		if netns.Set(orig) == nil {
-			runtime.UnlockOSThread()
-		} // otherwise the thread exits with the goroutine, still locked
-	}()
-	return <-errc
 }
 
 func openTap(name string) (*os.File, error) {

@@ -323,13 +323,15 @@ func TestForkIntoPrestartedMachines(t *testing.T) {
 	// began, nothing was made (the pool's machines wait on); gone at any
 	// step (the steps recorded from a fork that fails nowhere), the fork
 	// runs to its end and every child runs on the parent's disk.
-	before := map[string]bool{}
-	if all, err := n.records.List(ctx, "state != ?", sandboxes.Pooled); err == nil {
-		for _, s := range all {
-			before[s.ID] = true
-		}
+	running, err := n.records.List(ctx, "state != ?", sandboxes.Pooled)
+	if err != nil {
+		t.Fatal(err)
 	}
-	forkGone := func(at string, cctx context.Context) {
+	before := map[string]bool{}
+	for _, s := range running {
+		before[s.ID] = true
+	}
+	forkGone := func(cctx context.Context, at string) {
 		t.Helper()
 		pooled := waitPool(2)
 		res, err := n.Fork(cctx, parent.ID, 2, time.Minute)
@@ -373,9 +375,9 @@ func TestForkIntoPrestartedMachines(t *testing.T) {
 	}
 	gone, hangUp := context.WithCancel(ctx)
 	hangUp()
-	forkGone("", gone)
+	forkGone(gone, "")
 	rec := faults.NewInjector()
-	forkGone("nowhere", faults.With(ctx, rec))
+	forkGone(faults.With(ctx, rec), "nowhere")
 	steps := distinct(rec.Seen(), "fork")
 	if !slices.Contains(steps, "fork/claim-prestarted") {
 		t.Fatalf("the fork's steps %v miss the pre-started claim", steps)
@@ -388,7 +390,7 @@ func TestForkIntoPrestartedMachines(t *testing.T) {
 				hangUp()
 			}
 		}
-		forkGone(step, faults.With(cctx, inj))
+		forkGone(faults.With(cctx, inj), step)
 		hangUp()
 	}
 
