@@ -7,8 +7,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"io/fs"
-	"path/filepath"
+		"path/filepath"
 	"strings"
 	"time"
 
@@ -66,7 +65,7 @@ func (c *Catalog) imageLayers(ctx context.Context, src image.Source, sizeMiB int
 	start := time.Now()
 	res, err := image.Import(ctx, src, image.Options{
 		LayersDir: c.st.Abs(store.LayersDir), SizeMiB: sizeMiB, Log: log,
-		Finish: e2bConventions, FinishID: finishLayerID,
+		Finish: func(fs *image.Filesystem) error { return e2bConventions(ctx, fs) }, FinishID: finishLayerID,
 	})
 	if err != nil {
 		if errors.Is(err, image.ErrNotFound) {
@@ -121,20 +120,25 @@ func (c *Catalog) imageLayers(ctx context.Context, src image.Source, sizeMiB int
 // named by content: chain IDs, content checksums, build keys).
 func layerID(path string) string { return strings.TrimSuffix(filepath.Base(path), ".qcow2") }
 
+// maxAccountsFile bounds what the conventions read of /etc/passwd and
+// /etc/group.
+const maxAccountsFile = 1 << 20
+
 // e2bConventions adds the user `user` (uid and gid 1000, home /home/user)
-// that E2B sandboxes run commands as, unless the image has it. Files of the
-// image are read and replaced only through paths resolved inside it.
-func e2bConventions(root string) error {
+// that E2B sandboxes run commands as, unless the image has it. The image's
+// files are read as data: only regular files of bounded size, their paths
+// resolved inside the image.
+func e2bConventions(ctx context.Context, fs *image.Filesystem) error {
 	// Commands, the SDKs' and envd's own, run through /bin/sh.
-	if err := hasShell(root); err != nil {
+	if err := hasShell(fs); err != nil {
 		return err
 	}
-	passwd, err := image.ReadFileInRoot(root, "etc/passwd")
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+	passwd, err := accountsFile(ctx, fs, "etc/passwd")
+	if err != nil {
 		return err
 	}
-	group, err := image.ReadFileInRoot(root, "etc/group")
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+	group, err := accountsFile(ctx, fs, "etc/group")
+	if err != nil {
 		return err
 	}
 	if len(passwd) == 0 {
@@ -144,7 +148,7 @@ func e2bConventions(root string) error {
 		group = []byte("root:x:0:\n")
 	}
 	shell := "/bin/sh"
-	if _, err := image.ReadFileInRoot(root, "bin/bash"); err == nil {
+	if e, err := fs.Stat("bin/bash"); err == nil && e.Type == tar.TypeReg {
 		shell = "/bin/bash"
 	}
 	var buf bytes.Buffer
@@ -164,22 +168,37 @@ func e2bConventions(root string) error {
 	if err := tw.Close(); err != nil {
 		return err
 	}
-	return image.ApplyTar(root, &buf)
+	return fs.Apply(ctx, &buf)
 }
 
-// hasShell tells whether the tree at root has an executable /bin/sh
-// (resolved inside root, as busybox's and Debian's symlinks are).
-func hasShell(root string) error {
-	f, err := image.OpenInRoot(root, "bin/sh")
+// accountsFile reads /etc/passwd or /etc/group of the image: nothing if it
+// has none, an error naming the file if it is anything but a regular file
+// of at most maxAccountsFile bytes.
+func accountsFile(ctx context.Context, fs *image.Filesystem, name string) ([]byte, error) {
+	e, err := fs.Stat(name)
+	if image.IsNotExist(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%w: /%s: %v", image.ErrUnusable, name, err)
+	}
+	if e.Type != tar.TypeReg {
+		return nil, fmt.Errorf("%w: its /%s is not a regular file", image.ErrUnusable, name)
+	}
+	if e.Size > maxAccountsFile {
+		return nil, fmt.Errorf("%w: its /%s holds %d bytes (at most %d)", image.ErrUnusable, name, e.Size, maxAccountsFile)
+	}
+	return fs.ReadFile(ctx, name, maxAccountsFile)
+}
+
+// hasShell tells whether the image has an executable /bin/sh (resolved
+// inside the image, as busybox's and Debian's symlinks are).
+func hasShell(fs *image.Filesystem) error {
+	e, err := fs.Stat("bin/sh")
 	if err != nil {
 		return fmt.Errorf("%w: it has no /bin/sh, which a sandbox runs its commands with", image.ErrUnusable)
 	}
-	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return err
-	}
-	if !st.Mode().IsRegular() || st.Mode().Perm()&0o111 == 0 {
+	if e.Type != tar.TypeReg || e.Mode&0o111 == 0 {
 		return fmt.Errorf("%w: its /bin/sh is not an executable file, which a sandbox runs its commands with", image.ErrUnusable)
 	}
 	return nil

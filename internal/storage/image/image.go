@@ -18,7 +18,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"time"
 
@@ -62,9 +61,9 @@ type Options struct {
 	LayersDir string
 	// SizeMiB is the size of the root filesystem (default 4096).
 	SizeMiB int
-	// Finish, if set, edits the finished tree (mounted at root) in a layer
-	// of its own on top of the image's, identified by FinishID.
-	Finish   func(root string) error
+	// Finish, if set, edits the finished file system in a layer of its
+	// own on top of the image's, identified by FinishID.
+	Finish   func(fs *Filesystem) error
 	FinishID string
 	// Log reports progress.
 	Log func(format string, args ...any)
@@ -78,6 +77,8 @@ type Layer struct {
 	Path    string `json:"-"`
 	Bytes   int64  `json:"bytes"`
 	Reused  bool   `json:"-"`
+	// TreeSHA256 checks the model of the layer's tree kept beside it.
+	TreeSHA256 string `json:"treeSHA256"`
 }
 
 // Result is an imported image: its layers, bottom first, and the runtime
@@ -202,14 +203,11 @@ func Import(ctx context.Context, src Source, opt Options) (*Result, error) {
 	}
 	// One import at a time builds layers: a layer built twice would differ
 	// (file system UUIDs, times) from the one the layers above rest on.
-	lock, err := os.OpenFile(filepath.Join(opt.LayersDir, ".lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	lock, err := lockLayers(ctx, opt.LayersDir)
 	if err != nil {
 		return nil, err
 	}
 	defer lock.Close()
-	if err := unix.Flock(int(lock.Fd()), unix.LOCK_EX); err != nil {
-		return nil, err
-	}
 	img, err := load(ctx, src)
 	if err != nil {
 		return nil, err
@@ -231,14 +229,14 @@ func Import(ctx context.Context, src Source, opt Options) (*Result, error) {
 			return nil, fmt.Errorf("%w: layer %d: %v", ErrImage, i, err)
 		}
 		chain := chainID(parent, diffID.String())
-		built, err := buildLayer(ctx, opt, chain, parent, diffID.String(), func(root string) error {
+		built, err := buildLayer(ctx, opt, chain, parent, diffID.String(), func(fs *Filesystem) error {
 			rc, err := l.Uncompressed()
 			if err != nil {
 				return err
 			}
 			defer rc.Close()
 			h := sha256.New()
-			if err := applyLayer(root, io.TeeReader(rc, h)); err != nil {
+			if err := fs.Apply(ctx, io.TeeReader(rc, h)); err != nil {
 				return err
 			}
 			// The rest of the stream (tar padding) counts towards the digest.
@@ -300,10 +298,16 @@ func TopChain(ctx context.Context, src Source, finishID string) (string, error) 
 	return top, nil
 }
 
-// chainID is the OCI chain ID of a layer: its diff ID over the chain below.
+// layerFormat names how layers are built: a change of the builder that
+// changes what a layer holds must change it, so layers built before are
+// never taken for new ones (they stay for what uses them).
+const layerFormat = "aenv-layer-v2"
+
+// chainID names a layer: its diff ID over the chain below, as OCI chain
+// IDs are made, starting from layerFormat.
 func chainID(parent, diffID string) string {
-	if parent == "" && strings.HasPrefix(diffID, "sha256:") {
-		return diffID
+	if parent == "" {
+		parent = layerFormat
 	}
 	sum := sha256.Sum256([]byte(parent + " " + diffID))
 	return "sha256:" + hex.EncodeToString(sum[:])
@@ -323,8 +327,9 @@ func LayerPath(layersDir, chain string) string {
 }
 
 // buildLayer makes the layer chain over parent by applying change to a
-// writable copy of the parent's filesystem, unless it exists already.
-func buildLayer(ctx context.Context, opt Options, chain, parent, diffID string, change func(root string) error) (*Layer, error) {
+// copy of the parent's file system image, unless it exists already. The
+// image is never mounted: change works on it as data (see Filesystem).
+func buildLayer(ctx context.Context, opt Options, chain, parent, diffID string, change func(fs *Filesystem) error) (*Layer, error) {
 	out := LayerPath(opt.LayersDir, chain)
 	meta := strings.TrimSuffix(out, ".qcow2") + ".json"
 	var have Layer
@@ -342,18 +347,22 @@ func buildLayer(ctx context.Context, opt Options, chain, parent, diffID string, 
 	}
 	defer os.RemoveAll(work)
 	raw := filepath.Join(work, "fs.raw")
+	var tree *Tree
 	if parent == "" {
 		if err := run(ctx, "mkfs.ext4", "-q", "-F", "-L", "aenv-root", "-E", "root_owner=0:0", raw, fmt.Sprintf("%dM", opt.SizeMiB)); err != nil {
 			return nil, err
 		}
-	} else if err := run(ctx, "qemu-img", "convert", "-q", "-f", "qcow2", "-O", "raw", LayerPath(opt.LayersDir, parent), raw); err != nil {
-		return nil, err
+		tree = newTree()
+	} else {
+		if tree, err = loadTree(opt.LayersDir, parent); err != nil {
+			return nil, err
+		}
+		if err := run(ctx, "qemu-img", "convert", "-q", "-f", "qcow2", "-O", "raw", LayerPath(opt.LayersDir, parent), raw); err != nil {
+			return nil, err
+		}
 	}
-	mnt := filepath.Join(work, "mnt")
-	if err := os.Mkdir(mnt, 0o755); err != nil {
-		return nil, err
-	}
-	if err := onPrivateMount(ctx, raw, mnt, change); err != nil {
+	fs := &Filesystem{raw: raw, work: work, tree: tree, limit: int64(opt.SizeMiB) << 20}
+	if err := change(fs); err != nil {
 		return nil, err
 	}
 	tmp := filepath.Join(work, "layer.qcow2")
@@ -375,7 +384,15 @@ func buildLayer(ctx context.Context, opt Options, chain, parent, diffID string, 
 	if err != nil {
 		return nil, err
 	}
-	l := Layer{ChainID: chain, DiffID: diffID, Parent: parent, Path: out, Bytes: st.Size()}
+	treeBytes, err := fs.tree.marshal()
+	if err != nil {
+		return nil, err
+	}
+	sum := sha256.Sum256(treeBytes)
+	l := Layer{ChainID: chain, DiffID: diffID, Parent: parent, Path: out, Bytes: st.Size(), TreeSHA256: hex.EncodeToString(sum[:])}
+	if err := storage.WriteFileAtomic(treePath(opt.LayersDir, chain), treeBytes, 0o444); err != nil {
+		return nil, err
+	}
 	if err := os.Rename(tmp, out); err != nil {
 		return nil, err
 	}
@@ -384,102 +401,54 @@ func buildLayer(ctx context.Context, opt Options, chain, parent, diffID string, 
 	if err := storage.WriteFileAtomic(meta, append(b, '\n'), 0o644); err != nil {
 		return nil, err
 	}
-	opt.Log("layer %s: built in %s (%d KiB)", short(chain), time.Since(start).Round(time.Millisecond), st.Size()>>10)
+	opt.Log("layer %s: built in %s (%d KiB, %d names)", short(chain), time.Since(start).Round(time.Millisecond), st.Size()>>10, fs.tree.Entries())
 	return &l, nil
 }
 
-// onPrivateMount mounts the ext4 file raw at mnt, runs change on the
-// mounted tree and unmounts it, in a mount namespace of its own that lives
-// on one OS thread for the call and dies with it. In the node's namespace
-// the mount would be copied into every mount namespace made while it
-// exists (each QEMU gets one, see internal/vmm): the copy keeps the
-// filesystem mounted after the umount here, so what change wrote would
-// never reach raw and the layer would be built without it. A loop device
-// still bound to raw after the umount (a copy made some other way) is an
-// error for the same reason.
-func onPrivateMount(ctx context.Context, raw, mnt string, change func(root string) error) error {
-	done := make(chan error, 1)
-	go onThreadOfItsOwn(done, func() error {
-		if err := unix.Unshare(unix.CLONE_NEWNS); err != nil {
-			return fmt.Errorf("a mount namespace for the layer build: %w", err)
-		}
-		// Private, so the mount does not propagate back to the node.
-		if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
-			return fmt.Errorf("making the layer build's mounts private: %w", err)
-		}
-		if err := run(ctx, "mount", "-o", "loop", raw, mnt); err != nil {
-			return err
-		}
-		cerr := change(mnt)
-		if err := run(context.WithoutCancel(ctx), "umount", mnt); err != nil {
-			return errors.Join(cerr, err)
-		}
-		return cerr
-	})
-	if err := <-done; err != nil {
-		return err
-	}
-	return waitLoopReleased(raw, loopReleaseWait)
+// treePath is where the model of a layer's tree is kept.
+func treePath(layersDir, chain string) string {
+	return strings.TrimSuffix(LayerPath(layersDir, chain), ".qcow2") + ".tree"
 }
 
-// onThreadOfItsOwn runs fn, which may change its thread's namespaces, on an
-// OS thread that ends with it, and sends its error to done. Never on the
-// main thread: that one cannot end (Go parks it for good instead), and its
-// namespaces are what /proc/self shows every thread of the process.
-func onThreadOfItsOwn(done chan<- error, fn func() error) {
-	runtime.LockOSThread()
-	if unix.Gettid() == unix.Getpid() {
-		// While this goroutine holds the main thread, no other runs
-		// on it.
-		inner := make(chan error, 1)
-		go onThreadOfItsOwn(inner, fn)
-		done <- <-inner
-		runtime.UnlockOSThread()
-		return
+// loadTree reads the model of a layer's tree, checked against its record.
+func loadTree(layersDir, chain string) (*Tree, error) {
+	var l Layer
+	meta := strings.TrimSuffix(LayerPath(layersDir, chain), ".qcow2") + ".json"
+	if err := storage.ReadJSON(meta, &l); err != nil {
+		return nil, fmt.Errorf("layer %s: %w", short(chain), err)
 	}
-	// Never unlocked: the thread ends with this goroutine. Go starts
-	// new threads from a clean template thread while one is locked, so
-	// none inherits its namespace.
-	done <- fn()
-}
-
-// loopReleaseWait bounds the wait for a layer's loop device to go.
-var loopReleaseWait = 10 * time.Second
-
-// waitLoopReleased waits until no loop device is bound to the file (the
-// kernel releases a mount's auto-clearing loop device once the filesystem
-// is unmounted everywhere).
-func waitLoopReleased(file string, within time.Duration) error {
-	want, err := os.Stat(file)
+	b, err := os.ReadFile(treePath(layersDir, chain))
 	if err != nil {
-		return err
+		return nil, fmt.Errorf("layer %s: %w", short(chain), err)
 	}
-	for deadline := time.Now().Add(within); ; {
-		dev := loopDeviceOf(want)
-		if dev == "" {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("the layer's filesystem is still mounted somewhere after its unmount (%s still bound to it): "+
-				"its writes may not have reached the layer", dev)
-		}
-		time.Sleep(20 * time.Millisecond)
+	if sum := sha256.Sum256(b); hex.EncodeToString(sum[:]) != l.TreeSHA256 {
+		return nil, fmt.Errorf("layer %s: its tree does not match its record", short(chain))
 	}
+	return unmarshalTree(b)
 }
 
-// loopDeviceOf names a loop device whose backing file is want, or "".
-func loopDeviceOf(want os.FileInfo) string {
-	files, _ := filepath.Glob("/sys/block/loop*/loop/backing_file")
-	for _, f := range files {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			continue // released meanwhile
+// lockLayers takes the layers directory's lock, giving up when ctx ends.
+func lockLayers(ctx context.Context, dir string) (*os.File, error) {
+	lock, err := os.OpenFile(filepath.Join(dir, ".lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	for {
+		err := unix.Flock(int(lock.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		if err == nil {
+			return lock, nil
 		}
-		if st, err := os.Stat(strings.TrimSpace(string(b))); err == nil && os.SameFile(st, want) {
-			return filepath.Base(filepath.Dir(filepath.Dir(f)))
+		if !errors.Is(err, unix.EWOULDBLOCK) {
+			lock.Close()
+			return nil, err
+		}
+		select {
+		case <-ctx.Done():
+			lock.Close()
+			return nil, fmt.Errorf("waiting for another image import: %w", ctx.Err())
+		case <-time.After(50 * time.Millisecond):
 		}
 	}
-	return ""
 }
 
 func syncFile(path string) error {
