@@ -121,8 +121,15 @@ func (fs *Filesystem) Apply(ctx context.Context, r io.Reader) error {
 	if err := f.Close(); err != nil {
 		return err
 	}
+	if testHookApplied != nil {
+		testHookApplied(dir)
+	}
 	return fs.runScript(ctx, scriptPath, dir)
 }
+
+// testHookApplied, set by tests, sees the builder's directory once a
+// layer's data and script are written.
+var testHookApplied func(dir string)
 
 // runScript runs a debugfs script on the image and checks the image after.
 func (fs *Filesystem) runScript(ctx context.Context, script, dir string) error {
@@ -222,7 +229,8 @@ type applier struct {
 	fs      *Filesystem
 	dir     string
 	out     *bufio.Writer
-	cwd     string
+	cwd     []string
+	cwdSet  bool
 	files   int
 	written map[string]bool // paths this layer made (an opaque whiteout spares them)
 }
@@ -232,12 +240,36 @@ func (a *applier) cmd(args ...string) {
 	a.out.WriteByte('\n')
 }
 
+// cd makes dir debugfs's working directory, moving down from the current
+// one when dir is below it (a path from the root costs a lookup per
+// component).
 func (a *applier) cd(dir []string) {
-	if p := absPath(dir); p != a.cwd {
-		a.cmd("cd", quote(p))
-		a.cwd = p
+	if a.cwdSet && equal(a.cwd, dir) {
+		return
 	}
+	if a.cwdSet && len(dir) > len(a.cwd) && equal(a.cwd, dir[:len(a.cwd)]) {
+		a.cmd("cd", quote("./"+strings.Join(dir[len(a.cwd):], "/")))
+	} else {
+		a.cmd("cd", quote(absPath(dir)))
+	}
+	a.cwd, a.cwdSet = append([]string(nil), dir...), true
 }
+
+func equal(a, b []string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// here names base in the working directory for commands that take a path
+// (./NAME: never read as an inode number or an option).
+func here(base string) string { return quote("./" + base) }
 
 func (a *applier) layer(ctx context.Context, tr *tar.Reader) error {
 	for n := 0; ; n++ {
@@ -392,20 +424,21 @@ func (a *applier) entry(h *tar.Header, r io.Reader) error {
 		res.dirEnt.children[res.base] = e
 		t.entries++
 	}
+	p := here(res.base)
 	if e.typ != tar.TypeSymlink {
-		a.cmd("sif", quote(full), "mode", "0"+strconv.FormatInt(int64(typeBits[e.typ])|e.mode, 8))
+		a.cmd("sif", p, "mode", "0"+strconv.FormatInt(int64(typeBits[e.typ])|e.mode, 8))
 	}
-	a.cmd("sif", quote(full), "uid", strconv.Itoa(h.Uid))
-	a.cmd("sif", quote(full), "gid", strconv.Itoa(h.Gid))
+	a.cmd("sif", p, "uid", strconv.Itoa(h.Uid))
+	a.cmd("sif", p, "gid", strconv.Itoa(h.Gid))
 	mtime := fsTime(h.ModTime)
 	atime := mtime
 	if !h.AccessTime.IsZero() {
 		atime = fsTime(h.AccessTime)
 	}
-	a.cmd("sif", quote(full), "mtime", mtime)
-	a.cmd("sif", quote(full), "atime", atime)
-	a.cmd("sif", quote(full), "ctime", mtime)
-	return a.xattrs(h, full)
+	a.cmd("sif", p, "mtime", mtime)
+	a.cmd("sif", p, "atime", atime)
+	a.cmd("sif", p, "ctime", mtime)
+	return a.xattrs(h, p)
 }
 
 // typeBits are the file type bits of an inode's mode.
@@ -437,7 +470,9 @@ func xattrAllowed(name string) bool {
 	return name == "system.posix_acl_access" || name == "system.posix_acl_default"
 }
 
-func (a *applier) xattrs(h *tar.Header, full string) error {
+// xattrs sets the entry's extended attributes; p names it in the working
+// directory.
+func (a *applier) xattrs(h *tar.Header, p string) error {
 	keys := make([]string, 0, len(h.PAXRecords))
 	for k := range h.PAXRecords {
 		keys = append(keys, k)
@@ -459,7 +494,7 @@ func (a *applier) xattrs(h *tar.Header, full string) error {
 		if err != nil {
 			return err
 		}
-		a.cmd("ea_set", "-f", quote(src), quote(full), quote(name))
+		a.cmd("ea_set", "-f", quote(src), p, quote(name))
 	}
 	return nil
 }
@@ -499,7 +534,7 @@ func (a *applier) hardLink(h *tar.Header, res *resolved, full string) error {
 	a.cd(res.dir)
 	a.cmd("ln", quote(target), quote(res.base))
 	tres.target.nlink++
-	a.cmd("sif", quote(target), "links_count", strconv.Itoa(tres.target.nlink))
+	a.cmd("sif", here(res.base), "links_count", strconv.Itoa(tres.target.nlink))
 	res.dirEnt.children[res.base] = tres.target
 	t.entries++
 	return nil
@@ -510,9 +545,8 @@ func (a *applier) made(res *resolved) {
 	for _, c := range res.created {
 		a.cd(c[:len(c)-1])
 		a.cmd("mkdir", quote(c[len(c)-1]))
-		full := fullPath(c[:len(c)-1], c[len(c)-1])
-		a.cmd("sif", quote(full), "mode", "040755")
-		a.written[full] = true
+		a.cmd("sif", here(c[len(c)-1]), "mode", "040755")
+		a.written[fullPath(c[:len(c)-1], c[len(c)-1])] = true
 	}
 }
 
@@ -520,12 +554,13 @@ func (a *applier) made(res *resolved) {
 // image.
 func (a *applier) remove(dir []string, dirEnt *entry, base string) {
 	a.fs.tree.remove(dir, dirEnt, base, func(comps []string, e *entry) {
-		full := fullPath(comps[:len(comps)-1], comps[len(comps)-1])
-		delete(a.written, full)
+		dir, base := comps[:len(comps)-1], comps[len(comps)-1]
+		delete(a.written, fullPath(dir, base))
+		a.cd(dir)
 		if e.isDir() {
-			a.cmd("rmdir", quote(full))
+			a.cmd("rmdir", here(base))
 		} else {
-			a.cmd("rm", quote(full))
+			a.cmd("rm", here(base))
 		}
 	})
 }

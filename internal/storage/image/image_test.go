@@ -18,7 +18,6 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/layout"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
-
 )
 
 // tarEntry is one file of a test layer.
@@ -288,4 +287,3 @@ func oneLayerLayout(t *testing.T) string {
 	}
 	return dir
 }
-
