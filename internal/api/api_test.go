@@ -28,6 +28,8 @@ type testAPI struct {
 	t    *testing.T
 	node *fakeNode
 	srv  *Server
+	// volumesDir holds the volumes of a test API made by newVolumeAPI.
+	volumesDir string
 }
 
 func newTestAPI(t *testing.T) *testAPI {

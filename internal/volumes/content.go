@@ -185,7 +185,7 @@ func walk(ctx context.Context, root *os.Root, dir string, depth int, out *[]Entr
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	f, err := root.Open(dir)
+	f, err := root.OpenFile(dir, os.O_RDONLY|syscall.O_DIRECTORY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return pathError(dir, err)
 	}
@@ -330,22 +330,61 @@ func (o Owner) check() error {
 // file's size).
 func (s *Store) ReadFile(ctx context.Context, id, p string, size func(int64), w io.Writer) error {
 	return s.onPath(ctx, id, p, func(root *os.Root, rel string) error {
-		f, err := root.Open(rel)
+		f, fi, err := openRegular(root, rel)
 		if err != nil {
-			return pathError(rel, err)
+			return err
 		}
 		defer f.Close()
-		fi, err := f.Stat()
-		if err != nil {
-			return pathError(rel, err)
-		}
-		if !fi.Mode().IsRegular() {
-			return fmt.Errorf("%w: %s is not a file", errkind.ErrInvalid, abs(rel))
-		}
 		size(fi.Size())
 		_, err = io.Copy(w, readerWithContext{ctx, f})
 		return err
 	})
+}
+
+// openRegular opens a regular file of the volume for reading. What a guest
+// left there is data: the last name is not followed, anything but a
+// regular file (a FIFO, a device node, a socket, a symlink) is refused
+// before it is opened, and the open itself never blocks nor follows a
+// link, with the type checked again on what was opened (the guest may have
+// swapped the name meanwhile).
+func openRegular(root *os.Root, rel string) (*os.File, fs.FileInfo, error) {
+	fi, err := root.Lstat(rel)
+	if err != nil {
+		return nil, nil, pathError(rel, err)
+	}
+	if !fi.Mode().IsRegular() {
+		return nil, nil, notAFile(rel, fi)
+	}
+	f, err := root.OpenFile(rel, os.O_RDONLY|syscall.O_NONBLOCK|syscall.O_NOFOLLOW|syscall.O_NOCTTY, 0)
+	if err != nil {
+		return nil, nil, pathError(rel, err)
+	}
+	if fi, err = f.Stat(); err != nil || !fi.Mode().IsRegular() {
+		f.Close()
+		if err != nil {
+			return nil, nil, pathError(rel, err)
+		}
+		return nil, nil, notAFile(rel, fi)
+	}
+	return f, fi, nil
+}
+
+// notAFile refuses to read what is not a regular file, saying what it is.
+func notAFile(rel string, fi fs.FileInfo) error {
+	what := "not a file"
+	switch m := fi.Mode(); {
+	case m.IsDir():
+		what = "a directory"
+	case m&fs.ModeSymlink != 0:
+		what = "a symbolic link"
+	case m&fs.ModeNamedPipe != 0:
+		what = "a FIFO"
+	case m&fs.ModeSocket != 0:
+		what = "a socket"
+	case m&fs.ModeDevice != 0:
+		what = "a device node"
+	}
+	return fmt.Errorf("%w: %s is %s, not a regular file", errkind.ErrInvalid, abs(rel), what)
 }
 
 type readerWithContext struct {

@@ -175,7 +175,10 @@ func openHost(ctx context.Context, t Tools, dir string) (m *hostMount, err error
 	}
 	// hard_remove: a removed file goes at once, not renamed to a
 	// .fuse_hidden file while a handle (being released) is open.
-	m.fuse = exec.Command(t.FUSE2FS, "-f", export, mnt, "-o", "rw,hard_remove")
+	// nodev, nosuid, noexec: what a guest left in the volume is data to
+	// the host (a device node there cannot be opened, a setuid file gives
+	// no rights).
+	m.fuse = exec.Command(t.FUSE2FS, "-f", export, mnt, "-o", "rw,hard_remove,nodev,nosuid,noexec")
 	var stderr bytes.Buffer
 	m.fuse.Stderr = &stderr
 	if err := m.fuse.Start(); err != nil {
