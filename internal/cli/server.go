@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/agentenv/agentenv/internal/storage/image"
 	"net"
 	"net/http"
 	"net/netip"
@@ -75,6 +76,8 @@ type serverOptions struct {
 	// Idempotency-Key is kept.
 	idempotencyWindow time.Duration
 	layerStore        int
+	imageDirs         []string
+	privateRegistries bool
 	hotPausedMiB      int
 	qemu              string
 	hotPausedFor      time.Duration
@@ -123,6 +126,8 @@ func serverFlags(cmd *cobra.Command, o *serverOptions) {
 	cmd.Flags().StringSliceVar(&o.egressOpen, "egress-open", nil, "private ranges (CIDRs) every guest with internet access may reach, e.g. an internal package mirror (default: none)")
 	cmd.Flags().IntVar(&o.maxStarting, "max-starting", 0, "sandbox starts (creates, resumes, fork children) run at once; beyond it they wait their turn (default: 2 per CPU; -1: no limit)")
 	cmd.Flags().Float64Var(&o.overcommit, "overcommit", 1.5, "guest memory the running and starting sandboxes may have per byte of host memory; a start beyond it waits its turn (-1: no limit)")
+	cmd.Flags().StringArrayVar(&o.imageDirs, "image-dir", nil, "a directory whose OCI layouts and docker archives POST /sandboxes-cold may name (oci-layout:DIR, docker-archive:FILE); repeatable; none by default: no local image sources")
+	cmd.Flags().BoolVar(&o.privateRegistries, "allow-private-registries", false, "let POST /sandboxes-cold pull from registries on loopback, link-local and private addresses and the node's own (refused by default)")
 	cmd.Flags().IntVar(&o.layerStore, "layer-store-mib", 0, "bound on the layer store in MiB: past it the images converted for sandboxes made from them (POST /sandboxes-cold) are evicted, least recently used first (0: no bound)")
 	cmd.Flags().DurationVar(&o.idempotencyWindow, "idempotency-window", 24*time.Hour, "how long the answer of a create or fork sent with an Idempotency-Key is kept for its retries")
 	cmd.Flags().StringVar(&o.qemu, "qemu", os.Getenv("AENV_QEMU"), "the qemu-system-x86_64 binary sandboxes run in, probed at start (7.2 or newer; env AENV_QEMU; default: the one in PATH)")
@@ -288,6 +293,7 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		AdmissionWait:     o.admissionWait,
 		Events:            hooks,
 		LayerStoreMiB:     o.layerStore,
+		Images:            image.Policy{Dirs: o.imageDirs, PrivateRegistries: o.privateRegistries},
 		HotPausedMiB:      o.hotPausedMiB,
 		QEMU:              o.qemu,
 		HotPausedFor:      o.hotPausedFor,

@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"log/slog"
 	"sync"
 	"time"
@@ -121,7 +122,14 @@ func (o *Op) Finish(err error) error {
 	o.mu.Lock()
 	cleanups := o.cleanups
 	o.cleanups = nil
+	names := make([]string, len(o.steps))
+	for i, s := range o.steps {
+		names[i] = s.Name
+	}
 	o.mu.Unlock()
+	// The steps passed, each a fault point (the crash tests arm a kill at
+	// each of them in turn).
+	o.log.Debug("operation steps", "op", o.name, "steps", strings.Join(names, ","), "failed", err != nil)
 	if err == nil {
 		return nil
 	}

@@ -2,6 +2,7 @@ package orchestrator
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"strings"
@@ -90,6 +91,12 @@ func (n *Node) CreateFromImage(ctx context.Context, ref string, req CreateReques
 	src, err := ParseImageRef(ref)
 	if err != nil {
 		return nil, err
+	}
+	if err := n.cfg.Images.Check(&src); err != nil {
+		if errors.Is(err, image.ErrNotFound) {
+			return nil, fmt.Errorf("%w: %v", ErrNotFound, err)
+		}
+		return nil, fmt.Errorf("%w: %v", ErrInvalid, err)
 	}
 	unlock := n.imports.lock(src.String())
 	// One filesystem size for every image: a layer converted once is

@@ -14,6 +14,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"github.com/agentenv/agentenv/internal/storage/image"
 	"log/slog"
 	"net/http"
 	"net/netip"
@@ -176,7 +177,11 @@ type Config struct {
 	// for sandboxes made straight from them are evicted, least recently
 	// used first (0: no bound).
 	LayerStoreMiB int
-	Logger        *slog.Logger
+	// Images says where sandboxes made straight from images may take them
+	// from: local sources only under its directories (none by default),
+	// registries on private addresses only if it allows them.
+	Images image.Policy
+	Logger *slog.Logger
 }
 
 func (c *Config) setDefaults() {

@@ -231,7 +231,8 @@ func (n *Node) frozenFiles(s *sandboxes.Sandbox) bool {
 
 // finishInterruptedResume continues a live machine and re-initialises envd.
 func (n *Node) finishInterruptedResume(ctx context.Context, s *sandboxes.Sandbox, m *vmm.Machine) bool {
-	if st, err := m.Status(ctx); err != nil || (st != "running" && st != "paused") {
+	if !continuable(ctx, m) {
+		n.log.Warn("the QEMU of an interrupted operation cannot run on", "sandbox", s.ID)
 		_ = m.Kill()
 		return false
 	}
@@ -239,6 +240,8 @@ func (n *Node) finishInterruptedResume(ctx context.Context, s *sandboxes.Sandbox
 		_ = m.Kill()
 		return false
 	}
+	// A state a cut pause was writing is no pause of this machine now.
+	_ = os.Remove(filepath.Join(n.sandboxDir(s.ID), stateFileName+".tmp"))
 	n.adopt(s.ID, m)
 	ep, err := n.endpoint(s)
 	if err == nil {
@@ -274,5 +277,38 @@ func (n *Node) pointAtOverlayBase(ctx context.Context, s *sandboxes.Sandbox) {
 	}
 	if err := n.records.Save(ctx, s); err != nil {
 		n.log.Error("repoint an interrupted capture's record", "sandbox", s.ID, "err", err)
+	}
+}
+
+// continuable tells whether a QEMU found alive after a crash holds a
+// guest that can run on: running, its vCPUs stopped (paused), or stopped
+// after writing its state (postmigrate: a pause cut after its save; the
+// continue reactivates its disks). A migration still being written
+// (finish-migrate) is cancelled first and waited out. A QEMU waiting for a
+// state (inmigrate, prelaunch) holds no guest yet.
+func continuable(ctx context.Context, m *vmm.Machine) bool {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	for cancelled := false; ; {
+		st, err := m.Status(ctx)
+		if err != nil {
+			return false
+		}
+		switch st {
+		case "running", "paused", "postmigrate":
+			return true
+		case "finish-migrate":
+			if !cancelled {
+				_ = m.CancelMigration(ctx)
+				cancelled = true
+			}
+			select {
+			case <-ctx.Done():
+				return false
+			case <-time.After(20 * time.Millisecond):
+			}
+		default:
+			return false
+		}
 	}
 }

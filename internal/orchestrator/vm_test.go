@@ -6,6 +6,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"github.com/agentenv/agentenv/internal/storage/image"
 	"io"
 	"log/slog"
 	"mime/multipart"
@@ -183,7 +184,10 @@ func openTestNodeIn(t testing.TB, dir string, slot int, opts ...func(*Config)) *
 		Instance:    instance,
 		QEMUUIDBase: testQEMUUIDBase + testLane()*10_000_000 + slot*100000, // ids of its own per test node
 		BootTimeout: 60 * time.Second,
-		Logger:      slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})),
+		// The image tests write their archives and layouts under the
+		// temporary directory and pull from registries on loopback.
+		Images: image.Policy{Dirs: []string{os.TempDir()}, PrivateRegistries: true},
+		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})),
 	}
 	for _, o := range opts {
 		o(&cfg)

@@ -7,7 +7,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-		"path/filepath"
+	"path/filepath"
 	"strings"
 	"time"
 

@@ -680,6 +680,12 @@ func (m *Machine) Resume(ctx context.Context) error {
 	return err
 }
 
+// CancelMigration stops a migration QEMU is running (its state going out).
+func (m *Machine) CancelMigration(ctx context.Context) error {
+	_, err := m.qmp.Execute(ctx, "migrate_cancel", nil)
+	return err
+}
+
 // Status returns QEMU's run state ("running", "paused", ...).
 func (m *Machine) Status(ctx context.Context) (string, error) {
 	raw, err := m.qmp.Execute(ctx, "query-status", nil)

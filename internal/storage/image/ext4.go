@@ -90,7 +90,7 @@ func typeName(typ byte) string {
 // are created or replaced, `.wh.NAME` whiteouts delete NAME from the
 // layers below, and `.wh..wh..opq` empties a directory of what the layers
 // below put there. An entry the image cannot hold is refused (ErrEntry,
-// naming it) and leaves the image as it was.
+// naming it); the build then discards the image.
 func (fs *Filesystem) Apply(ctx context.Context, r io.Reader) error {
 	fs.runs++
 	dir := filepath.Join(fs.work, fmt.Sprintf("apply-%d", fs.runs))

@@ -40,6 +40,8 @@ type Source struct {
 	Tag     string // with Layout: the image's ref.name annotation (default: the only image)
 	Archive string // a `docker save` tarball
 	Ref     string // a registry reference (credentials from the docker config)
+
+	policy *Policy // set by Policy.Check: what a pull may connect to
 }
 
 func (s Source) String() string {
@@ -160,12 +162,12 @@ func load(ctx context.Context, src Source) (v1.Image, error) {
 			return nil, fmt.Errorf("%w: reference %q: %v", ErrImage, src.Ref, err)
 		}
 		img, err := remote.Image(ref, remote.WithContext(ctx), remote.WithAuthFromKeychain(authn.DefaultKeychain),
-			remote.WithPlatform(v1.Platform{OS: "linux", Architecture: "amd64"}))
+			remote.WithPlatform(v1.Platform{OS: "linux", Architecture: "amd64"}), remote.WithTransport(src.policy.transport()))
 		if registryNotFound(err) {
-			return nil, fmt.Errorf("%w: pull %s: the registry has no such image: %v", ErrNotFound, src.Ref, err)
+			return nil, fmt.Errorf("%w: pull %s: the registry has no such image", ErrNotFound, src.Ref)
 		}
 		if err != nil {
-			return nil, fmt.Errorf("%w: pull %s: %v", ErrImage, src.Ref, err)
+			return nil, registryError(src.Ref, err)
 		}
 		return img, nil
 	}
@@ -232,6 +234,9 @@ func Import(ctx context.Context, src Source, opt Options) (*Result, error) {
 		built, err := buildLayer(ctx, opt, chain, parent, diffID.String(), func(fs *Filesystem) error {
 			rc, err := l.Uncompressed()
 			if err != nil {
+				if src.Ref != "" {
+					return registryError(src.Ref, err)
+				}
 				return err
 			}
 			defer rc.Close()
