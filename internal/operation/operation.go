@@ -12,8 +12,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"log/slog"
+	"strings"
 	"sync"
 	"time"
 
