@@ -177,7 +177,7 @@ func TestVolumesBadInput(t *testing.T) {
 		{"force not a bool", "PUT", base + "/file?path=/keep&force=yes", v.Token, "x", 400, `"force"`},
 		{"patch mode too big", "PATCH", base + "/path?path=/keep", v.Token, `{"mode":99999}`, 400, "mode"},
 		{"patch uid a string", "PATCH", base + "/path?path=/keep", v.Token, `{"uid":"0"}`, 400, `"uid"`},
-		{"read a directory", "GET", base + "/file?path=/", v.Token, "", 400, "not a file"},
+		{"read a directory", "GET", base + "/file?path=/", v.Token, "", 400, "not a regular file"},
 		{"list a file", "GET", base + "/dir?path=/keep", v.Token, "", 400, "not a directory"},
 		{"write over a directory", "PUT", base + "/file?path=/lost%2Bfound", v.Token, "x", 409, "force"},
 		{"mkdir exists", "POST", base + "/dir?path=/lost%2Bfound", v.Token, "", 409, "exists"},

@@ -269,21 +269,3 @@ func TestImportBadSources(t *testing.T) {
 	}
 }
 
-// oneLayerLayout writes an OCI layout holding an image of one layer (an
-// /etc/passwd) and returns its directory.
-func oneLayerLayout(t *testing.T) string {
-	t.Helper()
-	img, err := mutate.AppendLayers(empty.Image, layerOf(t, tarEntry{name: "etc/passwd", body: "root:x:0:0:root:/root:/bin/sh\n"}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir := t.TempDir()
-	p, err := layout.Write(dir, empty.Index)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := p.AppendImage(img); err != nil {
-		t.Fatal(err)
-	}
-	return dir
-}
