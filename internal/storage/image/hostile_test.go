@@ -27,7 +27,6 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/layout"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
-	"github.com/google/go-containerregistry/pkg/v1/tarball"
 )
 
 // hdr is one raw tar header of a hostile layer; body is written after it
@@ -67,12 +66,7 @@ func rawLayer(t *testing.T, hs ...hdr) v1.Layer {
 	if complete {
 		tw.Close()
 	}
-	b := buf.Bytes()
-	l, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(b)), nil })
-	if err != nil {
-		t.Fatal(err)
-	}
-	return l
+	return layerFromBytes(t, buf.Bytes())
 }
 
 func layoutOf(t *testing.T, layers ...v1.Layer) string {

@@ -49,7 +49,12 @@ func layerOf(t *testing.T, entries ...tarEntry) v1.Layer {
 		tw.Write([]byte(e.body))
 	}
 	tw.Close()
-	b := buf.Bytes()
+	return layerFromBytes(t, buf.Bytes())
+}
+
+// layerFromBytes is a layer whose uncompressed tar stream is b.
+func layerFromBytes(t *testing.T, b []byte) v1.Layer {
+	t.Helper()
 	l, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(b)), nil })
 	if err != nil {
 		t.Fatal(err)
@@ -268,4 +273,3 @@ func TestImportBadSources(t *testing.T) {
 		t.Fatalf("tagged image: %v", err)
 	}
 }
-
