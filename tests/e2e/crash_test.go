@@ -348,6 +348,9 @@ func TestCrashRecovery(t *testing.T) {
 					// This run took another path: a snapshot of a sandbox
 					// that was snapshotted before is taken live. A fresh
 					// sandbox's first one passes the point.
+					if c.oneOff != nil {
+						c.oneOff()
+					}
 					target = create()
 					api.upload(t, target, "/home/user/kept.txt", []byte("written before the crash\n"))
 					if !crashMaybe(point, "POST", "/sandboxes/"+target.SandboxID+c.path, c.body) {
