@@ -122,14 +122,17 @@ func (o *Op) Finish(err error) error {
 	o.mu.Lock()
 	cleanups := o.cleanups
 	o.cleanups = nil
-	names := make([]string, len(o.steps))
-	for i, s := range o.steps {
-		names[i] = s.Name
-	}
+	steps := o.steps
 	o.mu.Unlock()
 	// The steps passed, each a fault point (the crash tests arm a kill at
-	// each of them in turn).
-	o.log.Debug("operation steps", "op", o.name, "steps", strings.Join(names, ","), "failed", err != nil)
+	// each of them in turn); listed only when debug logging is on.
+	if o.log.Enabled(o.ctx, slog.LevelDebug) {
+		names := make([]string, len(steps))
+		for i, s := range steps {
+			names[i] = s.Name
+		}
+		o.log.Debug("operation steps", "op", o.name, "steps", strings.Join(names, ","), "failed", err != nil)
+	}
 	if err == nil {
 		return nil
 	}

@@ -172,23 +172,14 @@ func e2bConventions(ctx context.Context, fs *image.Filesystem) error {
 }
 
 // accountsFile reads /etc/passwd or /etc/group of the image: nothing if it
-// has none, an error naming the file if it is anything but a regular file
-// of at most maxAccountsFile bytes.
+// has none; anything but a regular file of at most maxAccountsFile bytes
+// refuses the import (ReadFile's ErrUnusable, naming the file).
 func accountsFile(ctx context.Context, fs *image.Filesystem, name string) ([]byte, error) {
-	e, err := fs.Stat(name)
+	b, err := fs.ReadFile(ctx, name, maxAccountsFile)
 	if image.IsNotExist(err) {
 		return nil, nil
 	}
-	if err != nil {
-		return nil, fmt.Errorf("%w: /%s: %v", image.ErrUnusable, name, err)
-	}
-	if e.Type != tar.TypeReg {
-		return nil, fmt.Errorf("%w: its /%s is not a regular file", image.ErrUnusable, name)
-	}
-	if e.Size > maxAccountsFile {
-		return nil, fmt.Errorf("%w: its /%s holds %d bytes (at most %d)", image.ErrUnusable, name, e.Size, maxAccountsFile)
-	}
-	return fs.ReadFile(ctx, name, maxAccountsFile)
+	return b, err
 }
 
 // hasShell tells whether the image has an executable /bin/sh (resolved

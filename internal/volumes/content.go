@@ -371,7 +371,7 @@ func openRegular(root *os.Root, rel string) (*os.File, fs.FileInfo, error) {
 
 // notAFile refuses to read what is not a regular file, saying what it is.
 func notAFile(rel string, fi fs.FileInfo) error {
-	what := "not a file"
+	what := "of another type"
 	switch m := fi.Mode(); {
 	case m.IsDir():
 		what = "a directory"

@@ -10,7 +10,9 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"path"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -31,28 +33,27 @@ type Filesystem struct {
 	runs  int
 }
 
-// Tree is the model of the image's files.
-func (fs *Filesystem) Tree() *Tree { return fs.tree }
-
 // Stat describes a name of the image, every symlink followed inside it.
 func (fs *Filesystem) Stat(name string) (Entry, error) { return fs.tree.Stat(name) }
 
 // ReadFile reads a regular file of the image (symlinks followed inside
-// it) of at most max bytes. Anything else is an error: a device node, a
-// FIFO or a directory is never read.
+// it) of at most max bytes. Anything else is refused (ErrUnusable, naming
+// the file) and never read: a device node, a FIFO, a directory, a bigger
+// file, a path that does not resolve. A name the image does not have is
+// an error IsNotExist tells.
 func (fs *Filesystem) ReadFile(ctx context.Context, name string, max int64) ([]byte, error) {
 	r, err := fs.tree.resolve(name, true, false)
 	if err != nil {
-		return nil, fmt.Errorf("%s: %v", name, err)
+		return nil, fmt.Errorf("%w: its /%s: %v", ErrUnusable, name, err)
 	}
 	if r.target == nil {
 		return nil, fmt.Errorf("%s: %w", name, errNotExist)
 	}
 	if r.target.typ != tar.TypeReg {
-		return nil, fmt.Errorf("%s is %s, not a regular file", name, typeName(r.target.typ))
+		return nil, fmt.Errorf("%w: its /%s is %s, not a regular file", ErrUnusable, name, typeName(r.target.typ))
 	}
 	if r.target.size > max {
-		return nil, fmt.Errorf("%s holds %d bytes, more than the %d read here", name, r.target.size, max)
+		return nil, fmt.Errorf("%w: its /%s holds %d bytes (at most %d)", ErrUnusable, name, r.target.size, max)
 	}
 	var out bytes.Buffer
 	stderr := &limitedBuffer{max: 64 << 10}
@@ -90,7 +91,7 @@ func typeName(typ byte) string {
 // are created or replaced, `.wh.NAME` whiteouts delete NAME from the
 // layers below, and `.wh..wh..opq` empties a directory of what the layers
 // below put there. An entry the image cannot hold is refused (ErrEntry,
-// naming it); the build then discards the image.
+// naming it); the build then discards the image and its model.
 func (fs *Filesystem) Apply(ctx context.Context, r io.Reader) error {
 	fs.runs++
 	dir := filepath.Join(fs.work, fmt.Sprintf("apply-%d", fs.runs))
@@ -104,15 +105,8 @@ func (fs *Filesystem) Apply(ctx context.Context, r io.Reader) error {
 		return err
 	}
 	defer f.Close()
-	saved, err := fs.tree.marshal() // to put the model back if the layer is refused
-	if err != nil {
-		return err
-	}
 	a := &applier{fs: fs, dir: dir, out: bufio.NewWriterSize(f, 1<<20), written: map[string]bool{}}
 	if err := a.layer(ctx, tar.NewReader(r)); err != nil {
-		if t, terr := unmarshalTree(saved); terr == nil {
-			fs.tree = t
-		}
 		return err
 	}
 	if err := a.out.Flush(); err != nil {
@@ -141,8 +135,7 @@ func (fs *Filesystem) runScript(ctx context.Context, script, dir string) error {
 	}
 	if msg := debugfsErrors(out.String()); msg != "" {
 		msg = strings.ReplaceAll(msg, dir+"/", "")
-		if strings.Contains(msg, "Could not allocate") || strings.Contains(msg, "No free space") ||
-			strings.Contains(msg, "Could not allocate inode") {
+		if strings.Contains(msg, "Could not allocate") || strings.Contains(msg, "No free space") {
 			return fmt.Errorf("%w: the image's file system is full: %s", ErrEntry, firstLine(msg))
 		}
 		return fmt.Errorf("debugfs: %s", msg)
@@ -153,18 +146,10 @@ func (fs *Filesystem) runScript(ctx context.Context, script, dir string) error {
 // checkFS runs e2fsck on the image without changing it: a layer is only
 // kept when its file system checks clean.
 func checkFS(ctx context.Context, raw string) error {
-	out, err := exec.CommandContext(ctx, "e2fsck", "-fn", raw).CombinedOutput()
-	if err != nil {
-		return fmt.Errorf("the layer's file system does not check clean: %v: %s", err, tail(out, 2000))
+	if err := run(ctx, "e2fsck", "-fn", raw); err != nil {
+		return fmt.Errorf("the layer's file system does not check clean: %w", err)
 	}
 	return nil
-}
-
-func tail(b []byte, n int) string {
-	if len(b) > n {
-		b = b[len(b)-n:]
-	}
-	return strings.TrimSpace(string(b))
 }
 
 func firstLine(s string) string {
@@ -214,15 +199,8 @@ func (b *limitedBuffer) String() string {
 // is always one line.
 func quote(s string) string { return `"` + strings.ReplaceAll(s, `"`, `""`) + `"` }
 
-// fullPath names dir/base for debugfs commands that take a path. A name
-// in the root is written /./NAME: debugfs splits a path at its last slash
-// and resolves the part before it, which must not be empty.
-func fullPath(dir []string, base string) string {
-	if len(dir) == 0 {
-		return "/./" + base
-	}
-	return absPath(dir) + "/" + base
-}
+// fullPath is the image path of name base in directory dir.
+func fullPath(dir []string, base string) string { return path.Join(absPath(dir), base) }
 
 // applier turns one layer into a debugfs script over the model.
 type applier struct {
@@ -244,27 +222,15 @@ func (a *applier) cmd(args ...string) {
 // one when dir is below it (a path from the root costs a lookup per
 // component).
 func (a *applier) cd(dir []string) {
-	if a.cwdSet && equal(a.cwd, dir) {
+	if a.cwdSet && slices.Equal(a.cwd, dir) {
 		return
 	}
-	if a.cwdSet && len(dir) > len(a.cwd) && equal(a.cwd, dir[:len(a.cwd)]) {
+	if a.cwdSet && len(dir) > len(a.cwd) && slices.Equal(a.cwd, dir[:len(a.cwd)]) {
 		a.cmd("cd", quote("./"+strings.Join(dir[len(a.cwd):], "/")))
 	} else {
 		a.cmd("cd", quote(absPath(dir)))
 	}
 	a.cwd, a.cwdSet = append([]string(nil), dir...), true
-}
-
-func equal(a, b []string) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 // here names base in the working directory for commands that take a path
@@ -313,16 +279,8 @@ func (a *applier) entry(h *tar.Header, r io.Reader) error {
 		if res.target == nil || !res.target.isDir() {
 			return fmt.Errorf("an opaque whiteout in %q, which is not a directory", dirName)
 		}
-		dir := append(append([]string(nil), res.dir...), res.base)
-		if res.base == "" {
-			dir = nil
-		}
-		names := make([]string, 0, len(res.target.children))
-		for n := range res.target.children {
-			names = append(names, n)
-		}
-		sort.Strings(names)
-		for _, n := range names {
+		dir := res.path()
+		for _, n := range sortedNames(res.target) {
 			if !a.written[fullPath(dir, n)] {
 				a.remove(dir, res.target, n)
 			}
@@ -337,11 +295,7 @@ func (a *applier) entry(h *tar.Header, r io.Reader) error {
 		if err != nil || res.target == nil || !res.target.isDir() {
 			return nil // nothing there to hide
 		}
-		dir := append(append([]string(nil), res.dir...), res.base)
-		if res.base == "" {
-			dir = nil
-		}
-		a.remove(dir, res.target, gone)
+		a.remove(res.path(), res.target, gone)
 		return nil
 	}
 	switch h.Typeflag {

@@ -355,3 +355,46 @@ func TestHostileRegistryLayer(t *testing.T) {
 		t.Fatalf("the benign import took %s behind the stalled one", d)
 	}
 }
+
+// TestReadFileReadsOnlyRegularFiles: what the E2B conventions read of an
+// image (Filesystem.ReadFile) is a regular file of bounded size, symlinks
+// followed inside the image; a device node, a FIFO, a directory, a bigger
+// file or a symlink loop is refused with ErrUnusable and never read.
+func TestReadFileReadsOnlyRegularFiles(t *testing.T) {
+	needRoot(t)
+	file := func(n, body string) hdr { return hdr{Header: tar.Header{Name: n, Typeflag: tar.TypeReg}, body: body} }
+	link := func(n, to string) hdr {
+		return hdr{Header: tar.Header{Name: n, Typeflag: tar.TypeSymlink, Linkname: to}}
+	}
+	src := Source{Layout: layoutOf(t, rawLayer(t,
+		file("etc/ok", "root:x:0:0::/root:/bin/sh\n"),
+		link("etc/via-link", "../etc/./ok"),
+		hdr{Header: tar.Header{Name: "etc/disk", Typeflag: tar.TypeBlock, Devmajor: 8}},
+		hdr{Header: tar.Header{Name: "etc/fifo", Typeflag: tar.TypeFifo}},
+		link("etc/to-disk", "/etc/disk"),
+		file("etc/big", strings.Repeat("x", 2000)),
+		link("etc/loop", "loop"),
+	))}
+	checked := false
+	opt := Options{LayersDir: filepath.Join(t.TempDir(), "layers"), SizeMiB: 32, FinishID: "read-v1", Finish: func(fs *Filesystem) error {
+		ctx := context.Background()
+		for _, ok := range []string{"etc/ok", "etc/via-link"} {
+			if b, err := fs.ReadFile(ctx, ok, 1000); err != nil || string(b) != "root:x:0:0::/root:/bin/sh\n" {
+				t.Errorf("%s: %q %v", ok, b, err)
+			}
+		}
+		for _, bad := range []string{"etc/disk", "etc/fifo", "etc/to-disk", "etc/big", "etc/loop", "etc"} {
+			if b, err := fs.ReadFile(ctx, bad, 1000); !errors.Is(err, ErrUnusable) || b != nil {
+				t.Errorf("%s: %q %v, want a refusal (ErrUnusable)", bad, b, err)
+			}
+		}
+		if _, err := fs.ReadFile(ctx, "etc/none", 1000); !IsNotExist(err) {
+			t.Errorf("a missing file: %v", err)
+		}
+		checked = true
+		return nil
+	}}
+	if _, err := Import(context.Background(), src, opt); err != nil || !checked {
+		t.Fatalf("import: %v (checked %v)", err, checked)
+	}
+}

@@ -224,14 +224,13 @@ func Import(ctx context.Context, src Source, opt Options) (*Result, error) {
 	}
 	res := &Result{Env: cfg.Config.Env, WorkingDir: cfg.Config.WorkingDir, User: cfg.Config.User,
 		Cmd: append(append([]string{}, cfg.Config.Entrypoint...), cfg.Config.Cmd...)}
-	parent := ""
+	var below *Layer // the layer built last
 	for i, l := range layers {
 		diffID, err := l.DiffID()
 		if err != nil {
 			return nil, fmt.Errorf("%w: layer %d: %v", ErrImage, i, err)
 		}
-		chain := chainID(parent, diffID.String())
-		built, err := buildLayer(ctx, opt, chain, parent, diffID.String(), func(fs *Filesystem) error {
+		built, err := buildLayer(ctx, opt, below, diffID.String(), func(fs *Filesystem) error {
 			rc, err := l.Uncompressed()
 			if err != nil {
 				if src.Ref != "" {
@@ -257,11 +256,10 @@ func Import(ctx context.Context, src Source, opt Options) (*Result, error) {
 			return nil, fmt.Errorf("layer %d/%d (%s): %w", i+1, len(layers), short(diffID.String()), err)
 		}
 		res.Layers = append(res.Layers, *built)
-		parent = chain
+		below = built
 	}
 	if opt.Finish != nil {
-		chain := chainID(parent, "finish:"+opt.FinishID)
-		built, err := buildLayer(ctx, opt, chain, parent, "finish:"+opt.FinishID, opt.Finish)
+		built, err := buildLayer(ctx, opt, below, "finish:"+opt.FinishID, opt.Finish)
 		if err != nil {
 			if errors.Is(err, ErrUnusable) {
 				return nil, fmt.Errorf("%s %w", src, err)
@@ -331,12 +329,18 @@ func LayerPath(layersDir, chain string) string {
 	return filepath.Join(layersDir, strings.TrimPrefix(chain, "sha256:")+".qcow2")
 }
 
-// buildLayer makes the layer chain over parent by applying change to a
-// copy of the parent's file system image, unless it exists already. The
-// image is never mounted: change works on it as data (see Filesystem).
-func buildLayer(ctx context.Context, opt Options, chain, parent, diffID string, change func(fs *Filesystem) error) (*Layer, error) {
+// buildLayer makes the layer of diffID over below (nil: none) by applying
+// change to a copy of below's file system image, unless it exists
+// already. The image is never mounted: change works on it as data (see
+// Filesystem).
+func buildLayer(ctx context.Context, opt Options, below *Layer, diffID string, change func(fs *Filesystem) error) (*Layer, error) {
+	parent := ""
+	if below != nil {
+		parent = below.ChainID
+	}
+	chain := chainID(parent, diffID)
 	out := LayerPath(opt.LayersDir, chain)
-	meta := strings.TrimSuffix(out, ".qcow2") + ".json"
+	meta := metaPath(opt.LayersDir, chain)
 	var have Layer
 	if b, err := os.ReadFile(meta); err == nil && json.Unmarshal(b, &have) == nil && have.ChainID == chain {
 		if st, err := os.Stat(out); err == nil {
@@ -353,13 +357,13 @@ func buildLayer(ctx context.Context, opt Options, chain, parent, diffID string, 
 	defer os.RemoveAll(work)
 	raw := filepath.Join(work, "fs.raw")
 	var tree *Tree
-	if parent == "" {
+	if below == nil {
 		if err := run(ctx, "mkfs.ext4", "-q", "-F", "-L", "aenv-root", "-E", "root_owner=0:0", raw, fmt.Sprintf("%dM", opt.SizeMiB)); err != nil {
 			return nil, err
 		}
 		tree = newTree()
 	} else {
-		if tree, err = loadTree(opt.LayersDir, parent); err != nil {
+		if tree, err = loadTree(opt.LayersDir, below); err != nil {
 			return nil, err
 		}
 		if err := run(ctx, "qemu-img", "convert", "-q", "-f", "qcow2", "-O", "raw", LayerPath(opt.LayersDir, parent), raw); err != nil {
@@ -410,24 +414,24 @@ func buildLayer(ctx context.Context, opt Options, chain, parent, diffID string, 
 	return &l, nil
 }
 
+// metaPath is where a layer's record is kept (written last).
+func metaPath(layersDir, chain string) string {
+	return strings.TrimSuffix(LayerPath(layersDir, chain), ".qcow2") + ".json"
+}
+
 // treePath is where the model of a layer's tree is kept.
 func treePath(layersDir, chain string) string {
 	return strings.TrimSuffix(LayerPath(layersDir, chain), ".qcow2") + ".tree"
 }
 
-// loadTree reads the model of a layer's tree, checked against its record.
-func loadTree(layersDir, chain string) (*Tree, error) {
-	var l Layer
-	meta := strings.TrimSuffix(LayerPath(layersDir, chain), ".qcow2") + ".json"
-	if err := storage.ReadJSON(meta, &l); err != nil {
-		return nil, fmt.Errorf("layer %s: %w", short(chain), err)
-	}
-	b, err := os.ReadFile(treePath(layersDir, chain))
+// loadTree reads the model of layer l's tree, checked against l's record.
+func loadTree(layersDir string, l *Layer) (*Tree, error) {
+	b, err := os.ReadFile(treePath(layersDir, l.ChainID))
 	if err != nil {
-		return nil, fmt.Errorf("layer %s: %w", short(chain), err)
+		return nil, fmt.Errorf("layer %s: %w", short(l.ChainID), err)
 	}
 	if sum := sha256.Sum256(b); hex.EncodeToString(sum[:]) != l.TreeSHA256 {
-		return nil, fmt.Errorf("layer %s: its tree does not match its record", short(chain))
+		return nil, fmt.Errorf("layer %s: its tree does not match its record", short(l.ChainID))
 	}
 	return unmarshalTree(b)
 }

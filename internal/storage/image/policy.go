@@ -114,7 +114,7 @@ func checkLocal(dir, rel string, layout bool) error {
 // dialer refuses, at connect time (after name resolution, so a name that
 // resolves there is refused too), the addresses the policy closes.
 func (p *Policy) transport() http.RoundTripper {
-	t := remoteTransport()
+	t := http.DefaultTransport.(*http.Transport).Clone()
 	if p == nil || p.PrivateRegistries {
 		return t
 	}
@@ -122,10 +122,6 @@ func (p *Policy) transport() http.RoundTripper {
 	t.DialContext = d.DialContext
 	t.Proxy = nil // a proxy would connect on our behalf
 	return t
-}
-
-func remoteTransport() *http.Transport {
-	return http.DefaultTransport.(*http.Transport).Clone()
 }
 
 // errPrivateAddress marks a connection the policy refused.

@@ -69,9 +69,6 @@ type Entry struct {
 	Size int64
 }
 
-// Bytes is what the image's regular files hold.
-func (t *Tree) Bytes() int64 { return t.bytes }
-
 // Entries is how many names the image holds.
 func (t *Tree) Entries() int { return t.entries }
 
@@ -112,6 +109,24 @@ type resolved struct {
 	base    string
 	target  *entry // the entry at base, nil if none
 	created [][]string
+}
+
+// path is the components of the resolved name itself (nil: the root).
+func (r *resolved) path() []string {
+	if r.base == "" {
+		return nil
+	}
+	return append(append([]string(nil), r.dir...), r.base)
+}
+
+// sortedNames lists a directory's names in order.
+func sortedNames(dir *entry) []string {
+	names := make([]string, 0, len(dir.children))
+	for n := range dir.children {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return names
 }
 
 // resolve finds name in the tree as the kernel would with the tree as the
@@ -211,12 +226,7 @@ func (t *Tree) remove(dir []string, dirEnt *entry, base string, gone func(comps 
 	}
 	comps := append(append([]string(nil), dir...), base)
 	if e.isDir() {
-		names := make([]string, 0, len(e.children))
-		for n := range e.children {
-			names = append(names, n)
-		}
-		sort.Strings(names)
-		for _, n := range names {
+		for _, n := range sortedNames(e) {
 			t.remove(comps, e, n, gone)
 		}
 	} else {
@@ -247,12 +257,7 @@ func (t *Tree) marshal() ([]byte, error) {
 	ids := map[*entry]int{}
 	var walk func(comps []string, e *entry)
 	walk = func(comps []string, e *entry) {
-		names := make([]string, 0, len(e.children))
-		for n := range e.children {
-			names = append(names, n)
-		}
-		sort.Strings(names)
-		for _, n := range names {
+		for _, n := range sortedNames(e) {
 			c := e.children[n]
 			id, ok := ids[c]
 			if !ok {
