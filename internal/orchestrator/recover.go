@@ -151,8 +151,11 @@ func (n *Node) recoverInterrupted(ctx context.Context, s *sandboxes.Sandbox) san
 		if rec, err := readPauseRecord(dir); err == nil && rec.matchesState(dir) == nil {
 			m, aerr := vmm.Attach(ctx, dir)
 			if aerr == nil && s.State == sandboxes.Resuming {
-				// The resume got as far as a live QEMU: finish it.
-				if n.finishInterruptedResume(ctx, s, m) {
+				// The resume got as far as a live QEMU: finish it. A QEMU
+				// still stopped after the pause's save (postmigrate) is
+				// its hot copy, which only the resume could check against
+				// the pause on disk: the state on disk is trusted instead.
+				if n.finishInterruptedResume(ctx, s, m, false) {
 					return sandboxes.Running
 				}
 			} else if aerr == nil {
@@ -185,7 +188,7 @@ func (n *Node) recoverInterrupted(ctx context.Context, s *sandboxes.Sandbox) san
 				n.settleInterruptedSeal(ctx, s, m)
 				n.pointAtOverlayBase(ctx, s)
 			}
-			if n.finishInterruptedResume(ctx, s, m) {
+			if n.finishInterruptedResume(ctx, s, m, true) {
 				if capture {
 					if _, err := m.ReleaseSealed(ctx); err != nil {
 						n.log.Error("release the sealed images of an interrupted capture", "sandbox", s.ID, "err", err)
@@ -230,8 +233,11 @@ func (n *Node) frozenFiles(s *sandboxes.Sandbox) bool {
 }
 
 // finishInterruptedResume continues a live machine and re-initialises envd.
-func (n *Node) finishInterruptedResume(ctx context.Context, s *sandboxes.Sandbox, m *vmm.Machine) bool {
-	if !continuable(ctx, m) {
+// With afterSave a machine stopped after writing its state (postmigrate)
+// runs on too: its files are its own (the operation that wrote the state
+// never published it).
+func (n *Node) finishInterruptedResume(ctx context.Context, s *sandboxes.Sandbox, m *vmm.Machine, afterSave bool) bool {
+	if !continuable(ctx, m, afterSave) {
 		n.log.Warn("the QEMU of an interrupted operation cannot run on", "sandbox", s.ID)
 		_ = m.Kill()
 		return false
@@ -281,12 +287,13 @@ func (n *Node) pointAtOverlayBase(ctx context.Context, s *sandboxes.Sandbox) {
 }
 
 // continuable tells whether a QEMU found alive after a crash holds a
-// guest that can run on: running, its vCPUs stopped (paused), or stopped
-// after writing its state (postmigrate: a pause cut after its save; the
-// continue reactivates its disks). A migration still being written
-// (finish-migrate) is cancelled first and waited out. A QEMU waiting for a
-// state (inmigrate, prelaunch) holds no guest yet.
-func continuable(ctx context.Context, m *vmm.Machine) bool {
+// guest that can run on: running, its vCPUs stopped (paused), or, with
+// afterSave, stopped after writing its state (postmigrate: a pause or a
+// capture cut after its save; the continue reactivates its disks). A
+// migration still being written (finish-migrate) is cancelled first and
+// waited out. A QEMU waiting for a state (inmigrate, prelaunch) holds no
+// guest yet.
+func continuable(ctx context.Context, m *vmm.Machine, afterSave bool) bool {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	for cancelled := false; ; {
@@ -295,8 +302,10 @@ func continuable(ctx context.Context, m *vmm.Machine) bool {
 			return false
 		}
 		switch st {
-		case "running", "paused", "postmigrate":
+		case "running", "paused":
 			return true
+		case "postmigrate":
+			return afterSave
 		case "finish-migrate":
 			if !cancelled {
 				_ = m.CancelMigration(ctx)
