@@ -76,6 +76,9 @@ type serverOptions struct {
 	// Idempotency-Key is kept.
 	idempotencyWindow time.Duration
 	layerStore        int
+	maxDiskMiB        int
+	consoleLogMiB     int
+	minFreeDiskMiB    int
 	imageDirs         []string
 	privateRegistries bool
 	hotPausedMiB      int
@@ -129,6 +132,9 @@ func serverFlags(cmd *cobra.Command, o *serverOptions) {
 	cmd.Flags().StringArrayVar(&o.imageDirs, "image-dir", nil, "a directory whose OCI layouts and docker archives POST /sandboxes-cold may name (oci-layout:DIR, docker-archive:FILE); repeatable; none by default: no local image sources")
 	cmd.Flags().BoolVar(&o.privateRegistries, "allow-private-registries", false, "let POST /sandboxes-cold pull from registries on loopback, link-local and private addresses and the node's own (refused by default)")
 	cmd.Flags().IntVar(&o.layerStore, "layer-store-mib", 0, "bound on the layer store in MiB: past it the images converted for sandboxes made from them (POST /sandboxes-cold) are evicted, least recently used first (0: no bound)")
+	cmd.Flags().IntVar(&o.maxDiskMiB, "max-disk-mib", 64<<10, "largest disk a sandbox may ask for (diskSizeMB), in MiB: a guest's writes grow its overlay on the node's disk up to its size")
+	cmd.Flags().IntVar(&o.consoleLogMiB, "console-log-mib", 4, "cap of each sandbox's console log on the node's disk, in MiB: past it the oldest bytes are dropped")
+	cmd.Flags().IntVar(&o.minFreeDiskMiB, "min-free-disk-mib", 2048, "free space on the data dir's file system below which starts, builds, uploads and snapshots are refused with 507, in MiB (-1: no floor)")
 	cmd.Flags().DurationVar(&o.idempotencyWindow, "idempotency-window", 24*time.Hour, "how long the answer of a create or fork sent with an Idempotency-Key is kept for its retries")
 	cmd.Flags().StringVar(&o.qemu, "qemu", os.Getenv("AENV_QEMU"), "the qemu-system-x86_64 binary sandboxes run in, probed at start (7.2 or newer; env AENV_QEMU; default: the one in PATH)")
 	cmd.Flags().IntVar(&o.hotPausedMiB, "hot-paused-mib", 2048, "guest memory the stopped QEMUs of paused sandboxes may hold, for resumes that only continue them (the state is on disk as for any pause); the least recently paused are demoted past it (-1: no hot pause)")
@@ -293,6 +299,9 @@ func runServer(ctx context.Context, o serverOptions, cluster *nodeOptions) error
 		AdmissionWait:     o.admissionWait,
 		Events:            hooks,
 		LayerStoreMiB:     o.layerStore,
+		MaxDiskMiB:        o.maxDiskMiB,
+		ConsoleLogMiB:     o.consoleLogMiB,
+		MinFreeDiskMiB:    o.minFreeDiskMiB,
 		Images:            image.Policy{Dirs: o.imageDirs, PrivateRegistries: o.privateRegistries},
 		HotPausedMiB:      o.hotPausedMiB,
 		QEMU:              o.qemu,

@@ -9,12 +9,14 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/operation"
 	"github.com/agentenv/agentenv/internal/sandboxes"
+	"github.com/agentenv/agentenv/internal/vmm"
 )
 
 func TestExpiryKillsSandbox(t *testing.T) {
@@ -270,8 +272,11 @@ except Exception as e:
 	}
 }
 
+// TestConsoleLog reads a sandbox's console log, then floods it from the
+// guest: the host's file stays within its cap (a ring of the newest bytes,
+// still read whole).
 func TestConsoleLog(t *testing.T) {
-	n := testNode(t)
+	n := testNode(t, func(c *Config) { c.ConsoleLogMiB = 1 })
 	s := create(t, n, CreateRequest{TemplateID: "minimal"})
 	ctx := context.Background()
 	all, err := n.ConsoleLog(ctx, s.ID, 0)
@@ -285,6 +290,38 @@ func TestConsoleLog(t *testing.T) {
 	if _, err := n.ConsoleLog(ctx, "nosuchsandbox", 0); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("unknown sandbox: %v", err)
 	}
+
+	// Three times the cap, as a guest's `yes > /dev/ttyS0` would.
+	const flood, limit = 3 << 20, 1 << 20
+	r, err := newEnvdClient(s).run(ctx, "root", "sh", "-c",
+		fmt.Sprintf("head -c %d /dev/zero | tr '\\0' y > /dev/ttyS0 && echo CONSOLE-FLOOD-END > /dev/ttyS0", flood))
+	if err != nil || r.exit != 0 {
+		t.Fatalf("flood: %+v %v", r, err)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(filepath.Join(n.sandboxDir(s.ID), vmm.ConsoleName), &st); err != nil {
+		t.Fatal(err)
+	}
+	// The ring is trimmed every half second: the guest writes well under
+	// a MiB in that time.
+	if held := st.Blocks * 512; held > 2*limit {
+		t.Fatalf("console log holds %d bytes on disk after a %d-byte flood (cap %d)", held, flood, limit)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		all, err = n.ConsoleLog(ctx, s.ID, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(string(all), "CONSOLE-FLOOD-END") || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if !strings.Contains(string(all), "CONSOLE-FLOOD-END") || len(all) > 2*limit || !strings.Contains(string(all), "yyyy") {
+		t.Fatalf("console log after the flood: %d bytes, ends %q", len(all), all[max(0, len(all)-80):])
+	}
+	t.Logf("console log after a %d-byte flood: %d bytes read, %d on disk", flood, len(all), st.Blocks*512)
 }
 
 // TestRestartMidOperation reopens a node whose sandboxes were caught in the

@@ -103,6 +103,16 @@ type Config struct {
 	// Limits for one sandbox.
 	MaxVCPUs     int
 	MaxMemoryMiB int
+	// MaxDiskMiB bounds a sandbox's disk (diskSizeMB; 0: 64 GiB): what a
+	// guest writes grows its overlay on the node's disk up to that.
+	MaxDiskMiB int
+	// ConsoleLogMiB caps each sandbox's console log (and QEMU log) on the
+	// node's disk, kept as a ring of its newest bytes (0: 4 MiB).
+	ConsoleLogMiB int
+	// MinFreeDiskMiB is the free space on the data dir's file system
+	// below which the node refuses what would grow it (starts, builds,
+	// uploads, snapshots) with 507 (0: 2048; negative: no floor).
+	MinFreeDiskMiB int
 	// TemplateSnapshots makes the node build a snapshot of every template
 	// in the background after it starts, so creates restore instead of
 	// cold-booting.
@@ -202,6 +212,15 @@ func (c *Config) setDefaults() {
 	}
 	if c.MaxMemoryMiB == 0 {
 		c.MaxMemoryMiB = 16 << 10
+	}
+	if c.MaxDiskMiB == 0 {
+		c.MaxDiskMiB = 64 << 10
+	}
+	if c.ConsoleLogMiB == 0 {
+		c.ConsoleLogMiB = vmm.DefaultLogCap >> 20
+	}
+	if c.MinFreeDiskMiB == 0 {
+		c.MinFreeDiskMiB = 2048
 	}
 	if c.Instance == "" {
 		c.Instance = network.DefaultInstance

@@ -739,6 +739,7 @@ func (n *Node) vmConfig(s *sandboxes.Sandbox, tap *os.File, incoming bool) vmm.C
 		MAC:           network.GuestMAC,
 		PrivateMemory: s.MemPrivate,
 		RunDir:        dir,
+		LogCap:        n.logCap(),
 		TBSizeMiB:     n.cfg.TCGTranslationCacheMiB,
 		Incoming:      incoming,
 		Tap:           tap,

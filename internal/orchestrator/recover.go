@@ -38,7 +38,7 @@ func (n *Node) recover(ctx context.Context) error {
 	for _, s := range all {
 		switch s.State {
 		case sandboxes.Running:
-			m, err := vmm.Attach(ctx, n.sandboxDir(s.ID))
+			m, err := vmm.Attach(ctx, n.sandboxDir(s.ID), n.logCap())
 			if err == nil {
 				n.adopt(s.ID, m)
 				known[s.ID] = true
@@ -50,7 +50,7 @@ func (n *Node) recover(ctx context.Context) error {
 		case sandboxes.Paused:
 			// A crash between a pause's commit and its QEMU's exit leaves a
 			// stopped QEMU behind.
-			if m, err := vmm.Attach(ctx, n.sandboxDir(s.ID)); err == nil {
+			if m, err := vmm.Attach(ctx, n.sandboxDir(s.ID), n.logCap()); err == nil {
 				_ = m.Kill()
 			}
 			known[s.ID] = true
@@ -149,7 +149,7 @@ func (n *Node) recoverInterrupted(ctx context.Context, s *sandboxes.Sandbox) san
 	dir := n.sandboxDir(s.ID)
 	if s.State == sandboxes.Pausing || s.State == sandboxes.Resuming {
 		if rec, err := readPauseRecord(dir); err == nil && rec.matchesState(dir) == nil {
-			m, aerr := vmm.Attach(ctx, dir)
+			m, aerr := vmm.Attach(ctx, dir, n.logCap())
 			if aerr == nil && s.State == sandboxes.Resuming {
 				// The resume got as far as a live QEMU: finish it. A QEMU
 				// still stopped after the pause's save (postmigrate) is
@@ -175,7 +175,7 @@ func (n *Node) recoverInterrupted(ctx context.Context, s *sandboxes.Sandbox) san
 	// A freeze cut short names its snapshot in the record, held by the
 	// capture's lease (leases end only after this recovery).
 	freezing := capture && n.freezeInProgress(ctx, s)
-	if m, err := vmm.Attach(ctx, dir); err == nil {
+	if m, err := vmm.Attach(ctx, dir, n.logCap()); err == nil {
 		if freezing && n.frozenFiles(s) {
 			// The files are the snapshot's now: the old QEMU must not run
 			// on them again.

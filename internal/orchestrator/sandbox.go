@@ -79,8 +79,8 @@ func (n *Node) validate(req *CreateRequest, t *Template) error {
 	if req.MemoryMiB < 128 || req.MemoryMiB > n.cfg.MaxMemoryMiB {
 		return fmt.Errorf("%w: memoryMB %d is outside 128..%d", ErrInvalid, req.MemoryMiB, n.cfg.MaxMemoryMiB)
 	}
-	if req.DiskMiB < 0 || req.DiskMiB > 1<<20 {
-		return fmt.Errorf("%w: diskSizeMB %d is outside 0..%d", ErrInvalid, req.DiskMiB, 1<<20)
+	if req.DiskMiB < 0 || req.DiskMiB > n.cfg.MaxDiskMiB {
+		return fmt.Errorf("%w: diskSizeMB %d is outside 0..%d (this node's limit)", ErrInvalid, req.DiskMiB, n.cfg.MaxDiskMiB)
 	}
 	if req.Timeout == 0 {
 		req.Timeout = n.cfg.DefaultTimeout
@@ -494,12 +494,9 @@ func postEnvd(ctx context.Context, addr, path, token string, body any) error {
 }
 
 func consoleTail(dir string) string {
-	b, err := os.ReadFile(filepath.Join(dir, vmm.ConsoleName))
+	b, err := vmm.ReadLogTail(filepath.Join(dir, vmm.ConsoleName), 1500)
 	if err != nil || len(b) == 0 {
 		return ""
-	}
-	if len(b) > 1500 {
-		b = b[len(b)-1500:]
 	}
 	return "; guest console: " + strings.TrimSpace(string(b))
 }
@@ -637,23 +634,7 @@ func (n *Node) ConsoleLog(ctx context.Context, id string, maxBytes int64) ([]byt
 	if _, err := n.Get(ctx, id); err != nil {
 		return nil, err
 	}
-	f, err := os.Open(filepath.Join(n.sandboxDir(id), vmm.ConsoleName))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return nil, err
-	}
-	off := int64(0)
-	if maxBytes > 0 && st.Size() > maxBytes {
-		off = st.Size() - maxBytes
-	}
-	return io.ReadAll(io.NewSectionReader(f, off, st.Size()-off))
+	return vmm.ReadLogTail(filepath.Join(n.sandboxDir(id), vmm.ConsoleName), maxBytes)
 }
 
 // mergeEnv is a template's env vars overridden by a create's.
@@ -701,3 +682,7 @@ const DefaultQEMUUser = "aenv-qemu"
 // DefaultQEMUUIDBase numbers the ids sandboxes' QEMUs run as: far above
 // the users and subordinate id ranges a host hands out.
 const DefaultQEMUUIDBase = 1_700_000_000
+
+// logCap is the bound of each sandbox's console and QEMU logs on the
+// node's disk.
+func (n *Node) logCap() int64 { return int64(n.cfg.ConsoleLogMiB) << 20 }

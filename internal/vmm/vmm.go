@@ -44,6 +44,9 @@ type Config struct {
 	MAC string
 	// RunDir holds the QMP socket, console log, QEMU log and pid file.
 	RunDir string
+	// LogCap bounds the console and QEMU logs in RunDir while the machine
+	// runs (0: DefaultLogCap); see logring.go.
+	LogCap int64
 	// TBSizeMiB bounds TCG's translation cache (0: QEMU's default).
 	TBSizeMiB int
 	// Incoming starts QEMU waiting for a saved device state (LoadState)
@@ -194,7 +197,7 @@ func (c *Config) Args() []string {
 		"-kernel", c.Kernel,
 		"-initrd", c.Initrd,
 		"-append", c.Cmdline,
-		"-chardev", "file,id=console,path=" + filepath.Join(c.RunDir, ConsoleName),
+		"-chardev", "file,id=console,append=on,path=" + filepath.Join(c.RunDir, ConsoleName),
 		"-serial", "chardev:console",
 	}
 	args = append(args, c.rootDiskArgs()...)
@@ -492,12 +495,14 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 	case cg != nil:
 		m.CgroupBeforeGuest = true
 	}
+	m.boundLogs(cfg.LogCap)
 	return m, nil
 }
 
 // Attach re-adopts a QEMU process started earlier (by this or a previous
-// process) from its run directory.
-func Attach(ctx context.Context, runDir string) (*Machine, error) {
+// process) from its run directory, holding its logs to logCap (0:
+// DefaultLogCap).
+func Attach(ctx context.Context, runDir string, logCap int64) (*Machine, error) {
 	b, err := os.ReadFile(filepath.Join(runDir, PIDFileName))
 	if err != nil {
 		return nil, fmt.Errorf("read qemu pid file: %w", err)
@@ -533,6 +538,7 @@ func Attach(ctx context.Context, runDir string) (*Machine, error) {
 	if err := m.connect(ctx, qmpWait(false)); err != nil {
 		return nil, err
 	}
+	m.boundLogs(logCap)
 	return m, nil
 }
 
@@ -633,12 +639,9 @@ func (m *Machine) setExited(err error) {
 }
 
 func (m *Machine) logTail() string {
-	b, err := os.ReadFile(filepath.Join(m.runDir, QEMULogName))
+	b, err := ReadLogTail(filepath.Join(m.runDir, QEMULogName), 2000)
 	if err != nil || len(b) == 0 {
 		return ""
-	}
-	if len(b) > 2000 {
-		b = b[len(b)-2000:]
 	}
 	return ": qemu said: " + strings.TrimSpace(string(b))
 }
