@@ -24,6 +24,7 @@ import (
 	"github.com/agentenv/agentenv/internal/apikeys"
 	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
+	"github.com/agentenv/agentenv/internal/diskspace"
 	"github.com/agentenv/agentenv/internal/httperr"
 	"github.com/agentenv/agentenv/internal/idempotency"
 	"github.com/agentenv/agentenv/internal/network"
@@ -86,6 +87,9 @@ type Node interface {
 	Catalog() *templates.Catalog
 	DataDir() string
 	BuildFiles() *buildfiles.Store
+	// DiskRoom refuses what (e.g. "an upload") while the node's disk is
+	// below its floor of free space (an errkind.ErrNoSpace).
+	DiskRoom(what string) error
 	Memory(ctx context.Context) (*orchestrator.NodeMemory, error)
 	// Client leases: the node's, one, renewed, ended (its sandboxes killed).
 	Leases(ctx context.Context) ([]*orchestrator.LeaseInfo, error)
@@ -354,6 +358,13 @@ func (s *Server) writeNodeError(w http.ResponseWriter, err error) {
 	switch status := httperr.StatusOf(err); {
 	case status == http.StatusGatewayTimeout:
 		httperr.Internal(w, s.log, status, "the operation did not finish in time", err)
+	case status == http.StatusInsufficientStorage:
+		msg := "the node's disk is full; free space on the node or use another node"
+		var short *diskspace.Shortage
+		if errors.As(err, &short) {
+			msg = short.Error()
+		}
+		httperr.Internal(w, s.log, status, msg, err)
 	case status >= 500:
 		httperr.Internal(w, s.log, status, "internal error", err)
 	default:

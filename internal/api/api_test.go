@@ -17,6 +17,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/agentenv/agentenv/internal/diskspace"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/proxy"
 	"github.com/agentenv/agentenv/internal/sandboxes"
@@ -995,5 +996,40 @@ func TestSnapshotWithoutMemory(t *testing.T) {
 	}
 	if l, _ := a.node.Snapshots(); len(l) != 1 || !l[0].FilesystemOnly {
 		t.Fatalf("snapshots %+v", l)
+	}
+}
+
+// TestUploadBelowDiskFloor: a node below its floor of free disk space
+// answers an upload with 507, saying so with the request id, and keeps
+// nothing of it.
+func TestUploadBelowDiskFloor(t *testing.T) {
+	a := newTestAPI(t)
+	dir := t.TempDir()
+	free, err := diskspace.Free(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.node.floor = diskspace.NewFloor(dir, free+1<<40)
+	hash := strings.Repeat("ab", 32)
+	rec := a.do("GET", "/templates/floor-test/files/"+hash, "")
+	var link struct{ URL string }
+	if err := json.Unmarshal(rec.Body.Bytes(), &link); err != nil || rec.Code != http.StatusCreated {
+		t.Fatalf("upload link: %d %s", rec.Code, rec.Body)
+	}
+	u, err := url.Parse(link.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec = a.do("PUT", u.RequestURI(), "tar bytes")
+	var body struct {
+		Code    int
+		Message string
+	}
+	if err := json.Unmarshal(rec.Body.Bytes(), &body); err != nil || rec.Code != http.StatusInsufficientStorage || body.Code != 507 ||
+		!strings.Contains(body.Message, "nearly full") || !strings.Contains(body.Message, rec.Header().Get("X-Request-Id")) {
+		t.Fatalf("upload below the floor: %d %s", rec.Code, rec.Body)
+	}
+	if a.node.BuildFiles().Present("floor-test", hash) {
+		t.Fatal("the refused upload is kept")
 	}
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
+	"github.com/agentenv/agentenv/internal/diskspace"
 	"github.com/agentenv/agentenv/internal/idempotency"
 	"github.com/agentenv/agentenv/internal/leases"
 	"github.com/agentenv/agentenv/internal/network"
@@ -39,6 +40,8 @@ type fakeNode struct {
 	createHeld chan struct{}
 	// leases is made on first use (leaseStore).
 	leases *leases.Store
+	// floor is the free space DiskRoom keeps (none unless a test sets it).
+	floor diskspace.Floor
 }
 
 func newFakeNode() *fakeNode {
@@ -333,6 +336,8 @@ func (f *fakeNode) TemplateBuilds(templateID string) ([]*builds.Record, error) {
 // Catalog: the fake node has no template store (the tag routes are tested
 // on a real node, tests/e2e).
 func (f *fakeNode) Catalog() *templates.Catalog { return nil }
+func (f *fakeNode) DiskRoom(what string) error  { return f.floor.Check(what) }
+
 func (f *fakeNode) BuildFiles() *buildfiles.Store {
 	f.mu.Lock()
 	defer f.mu.Unlock()

@@ -245,6 +245,10 @@ func (s *Server) UploadTemplateFiles(w http.ResponseWriter, r *http.Request, id,
 		writeError(w, http.StatusUnauthorized, "invalid upload signature")
 		return
 	}
+	if err := s.node.DiskRoom("an upload"); err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
 	if err := s.node.BuildFiles().Receive(id, hash, r.Body); err != nil {
 		s.writeNodeError(w, err)
 		return

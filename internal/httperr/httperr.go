@@ -72,6 +72,8 @@ func Write(w http.ResponseWriter, status int, msg string) {
 // (500 for any other; 504 for a context that ended).
 func StatusOf(err error) int {
 	switch {
+	case errkind.IsNoSpace(err):
+		return http.StatusInsufficientStorage
 	case errors.Is(err, errkind.ErrNotFound):
 		return http.StatusNotFound
 	case errors.Is(err, errkind.ErrInvalid):

@@ -2,13 +2,19 @@ package httperr
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
+	"syscall"
 	"testing"
+
+	"github.com/agentenv/agentenv/internal/errkind"
 )
 
 func TestInternalLogsUnderTheRequestID(t *testing.T) {
@@ -41,5 +47,30 @@ func TestWriteKeepsMessagesReadable(t *testing.T) {
 	Write(rec, http.StatusBadRequest, `cidr "10.0.0.0/33" is <invalid> & so on`)
 	if got := rec.Body.String(); !strings.Contains(got, `<invalid> & so on`) || rec.Header().Get("Content-Type") != "application/json" {
 		t.Fatalf("body %s", got)
+	}
+}
+
+// TestStatusOf: each kind's status; the node's disk being full is a 507
+// however it was reported (a kind, an errno wrapped anywhere, or a tool's
+// words), even inside an error of another kind.
+func TestStatusOf(t *testing.T) {
+	for _, c := range []struct {
+		err  error
+		want int
+	}{
+		{fmt.Errorf("sandbox x: %w", errkind.ErrNotFound), 404},
+		{fmt.Errorf("%w: bad", errkind.ErrInvalid), 400},
+		{fmt.Errorf("%w: full", errkind.ErrTooLarge), 413},
+		{fmt.Errorf("%w: below the floor", errkind.ErrNoSpace), 507},
+		{fmt.Errorf("write state: %w", &os.PathError{Op: "write", Path: "/x", Err: syscall.ENOSPC}), 507},
+		{fmt.Errorf("%w: upload: write /x: no space left on device", errkind.ErrInvalid), 507},
+		{errors.New("qemu-img create overlay /x: exit status 1: qemu-img: /x: Could not write: No space left on device"), 507},
+		{fmt.Errorf("copy: %w", syscall.EDQUOT), 507},
+		{context.DeadlineExceeded, 504},
+		{errors.New("something else"), 500},
+	} {
+		if got := StatusOf(c.err); got != c.want {
+			t.Errorf("StatusOf(%v) = %d, want %d", c.err, got, c.want)
+		}
 	}
 }

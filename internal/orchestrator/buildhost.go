@@ -85,6 +85,9 @@ func (n *Node) RequestBuild(name string, tags []string, vcpus, memMiB int) (*bui
 
 // StartBuild runs a requested build in the background.
 func (n *Node) StartBuild(templateID, buildID string, spec builds.Spec) error {
+	if err := n.floor.Check("a template build"); err != nil {
+		return err
+	}
 	return n.builds.Start(templateID, buildID, spec)
 }
 

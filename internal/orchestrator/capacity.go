@@ -109,7 +109,15 @@ func (n *Node) committedMemory(ctx context.Context) (int64, error) {
 }
 
 // admit waits for a start's turn within the node's limits (see package
-// admission); the ticket's Done ends it.
+// admission); the ticket's Done ends it. A node below its floor of free
+// disk space refuses the start at once (see package diskspace).
 func (n *Node) admit(ctx context.Context, what string, count, memoryMiB int) (*admission.Ticket, error) {
+	if err := n.floor.Check(what); err != nil {
+		return nil, err
+	}
 	return n.admission.Admit(ctx, what, count, int64(memoryMiB)<<20)
 }
+
+// DiskRoom refuses what (e.g. "an upload") with an errkind.ErrNoSpace
+// while the node is below its floor of free disk space.
+func (n *Node) DiskRoom(what string) error { return n.floor.Check(what) }

@@ -98,6 +98,9 @@ func (n *Node) CreateFromImage(ctx context.Context, ref string, req CreateReques
 		}
 		return nil, fmt.Errorf("%w: %v", ErrInvalid, err)
 	}
+	if err := n.floor.Check("an image import"); err != nil {
+		return nil, err
+	}
 	unlock := n.imports.lock(src.String())
 	// One filesystem size for every image: a layer converted once is
 	// shared whatever size a later sandbox asks for (its overlay may be

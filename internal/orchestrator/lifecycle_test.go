@@ -13,6 +13,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/builds"
+	"github.com/agentenv/agentenv/internal/diskspace"
+	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/operation"
 	"github.com/agentenv/agentenv/internal/sandboxes"
@@ -520,4 +523,75 @@ for target in sys.argv[1:]:
 	n = openTestNodeIn(t, dir, slot, cfg)
 	closed = false
 	check(s, "after the node restarted")
+}
+
+// TestDiskFloor: below its floor of free disk space the node refuses
+// starts, snapshots, image imports and builds (507, saying so) having
+// changed nothing, and keeps what it holds: a running sandbox runs on, a
+// paused one stays paused, and both work again once there is room.
+func TestDiskFloor(t *testing.T) {
+	n := testNode(t)
+	ctx := context.Background()
+	s := create(t, n, CreateRequest{TemplateID: "minimal"})
+	free, err := diskspace.Free(n.cfg.DataDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.floor = diskspace.NewFloor(n.cfg.DataDir, free+1<<40)
+	before, err := n.records.List(ctx, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	build, err := n.RequestBuild("floor-build", nil, 1, 256)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name string
+		do   func() error
+	}{
+		{"create", func() error { _, err := n.Create(ctx, CreateRequest{TemplateID: "minimal"}); return err }},
+		{"fork", func() error { _, err := n.Fork(ctx, s.ID, 1, 0); return err }},
+		{"snapshot", func() error { _, err := n.Snapshot(ctx, s.ID, "floor-snapshot"); return err }},
+		{"image import", func() error {
+			_, err := n.CreateFromImage(ctx, "oci-layout:"+t.TempDir(), CreateRequest{})
+			return err
+		}},
+		{"build", func() error {
+			return n.StartBuild(build.TemplateID, build.BuildID, builds.Spec{FromTemplate: "minimal"})
+		}},
+	} {
+		err := c.do()
+		var short *diskspace.Shortage
+		if !errors.As(err, &short) || !errors.Is(err, errkind.ErrNoSpace) || !strings.Contains(err.Error(), "nearly full") {
+			t.Fatalf("%s below the floor: %v", c.name, err)
+		}
+	}
+	after, err := n.records.List(ctx, "")
+	if err != nil || len(after) != len(before) {
+		t.Fatalf("the refusals changed the sandboxes: %d before, %d after (%v)", len(before), len(after), err)
+	}
+	if _, err := n.namedSnapshot("floor-snapshot"); err == nil {
+		t.Fatal("a refused snapshot exists")
+	}
+	if r, err := newEnvdClient(s).run(ctx, "", "true"); err != nil || r.exit != 0 {
+		t.Fatalf("the running sandbox after the refusals: %+v %v", r, err)
+	}
+	// A pause keeps what the user has: it is not refused.
+	if _, err := n.Pause(ctx, s.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.Resume(ctx, s.ID, 0); !errors.Is(err, errkind.ErrNoSpace) {
+		t.Fatalf("resume below the floor: %v", err)
+	}
+	if got, err := n.Get(ctx, s.ID); err != nil || got.State != sandboxes.Paused {
+		t.Fatalf("after a refused resume: %+v %v", got, err)
+	}
+	n.floor = diskspace.NewFloor(n.cfg.DataDir, 0)
+	if _, err := n.Resume(ctx, s.ID, 0); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := newEnvdClient(s).run(ctx, "", "true"); err != nil || r.exit != 0 {
+		t.Fatalf("the sandbox resumed with room again: %+v %v", r, err)
+	}
 }

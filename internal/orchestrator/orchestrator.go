@@ -28,6 +28,7 @@ import (
 	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
 	"github.com/agentenv/agentenv/internal/datadir"
+	"github.com/agentenv/agentenv/internal/diskspace"
 	"github.com/agentenv/agentenv/internal/envd"
 	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/events"
@@ -273,6 +274,9 @@ type Node struct {
 	records *sandboxes.Records
 	// admission bounds the starts (creates, resumes, fork children).
 	admission *admission.Controller
+	// floor is the free space the node keeps on its data dir's file
+	// system: what would grow its use there is refused below it.
+	floor diskspace.Floor
 	// leases are the client leases sandboxes are bound to.
 	leases *leases.Store
 	// images are the images converted for sandboxes made from them, and
@@ -385,6 +389,7 @@ func open(ctx context.Context, cfg Config, qemu vmm.QEMUInfo, lock *datadir.Lock
 	}
 	n.pool = warmpool.New(cfg.PoolSize, poolStarter{n}, n.log)
 	n.forkPool = warmpool.New(cfg.ForkPoolSize, forkStarter{n}, n.log)
+	n.floor = diskspace.NewFloor(cfg.DataDir, int64(cfg.MinFreeDiskMiB)<<20)
 	if n.admission, err = newAdmission(cfg, n.committedMemory); err != nil {
 		return fail(err)
 	}

@@ -102,6 +102,9 @@ func (n *Node) snapshot(ctx context.Context, id, name string, memory bool) (*Nam
 	if _, err := n.namedSnapshot(name); err == nil {
 		return nil, fmt.Errorf("%w: snapshot %q exists", ErrConflict, name)
 	}
+	if err := n.floor.Check("a snapshot"); err != nil {
+		return nil, err
+	}
 	if n.cfg.Repository != nil {
 		if _, err := n.cfg.Repository.Stat(ctx, repoKindSnapshot, name); err == nil {
 			return nil, fmt.Errorf("%w: the repository holds a snapshot named %q (made on another node)", ErrConflict, name)
