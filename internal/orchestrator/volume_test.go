@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/agentenv/agentenv/internal/guest"
+	"github.com/agentenv/agentenv/internal/mountinfo"
 	"github.com/agentenv/agentenv/internal/sandboxes"
 	"github.com/agentenv/agentenv/internal/statedb"
 	"github.com/agentenv/agentenv/internal/storage/repository"
@@ -470,4 +472,72 @@ func volumeNodeWithRepository(t *testing.T) (*Node, *volumes.Store, *volumes.Vol
 		t.Fatal(err)
 	}
 	return n, vols, v
+}
+
+// TestTwoNodesWithVolumes runs two nodes on one host (distinct instances,
+// data dirs and volume stores), each with volumes in use. Node B's volume
+// is open on the host (its files were just written through the content
+// API) when node A's QEMU starts, whose mount namespace begins as a copy
+// of the host's: it must hold no copy of that mount, or B's unmount at the
+// next lend waits for a fuse2fs that never exits (and kills it, 30 s
+// later, risking its writes). B lends its volume at once; both keep
+// working; what each guest wrote is in its volume.
+func TestTwoNodesWithVolumes(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	testData(t)
+	dirB := t.TempDir()
+	volsA, volsB := testVolumes(t), openVolumes(t, dirB)
+	a := testNode(t, func(c *Config) { c.Volumes = volsA })
+	b := testNode(t, func(c *Config) { c.Volumes = volsB })
+	if a.net.Instance() == b.net.Instance() {
+		t.Fatalf("both nodes are instance %s", a.net.Instance())
+	}
+	va, err := volsA.Create(ctx, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	vb, err := volsB.Create(ctx, "b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := volsB.WriteFile(ctx, vb.ID, "/f", volumes.Owner{}, true, strings.NewReader("from the host\n")); err != nil {
+		t.Fatal(err)
+	}
+	mount := func(v *volumes.Volume) []VolumeMount {
+		return []VolumeMount{{VolumeID: v.ID, Name: v.Name, Path: "/mnt/v"}}
+	}
+	sa := create(t, a, CreateRequest{TemplateID: "minimal", Volumes: mount(va)})
+	mi, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", a.machines.get(sa.ID).PID()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mp := range mountinfo.Points(mi) {
+		if strings.HasPrefix(mp, dirB+"/") || strings.HasPrefix(mp, b.cfg.DataDir+"/") {
+			t.Errorf("node A's QEMU holds a copy of node B's mount %s", mp)
+		}
+	}
+
+	start := time.Now()
+	sb := create(t, b, CreateRequest{TemplateID: "minimal", Volumes: mount(vb)})
+	lent := time.Since(start)
+	if got := guestRun(t, sb, "", "cat /mnt/v/f && echo from b >> /mnt/v/f"); got != "from the host\n" {
+		t.Fatalf("node B's volume in its sandbox: %q", got)
+	}
+	guestRun(t, sa, "", "echo from a > /mnt/v/f")
+	t.Logf("node B lent its volume (open on the host) in a create of %s while node A's sandbox ran", lent.Round(time.Millisecond))
+	for _, c := range []struct {
+		n    *Node
+		s    *sandboxes.Sandbox
+		vols *volumes.Store
+		v    *volumes.Volume
+		want string
+	}{{b, sb, volsB, vb, "from the host\nfrom b\n"}, {a, sa, volsA, va, "from a\n"}} {
+		if err := c.n.Kill(ctx, c.s.ID); err != nil {
+			t.Fatal(err)
+		}
+		if got, err := readVolumeFile(t, c.vols, c.v.ID, "/f"); err != nil || got != c.want {
+			t.Fatalf("volume %s after its sandbox ended: %q %v", c.v.Name, got, err)
+		}
+	}
 }

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -44,6 +45,9 @@ type jailSpec struct {
 	Keep []string `json:"keep,omitempty"`
 	// Drop are directories whose mounts are detached (see dropCopies).
 	Drop []string `json:"drop,omitempty"`
+	// Need are the files outside Hide QEMU opens (its binary, kernel and
+	// initrd): the mounts on their way stay.
+	Need []string `json:"need,omitempty"`
 }
 
 func init() {
@@ -136,13 +140,16 @@ func (js *jailSpec) mountNamespace() error {
 	return nil
 }
 
-// dropCopies detaches the copies of the node's mounts that QEMU has no use
-// for: every mount below hide that is neither inside a kept path nor on
-// the way to one (an open volume's filesystem), and every mount of Drop
-// (the network namespaces' bindings). A copy keeps its filesystem mounted
-// after the node unmounts it: a volume's fuse2fs would never see its
+// dropCopies detaches every mount of QEMU's namespace that is not its own
+// to use. Its namespace starts as a copy of the host's, and a copy keeps
+// its filesystem mounted after the host unmounts it: a volume's fuse2fs
+// (this node's, or another node's on the same host) would never see its
 // unmount and flush its last writes, and a killed sandbox's network
-// namespace would live on while this QEMU runs.
+// namespace would live on while this QEMU runs. What stays: the mounts on
+// the way to the hidden data dir and inside its kept paths, the system's
+// (the root, /usr, /etc, the libraries, /dev, /proc, /sys) and those on
+// the way to the files QEMU opens (Need). Everything else goes, and every
+// mount of Drop (the network namespaces' bindings) whatever it is below.
 func (js *jailSpec) dropCopies(hide string) error {
 	points, err := mountinfo.Own()
 	if err != nil {
@@ -150,15 +157,8 @@ func (js *jailSpec) dropCopies(hide string) error {
 	}
 	var drop []string
 	for _, mp := range points {
-		if within(mp, hide) && mp != hide && !js.kept(mp) {
+		if !js.uses(mp, hide) || js.dropped(mp) {
 			drop = append(drop, mp)
-			continue
-		}
-		for _, d := range js.Drop {
-			if within(mp, filepath.Clean(d)) {
-				drop = append(drop, mp)
-				break
-			}
 		}
 	}
 	// Outermost first: detaching a mount takes the ones below it along.
@@ -177,6 +177,42 @@ next:
 		done = append(done, mp)
 	}
 	return nil
+}
+
+// systemDirs are the host's directories QEMU runs from: their mounts, and
+// the mounts below them, stay in its namespace.
+var systemDirs = []string{"/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/dev", "/proc", "/sys"}
+
+// uses reports whether QEMU's namespace keeps the mount point mp (see
+// dropCopies).
+func (js *jailSpec) uses(mp, hide string) bool {
+	if within(mp, hide) {
+		return js.kept(mp)
+	}
+	if within(hide, mp) {
+		return true
+	}
+	for _, d := range systemDirs {
+		if within(mp, d) || within(d, mp) {
+			return true
+		}
+	}
+	for _, f := range js.Need {
+		if f != "" && within(filepath.Clean(f), mp) {
+			return true
+		}
+	}
+	return false
+}
+
+// dropped reports whether the mount point mp is below a directory of Drop.
+func (js *jailSpec) dropped(mp string) bool {
+	for _, d := range js.Drop {
+		if within(mp, filepath.Clean(d)) {
+			return true
+		}
+	}
+	return false
 }
 
 // kept reports whether the mount point mp is inside a kept path or on the
@@ -205,8 +241,12 @@ type Jail struct {
 	Keep []string
 	// Drop are directories outside Hide whose mounts QEMU's namespace
 	// does without (the network namespaces' bindings): detached there so
-	// it holds none of them alive.
+	// it holds none of them alive. (Every other mount QEMU has no use for
+	// goes too, see dropCopies.)
 	Drop []string
+	// Need are files outside Hide that QEMU opens (Start adds its binary,
+	// kernel and initrd): the mounts on their way stay.
+	Need []string
 }
 
 // jailCommand is the command that starts QEMU bin with args through the
@@ -217,7 +257,7 @@ func jailCommand(bin string, args []string, cg *Cgroup, fs Jail) (*exec.Cmd, err
 	if err != nil {
 		return nil, fmt.Errorf("find this program for the jail step: %w", err)
 	}
-	js := jailSpec{QEMU: bin, Hide: fs.Hide, Keep: fs.Keep, Drop: fs.Drop}
+	js := jailSpec{QEMU: bin, Hide: fs.Hide, Keep: fs.Keep, Drop: fs.Drop, Need: append(slices.Clip(fs.Need), bin)}
 	if cg != nil {
 		js.CgroupProcs = cg.procsFiles()
 	}

@@ -14,12 +14,13 @@ import (
 )
 
 // TestJailDropsCopiesOfTheNodesMounts: QEMU's mount namespace starts as a
-// copy of the node's. A mount below the hidden data dir that QEMU does not
-// need (an open volume's filesystem) and the mounts of Drop (the network
-// namespaces' bindings) must not be in it: a copy would keep a volume's
-// filesystem mounted after the node unmounts it, its last writes never
-// flushed, and keep a killed sandbox's network namespace alive. A mount
-// inside a kept path stays.
+// copy of the host's. A mount below the hidden data dir that QEMU does not
+// need (an open volume's filesystem), a mount of another node's (its
+// volume), and the mounts of Drop (the network namespaces' bindings) must
+// not be in it: a copy would keep a volume's filesystem mounted after its
+// node unmounts it, its last writes never flushed, and keep a killed
+// sandbox's network namespace alive. A mount inside a kept path, on the
+// way to a file QEMU opens, and the system's stay.
 func TestJailDropsCopiesOfTheNodesMounts(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root (mounts and a mount namespace)")
@@ -34,6 +35,10 @@ func TestJailDropsCopiesOfTheNodesMounts(t *testing.T) {
 	keptSub := filepath.Join(hide, "cache", "lazy")
 	drop := filepath.Join(root, "netns")
 	dropSub := filepath.Join(drop, "ns1")
+	// Another node's data dir on the same host, with a volume open, and a
+	// directory holding a file QEMU opens (its kernel, say).
+	otherVolume := filepath.Join(root, "other-node", "volumes", "v2", "mnt")
+	needed := filepath.Join(root, "opt")
 	mount := func(dir string) {
 		t.Helper()
 		if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -44,10 +49,11 @@ func TestJailDropsCopiesOfTheNodesMounts(t *testing.T) {
 		}
 		t.Cleanup(func() { syscall.Unmount(dir, syscall.MNT_DETACH) })
 	}
-	for _, d := range []string{volume, keptSub, drop, dropSub} {
+	for _, d := range []string{volume, keptSub, drop, dropSub, otherVolume, needed} {
 		mount(d)
 	}
-	cmd, err := jailCommand(sleep, []string{"60"}, nil, Jail{Hide: hide, Keep: []string{filepath.Join(hide, "cache")}, Drop: []string{drop}})
+	cmd, err := jailCommand(sleep, []string{"60"}, nil, Jail{Hide: hide, Keep: []string{filepath.Join(hide, "cache")}, Drop: []string{drop},
+		Need: []string{filepath.Join(needed, "vmlinux")}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -75,12 +81,14 @@ func TestJailDropsCopiesOfTheNodesMounts(t *testing.T) {
 		t.Fatal(err)
 	}
 	mps := mountinfo.Points(b)
-	for _, gone := range []string{volume, drop, dropSub} {
+	for _, gone := range []string{volume, drop, dropSub, otherVolume} {
 		if slices.Contains(mps, gone) {
 			t.Errorf("QEMU's namespace holds a copy of %s", gone)
 		}
 	}
-	if !slices.Contains(mps, keptSub) {
-		t.Errorf("the mount inside a kept path is gone: %q", mps)
+	for _, kept := range []string{keptSub, needed, "/", "/proc", "/dev"} {
+		if !slices.Contains(mps, kept) {
+			t.Errorf("the mount %s is gone: %q", kept, mps)
+		}
 	}
 }

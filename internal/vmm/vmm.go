@@ -15,6 +15,7 @@ import (
 	"os/exec"
 	"os/user"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -407,7 +408,9 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 		if how != jailJoins {
 			joins = nil
 		}
-		cmd, err := jailCommand(bin, cfg.Args(), joins, cfg.Jail)
+		jail := cfg.Jail
+		jail.Need = append(slices.Clip(jail.Need), cfg.Kernel, cfg.Initrd)
+		cmd, err := jailCommand(bin, cfg.Args(), joins, jail)
 		if err != nil {
 			return nil, nil, err
 		}
