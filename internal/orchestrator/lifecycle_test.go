@@ -346,6 +346,11 @@ func TestRestartMidOperation(t *testing.T) {
 	}
 	n1.records.Set(ctx, live.ID, "state = ?", sandboxes.Pausing)
 	n1.records.Set(ctx, saved.ID, "state = ?", sandboxes.Resuming)
+	// A template build's builder, whose build the restart ends (a
+	// crashed node never killed it): hidden from listings, it would run
+	// on until its timeout.
+	builder := create(t, n1, CreateRequest{TemplateID: "minimal", Metadata: map[string]string{sandboxes.MetaInternal: "template build"}})
+	builderPID := n1.machines.get(builder.ID).PID()
 	n1.Close()
 
 	n2 := openTestNode(t, dir)
@@ -355,6 +360,12 @@ func TestRestartMidOperation(t *testing.T) {
 		}
 		n2.Close()
 	}()
+	if _, err := n2.Get(ctx, builder.ID); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("the builder of an interrupted build after restart: %v", err)
+	}
+	if unixKill0(builderPID) == nil {
+		t.Fatalf("the QEMU of an interrupted build's builder (pid %d) runs on", builderPID)
+	}
 	got, err := n2.Get(ctx, live.ID)
 	if err != nil || got.State != sandboxes.Running {
 		t.Fatalf("mid-pause sandbox after restart: %+v %v", got, err)

@@ -437,6 +437,7 @@ func open(ctx context.Context, cfg Config, qemu vmm.QEMUInfo, lock *datadir.Lock
 	if err := n.recover(ctx); err != nil {
 		return fail(fmt.Errorf("recover node state: %w", err))
 	}
+	n.endInterruptedInternal(ctx)
 	n.wg.Add(1)
 	go n.expiryLoop()
 	n.wg.Add(1)

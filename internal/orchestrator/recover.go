@@ -321,3 +321,26 @@ func continuable(ctx context.Context, m *vmm.Machine, afterSave bool) bool {
 		}
 	}
 }
+
+// endInterruptedInternal kills the sandboxes the node ran for operations
+// of its own (a template build's builder, a template snapshot's sandbox)
+// that a restart interrupted: nothing drives them any more (their builds
+// are recorded as failed), and they are hidden from listings, so they
+// would run on until their timeout.
+func (n *Node) endInterruptedInternal(ctx context.Context) {
+	all, err := n.records.List(ctx, "")
+	if err != nil {
+		n.log.Error("list sandboxes", "err", err)
+		return
+	}
+	for _, s := range all {
+		if !s.Internal() {
+			continue
+		}
+		if err := n.kill(ctx, s.ID); err != nil {
+			n.log.Error("end the sandbox of an interrupted operation", "sandbox", s.ID, "for", s.Metadata[sandboxes.MetaInternal], "err", err)
+			continue
+		}
+		n.log.Info("ended the sandbox of an interrupted operation", "sandbox", s.ID, "for", s.Metadata[sandboxes.MetaInternal])
+	}
+}
