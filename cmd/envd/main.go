@@ -32,7 +32,7 @@ func main() {
 	_ = fs.Parse(os.Args[2:])
 
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
-	srv, err := envd.NewServer(envd.Config{Port: *port, Logger: log})
+	srv, err := envd.NewServer(envd.Config{Port: *port, Logger: log, ProtectFromOOM: true})
 	if err != nil {
 		log.Error("envd", "err", err)
 		os.Exit(1)

@@ -38,12 +38,19 @@ type Config struct {
 	AccessToken string // optional initial token
 	DefaultUser string // default "root" until /init says otherwise
 	Logger      *slog.Logger
+	// ProtectFromOOM runs envd with oom_score_adj -1000 and the processes
+	// it starts at the default (see oom.go): for envd in a guest, never
+	// for one inside a host's test.
+	ProtectFromOOM bool
 }
 
 // Server is one envd instance. Create it with NewServer.
 type Server struct {
 	cfg Config
 	log *slog.Logger
+	// oom starts processes so they do not inherit envd's protection from
+	// the OOM killer.
+	oom oomGuard
 
 	mu             sync.RWMutex
 	accessToken    string
@@ -79,6 +86,13 @@ func NewServer(cfg Config) (*Server, error) {
 		accessToken: cfg.AccessToken,
 		defaultUser: cfg.DefaultUser,
 		envVars:     map[string]string{},
+	}
+	if cfg.ProtectFromOOM {
+		g, err := protectFromOOM()
+		if err != nil {
+			cfg.Logger.Warn("envd runs without protection from the OOM killer", "err", err)
+		}
+		s.oom = g
 	}
 	s.procs = newProcessManager(s)
 	s.watchers = newWatcherManager()

@@ -350,7 +350,7 @@ func (m *processManager) start(req *processpb.StartRequest, u *sysUser) (*proc, 
 		}
 	}
 
-	if err := cmd.Start(); err != nil {
+	if err := m.s.oom.start(cmd); err != nil {
 		closeAll(childEnds)
 		closeAll(p.readers)
 		if p.stdin != nil {

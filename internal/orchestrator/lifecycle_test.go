@@ -606,3 +606,64 @@ func TestDiskFloor(t *testing.T) {
 		t.Fatalf("the sandbox resumed with room again: %+v %v", r, err)
 	}
 }
+
+// TestEnvdOutlivesGuestOOM: envd runs with oom_score_adj -1000, the
+// processes it starts at the guest's default, so the guest's OOM killer
+// takes a memory hog (twice) and never envd; and when envd dies anyway
+// (killed), PID 1 starts it again.
+func TestEnvdOutlivesGuestOOM(t *testing.T) {
+	n := testNode(t)
+	ctx := context.Background()
+	s := create(t, n, CreateRequest{TemplateID: "base", MemoryMiB: 256})
+	c := newEnvdClient(s)
+	envdScore := `import os
+for p in os.listdir("/proc"):
+    if p.isdigit():
+        try:
+            cmd = open("/proc/%s/cmdline" % p, "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if cmd[:2] == [b"envd", b"serve"]:
+            print(p, open("/proc/%s/oom_score_adj" % p).read().strip())
+`
+	pid, score := "", ""
+	if _, err := fmt.Sscan(guestRun(t, s, "root", "python3 -c '"+envdScore+"'"), &pid, &score); err != nil || score != "-1000" {
+		t.Fatalf("envd (pid %s) runs with oom_score_adj %q (%v)", pid, score, err)
+	}
+	if got := guestRun(t, s, "", "cat /proc/self/oom_score_adj"); got != "0\n" {
+		t.Fatalf("a process envd started has oom_score_adj %q", got)
+	}
+	hog := "a = []\nwhile True: a.append(bytearray(16 << 20))"
+	for i := 0; i < 2; i++ {
+		r, err := c.run(ctx, "", "python3", "-c", hog)
+		if err != nil || r.exit == 0 {
+			t.Fatalf("memory hog %d: %+v %v", i, r, err)
+		}
+		if got := guestRun(t, s, "", "echo ok"); got != "ok\n" {
+			t.Fatalf("after OOM %d envd answers %q", i, got)
+		}
+	}
+	// The OOM killer took the hogs, not envd.
+	var again string
+	if _, err := fmt.Sscan(guestRun(t, s, "root", "python3 -c '"+envdScore+"'"), &again); err != nil || again != pid {
+		t.Fatalf("envd was pid %s, is %s (%v)", pid, again, err)
+	}
+	// Killed anyway, envd is started again by PID 1.
+	_, _ = c.run(ctx, "root", "kill", "-9", pid)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		r, err := c.run(rctx, "", "echo", "back")
+		cancel()
+		if err == nil && r.stdout == "back\n" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("envd did not come back after a kill: %+v %v", r, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if _, err := fmt.Sscan(guestRun(t, s, "root", "python3 -c '"+envdScore+"'"), &again, &score); err != nil || again == pid || score != "-1000" {
+		t.Fatalf("the restarted envd: pid %s (was %s), oom_score_adj %q (%v)", again, pid, score, err)
+	}
+}
