@@ -10,9 +10,11 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"os/signal"
 	"os/user"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/codeinterpreter"
@@ -60,7 +62,11 @@ choice is recorded in the data dir (` + "`aenv doctor`" + ` shows it).`,
   aenv setup --guest-distro debian-bookworm --guest-mirror http://mirror.example/debian`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return runSetup(cmd.Context(), cmd.OutOrStdout(), o)
+			// Interrupted, setup stops its tools and undoes what they
+			// mounted (a killed setup's leftovers go at the next).
+			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			return runSetup(ctx, cmd.OutOrStdout(), o)
 		},
 	}
 	dataDirFlag(cmd, &o.dataDir)

@@ -16,6 +16,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/guestsource"
@@ -139,11 +140,16 @@ func BuildRootfs(ctx context.Context, spec RootfsSpec, out string, log func(stri
 	if err := os.MkdirAll(workParent, 0o755); err != nil {
 		return fmt.Errorf("build rootfs: %w", err)
 	}
-	work, err := os.MkdirTemp(workParent, ".rootfs-"+spec.Kind+"-")
+	removeStaleWorkDirs(workParent, log)
+	work, err := os.MkdirTemp(workParent, workPrefix+spec.Kind+"-")
 	if err != nil {
 		return fmt.Errorf("build rootfs: %w", err)
 	}
-	defer os.RemoveAll(work)
+	defer func() {
+		if err := removeWorkDir(work); err != nil {
+			log("%v", err)
+		}
+	}()
 	tree := filepath.Join(work, "tree")
 
 	var pkgs []string
@@ -178,7 +184,9 @@ func BuildRootfs(ctx context.Context, spec RootfsSpec, out string, log func(stri
 		return fmt.Errorf("build rootfs: %w", err)
 	}
 	// Reclaim the tree's space before conversion doubles the disk usage.
-	_ = os.RemoveAll(tree)
+	if err := removeWorkDir(tree); err != nil {
+		return fmt.Errorf("build rootfs: %w", err)
+	}
 	tmpOut := filepath.Join(outDir, "."+filepath.Base(out)+".tmp")
 	_ = os.Remove(tmpOut)
 	defer os.Remove(tmpOut)
@@ -241,6 +249,11 @@ func buildBaseTree(ctx context.Context, spec RootfsSpec, pkgs []string, tree str
 		args = append(args, "--components="+strings.Join(spec.Components, ","))
 	}
 	cmd := exec.CommandContext(ctx, "debootstrap", append(args, spec.Suite, tree, mirror)...)
+	// Cut short, debootstrap is asked to stop (and unmounts what it
+	// mounted in the tree) before it is killed; removeWorkDir detaches
+	// whatever it leaves.
+	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+	cmd.WaitDelay = 10 * time.Second
 	if err := runLogged(cmd, log, 2*time.Second); err != nil {
 		return err
 	}
