@@ -17,6 +17,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/agentenv/agentenv/internal/builds"
 	"github.com/agentenv/agentenv/internal/diskspace"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/proxy"
@@ -1010,6 +1011,7 @@ func TestUploadBelowDiskFloor(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.node.floor = diskspace.NewFloor(dir, free+1<<40)
+	a.node.builds = []*builds.Record{{TemplateID: "floor-test", BuildID: "b1", Status: builds.Waiting}}
 	hash := strings.Repeat("ab", 32)
 	rec := a.do("GET", "/templates/floor-test/files/"+hash, "")
 	var link struct{ URL string }
@@ -1031,5 +1033,43 @@ func TestUploadBelowDiskFloor(t *testing.T) {
 	}
 	if a.node.BuildFiles().Present("floor-test", hash) {
 		t.Fatal("the refused upload is kept")
+	}
+}
+
+// TestUploadsNeedAWaitingBuild: build files are taken for a template with
+// a build waiting for its start (or running), as the SDKs request one
+// before they upload; for any other template the link and the upload
+// answer 404.
+func TestUploadsNeedAWaitingBuild(t *testing.T) {
+	a := newTestAPI(t)
+	hash := strings.Repeat("cd", 32)
+	a.node.builds = []*builds.Record{
+		{TemplateID: "waiting", BuildID: "b1", Status: builds.Waiting},
+		{TemplateID: "done", BuildID: "b2", Status: builds.Ready},
+		{TemplateID: "failed", BuildID: "b3", Status: builds.Failed},
+	}
+	link := func(tpl string) (int, string) {
+		rec := a.do("GET", "/templates/"+tpl+"/files/"+hash, "")
+		var l struct{ URL string }
+		_ = json.Unmarshal(rec.Body.Bytes(), &l)
+		return rec.Code, l.URL
+	}
+	code, u := link("waiting")
+	if code != http.StatusCreated || u == "" {
+		t.Fatalf("link for a waiting build: %d", code)
+	}
+	parsed, _ := url.Parse(u)
+	if rec := a.do("PUT", parsed.RequestURI(), "tar bytes"); rec.Code != http.StatusOK {
+		t.Fatalf("upload for a waiting build: %d %s", rec.Code, rec.Body)
+	}
+	for _, tpl := range []string{"done", "failed", "nosuch"} {
+		if code, _ := link(tpl); code != http.StatusNotFound {
+			t.Errorf("link for %s: %d", tpl, code)
+		}
+		sig := a.srv.uploadSignature(tpl, hash)
+		rec := a.do("PUT", "/templates/"+tpl+"/files/"+hash+"/upload?signature="+sig, "tar bytes")
+		if rec.Code != http.StatusNotFound || !strings.Contains(rec.Body.String(), "no build waiting") {
+			t.Errorf("upload for %s: %d %s", tpl, rec.Code, rec.Body)
+		}
 	}
 }

@@ -42,6 +42,8 @@ type fakeNode struct {
 	leases *leases.Store
 	// floor is the free space DiskRoom keeps (none unless a test sets it).
 	floor diskspace.Floor
+	// builds are the template builds TemplateBuilds lists.
+	builds []*builds.Record
 }
 
 func newFakeNode() *fakeNode {
@@ -331,7 +333,17 @@ func (f *fakeNode) DeleteTemplate(ctx context.Context, name string) error {
 }
 func (f *fakeNode) DataDir() string { return fakeDataDir }
 
-func (f *fakeNode) TemplateBuilds(templateID string) ([]*builds.Record, error) { return nil, nil }
+func (f *fakeNode) TemplateBuilds(templateID string) ([]*builds.Record, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var out []*builds.Record
+	for _, b := range f.builds {
+		if b.TemplateID == templateID {
+			out = append(out, b)
+		}
+	}
+	return out, nil
+}
 
 // Catalog: the fake node has no template store (the tag routes are tested
 // on a real node, tests/e2e).

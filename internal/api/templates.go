@@ -14,6 +14,7 @@ import (
 	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/builds"
+	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/orchestrator"
 )
 
@@ -223,6 +224,10 @@ func (s *Server) GetTemplateFilesUploadLink(w http.ResponseWriter, r *http.Reque
 		writeError(w, http.StatusBadRequest, "files hash must be 16 to 128 lowercase hex digits")
 		return
 	}
+	if err := s.buildWaitsForFiles(id); err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
 	present := s.node.BuildFiles().Present(id, hash)
 	scheme := "http"
 	if r.TLS != nil || r.Header.Get("X-Forwarded-Proto") == "https" {
@@ -245,6 +250,10 @@ func (s *Server) UploadTemplateFiles(w http.ResponseWriter, r *http.Request, id,
 		writeError(w, http.StatusUnauthorized, "invalid upload signature")
 		return
 	}
+	if err := s.buildWaitsForFiles(id); err != nil {
+		s.writeNodeError(w, err)
+		return
+	}
 	if err := s.node.DiskRoom("an upload"); err != nil {
 		s.writeNodeError(w, err)
 		return
@@ -254,6 +263,23 @@ func (s *Server) UploadTemplateFiles(w http.ResponseWriter, r *http.Request, id,
 		return
 	}
 	w.WriteHeader(http.StatusOK)
+}
+
+// buildWaitsForFiles refuses (404) the files of a template none of whose
+// builds waits for its start or runs: uploads are taken for a requested
+// build (POST /v3/templates first, as the SDKs do), not kept for
+// templates that may never come.
+func (s *Server) buildWaitsForFiles(id string) error {
+	bs, err := s.node.TemplateBuilds(id)
+	if err != nil {
+		return err
+	}
+	for _, b := range bs {
+		if b.Status == builds.Waiting || b.Status == builds.Building {
+			return nil
+		}
+	}
+	return fmt.Errorf("%w: template %q has no build waiting for its files (request one first: POST /v3/templates)", errkind.ErrNotFound, id)
 }
 
 // GetTemplateAlias implements GET /templates/aliases/{alias}.

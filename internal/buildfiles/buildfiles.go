@@ -28,6 +28,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/agentenv/agentenv/internal/errkind"
@@ -39,11 +40,19 @@ var HashRE = regexp.MustCompile(`^[0-9a-f]{16,128}$`)
 // templateRE bounds the template ids used as folder names.
 var templateRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)
 
-// MaxUpload bounds one COPY archive.
+// MaxUpload bounds one COPY archive, and the uploads waiting for one
+// template's build together.
 const MaxUpload = 8 << 30
+
+// MaxPending bounds the uploads waiting for builds on a node together.
+const MaxPending = 32 << 30
 
 // pendingTTL is how long an upload no build has named is kept.
 const pendingTTL = 24 * time.Hour
+
+// verifiedTTL is how long a checked archive no build has used is kept
+// (a client asked for it later uploads it again).
+const verifiedTTL = 7 * 24 * time.Hour
 
 // Errors of the store; each is also an errkind (ErrInvalid or ErrNotFound).
 var (
@@ -55,6 +64,15 @@ var (
 // Store is the build files of a node, under <data>/build-files.
 type Store struct {
 	dir string
+
+	// maxTemplate and maxNode bound the uploads waiting for builds: for
+	// one template, and on the node (MaxUpload and MaxPending).
+	maxTemplate, maxNode int64
+
+	// mu guards inflight: the room uploads being received have taken of
+	// the bounds, by template.
+	mu       sync.Mutex
+	inflight map[string]int64
 }
 
 // Open opens (creating) the store of a data dir. Uploads older than a day
@@ -62,7 +80,7 @@ type Store struct {
 // verification (kept under their claimed hash alone): clients upload them
 // again when asked.
 func Open(dataDir string) (*Store, error) {
-	s := &Store{dir: filepath.Join(dataDir, "build-files")}
+	s := &Store{dir: filepath.Join(dataDir, "build-files"), maxTemplate: MaxUpload, maxNode: MaxPending, inflight: map[string]int64{}}
 	for _, d := range []string{"pending", "verified", "template"} {
 		if err := os.MkdirAll(filepath.Join(s.dir, d), 0o700); err != nil {
 			return nil, err
@@ -72,7 +90,7 @@ func Open(dataDir string) (*Store, error) {
 	for _, p := range legacy {
 		_ = os.Remove(p)
 	}
-	s.removeStale(time.Now().Add(-pendingTTL))
+	s.Sweep(time.Now(), nil)
 	return s, nil
 }
 
@@ -113,12 +131,19 @@ func (s *Store) Present(template, hash string) bool {
 // Receive stores an upload for template under the hash its client claims,
 // to be checked when a build names it (see Admit). A second upload of the
 // same hash replaces the first. It returns ErrInvalid errors for bad names
-// and for bodies over MaxUpload.
+// and ErrTooLarge ones for a body past what the bounds leave it: MaxUpload
+// for the uploads waiting for one template's build, MaxPending for the
+// node's.
 func (s *Store) Receive(template, hash string, body io.Reader) error {
 	if err := check(template, hash); err != nil {
 		return err
 	}
 	dst := s.pendingPath(template, hash)
+	room, err := s.reserve(template, dst)
+	if err != nil {
+		return err
+	}
+	defer s.release(template, room)
 	if err := os.MkdirAll(filepath.Dir(dst), 0o700); err != nil {
 		return err
 	}
@@ -127,14 +152,18 @@ func (s *Store) Receive(template, hash string, body io.Reader) error {
 		return err
 	}
 	defer os.Remove(tmp.Name())
-	n, err := io.Copy(tmp, io.LimitReader(body, MaxUpload+1))
+	n, err := io.Copy(tmp, io.LimitReader(body, room+1))
 	if err != nil {
 		tmp.Close()
+		if errkind.IsNoSpace(err) {
+			return fmt.Errorf("%w: upload: %v", errkind.ErrNoSpace, err)
+		}
 		return fmt.Errorf("%w: upload: %v", errkind.ErrInvalid, err)
 	}
-	if n > MaxUpload {
+	if n > room {
 		tmp.Close()
-		return fmt.Errorf("%w: upload larger than %d GiB", errkind.ErrInvalid, MaxUpload>>30)
+		return fmt.Errorf("%w: the upload is larger than the %s left for uploads waiting for builds (%s per template, %s on the node)",
+			errkind.ErrTooLarge, size(room), size(s.maxTemplate), size(s.maxNode))
 	}
 	if err := tmp.Sync(); err != nil {
 		tmp.Close()
@@ -144,6 +173,70 @@ func (s *Store) Receive(template, hash string, body io.Reader) error {
 		return err
 	}
 	return os.Rename(tmp.Name(), dst)
+}
+
+// reserve takes, for an upload to template that will replace dst, the room
+// the bounds leave it, until release gives it back.
+func (s *Store) reserve(template, dst string) (int64, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var replaced int64
+	if fi, err := os.Lstat(dst); err == nil {
+		replaced = fi.Size()
+	}
+	mine, all := s.inflight[template], int64(0)
+	for _, b := range s.inflight {
+		all += b
+	}
+	root := filepath.Join(s.dir, "pending")
+	ents, _ := os.ReadDir(root)
+	for _, e := range ents {
+		b := dirBytes(filepath.Join(root, e.Name()))
+		all += b
+		if e.Name() == template {
+			mine += b
+		}
+	}
+	room := min(s.maxTemplate-mine, s.maxNode-all) + replaced
+	if room <= 0 {
+		return 0, fmt.Errorf("%w: the uploads waiting for builds fill their bound (%s per template, %s on the node): start or end those builds first",
+			errkind.ErrTooLarge, size(s.maxTemplate), size(s.maxNode))
+	}
+	s.inflight[template] += room
+	return room, nil
+}
+
+func (s *Store) release(template string, room int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.inflight[template] -= room; s.inflight[template] <= 0 {
+		delete(s.inflight, template)
+	}
+}
+
+// size says a number of bytes in the largest unit it fills.
+func size(b int64) string {
+	switch {
+	case b >= 1<<30:
+		return fmt.Sprintf("%d GiB", b>>30)
+	case b >= 1<<20:
+		return fmt.Sprintf("%d MiB", b>>20)
+	}
+	return fmt.Sprintf("%d bytes", b)
+}
+
+// dirBytes is the size of the regular files in dir and below.
+func dirBytes(dir string) int64 {
+	var n int64
+	_ = filepath.WalkDir(dir, func(_ string, d fs.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() {
+			if fi, err := d.Info(); err == nil {
+				n += fi.Size()
+			}
+		}
+		return nil
+	})
+	return n
 }
 
 // Archive is the files a COPY step uses.
@@ -170,6 +263,7 @@ func (s *Store) Admit(template, hash, src, dest string) (Archive, error) {
 		return s.admitPending(template, hash, src, dest, pending)
 	}
 	if p := s.verifiedPath(hash); exists(p) {
+		touch(p)
 		return Archive{Path: p, Key: hash, Verified: true}, nil
 	}
 	if p := s.privatePath(template, hash); exists(p) {
@@ -198,6 +292,7 @@ func (s *Store) admitPending(template, hash, src, dest, pending string) (Archive
 		if err := os.Rename(pending, p); err != nil {
 			return Archive{}, err
 		}
+		touch(p)
 		return Archive{Path: p, Key: hash, Verified: true}, nil
 	}
 	if checkable {
@@ -227,9 +322,31 @@ func (s *Store) RemoveTemplate(template string) error {
 		os.RemoveAll(filepath.Join(s.dir, "pending", template)))
 }
 
-// removeStale removes uploads received before cutoff that no build named.
-func (s *Store) removeStale(cutoff time.Time) {
-	root := filepath.Join(s.dir, "pending")
+// Sweep collects what no build will use: uploads received over a day ago
+// that no build named, checked archives no build used for a week, and,
+// when wanted is set, the waiting uploads and private archives of the
+// templates it does not want (a template that never came: its builds
+// failed or expired before it existed).
+func (s *Store) Sweep(now time.Time, wanted func(template string) bool) {
+	removeOlder(filepath.Join(s.dir, "pending"), now.Add(-pendingTTL))
+	removeOlder(filepath.Join(s.dir, "verified"), now.Add(-verifiedTTL))
+	if wanted == nil {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, d := range []string{"pending", "template"} {
+		ents, _ := os.ReadDir(filepath.Join(s.dir, d))
+		for _, e := range ents {
+			if _, receiving := s.inflight[e.Name()]; e.IsDir() && !receiving && !wanted(e.Name()) {
+				_ = os.RemoveAll(filepath.Join(s.dir, d, e.Name()))
+			}
+		}
+	}
+}
+
+// removeOlder removes the files below root last modified before cutoff.
+func removeOlder(root string, cutoff time.Time) {
 	_ = filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil || d.IsDir() {
 			return nil
@@ -239,6 +356,12 @@ func (s *Store) removeStale(cutoff time.Time) {
 		}
 		return nil
 	})
+}
+
+// touch marks an archive used now (see Sweep).
+func touch(p string) {
+	now := time.Now()
+	_ = os.Chtimes(p, now, now)
 }
 
 func exists(p string) bool {

@@ -245,3 +245,79 @@ func countFiles(t *testing.T, dir string) int {
 	})
 	return n
 }
+
+// TestReceiveBounds: the uploads waiting for builds are bounded per
+// template and on the node (413, keeping nothing of the refused upload);
+// a second upload of the same hash replaces the first within the bound.
+func TestReceiveBounds(t *testing.T) {
+	s, _ := Open(t.TempDir())
+	s.maxTemplate, s.maxNode = 1000, 1500
+	body := strings.NewReader
+	hash := func(c string) string { return strings.Repeat(c, 64) }
+	for _, tc := range []struct {
+		name, template, hash string
+		size                 int
+		ok                   bool
+	}{
+		{"first upload", "t1", hash("a"), 600, true},
+		{"past the template's bound", "t1", hash("b"), 600, false},
+		{"the same hash again, replacing it", "t1", hash("a"), 900, true},
+		{"another template", "t2", hash("c"), 500, true},
+		{"past the node's bound", "t3", hash("d"), 200, false},
+		{"within what the node has left", "t3", hash("d"), 100, true},
+	} {
+		err := s.Receive(tc.template, tc.hash, body(strings.Repeat("x", tc.size)))
+		if tc.ok != (err == nil) || (err != nil && !errors.Is(err, errkind.ErrTooLarge)) {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		_, kept := os.Stat(s.pendingPath(tc.template, tc.hash))
+		if tc.ok != (kept == nil) {
+			t.Fatalf("%s: kept %v", tc.name, kept)
+		}
+	}
+	if n := dirBytes(filepath.Join(s.dir, "pending")); n != 1500 {
+		t.Fatalf("%d bytes waiting, want 1500", n)
+	}
+	if len(s.inflight) != 0 {
+		t.Fatalf("room still taken: %v", s.inflight)
+	}
+}
+
+// TestSweep: uploads no build named for a day, checked archives unused for
+// a week, and the uploads and private archives of templates not wanted
+// (never came) are collected; the rest stays.
+func TestSweep(t *testing.T) {
+	s, _ := Open(t.TempDir())
+	now := time.Now()
+	write := func(p string, age time.Duration) {
+		t.Helper()
+		if err := os.MkdirAll(filepath.Dir(p), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte("x"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		os.Chtimes(p, now.Add(-age), now.Add(-age))
+	}
+	h := func(c string) string { return strings.Repeat(c, 64) }
+	keep := []string{s.pendingPath("wanted", h("a")), s.verifiedPath(h("b")), s.privatePath("wanted", h("c"))}
+	gone := []string{s.pendingPath("wanted", h("d")), s.verifiedPath(h("e")), s.pendingPath("never", h("f")), s.privatePath("never", h("a"))}
+	write(keep[0], time.Hour)
+	write(keep[1], 6*24*time.Hour)
+	write(keep[2], 30*24*time.Hour)
+	write(gone[0], 25*time.Hour)
+	write(gone[1], 8*24*time.Hour)
+	write(gone[2], time.Minute)
+	write(gone[3], time.Minute)
+	s.Sweep(now, func(template string) bool { return template == "wanted" })
+	for _, p := range keep {
+		if _, err := os.Stat(p); err != nil {
+			t.Errorf("%s: %v", p, err)
+		}
+	}
+	for _, p := range gone {
+		if _, err := os.Stat(p); !os.IsNotExist(err) {
+			t.Errorf("%s is still there", p)
+		}
+	}
+}

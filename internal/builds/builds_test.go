@@ -5,6 +5,9 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"log/slog"
+	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -12,6 +15,8 @@ import (
 
 	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/errkind"
+	"github.com/agentenv/agentenv/internal/statedb"
+	"github.com/agentenv/agentenv/internal/store"
 	"github.com/agentenv/agentenv/internal/templates"
 )
 
@@ -190,5 +195,56 @@ func TestRecords(t *testing.T) {
 	// Start refuses a build that is not waiting.
 	if err := bs.Start("app", r1.BuildID, Spec{FromTemplate: "base"}); !errors.Is(err, errkind.ErrConflict) {
 		t.Fatalf("start of a failed build: %v", err)
+	}
+}
+
+// TestSweep: a build that waited past waitingTTL for its start is recorded
+// as failed, and the uploads of templates with no build waiting (nor the
+// template itself) are collected; those of a waiting build stay.
+func TestSweep(t *testing.T) {
+	dir := t.TempDir()
+	db, err := statedb.Open(filepath.Join(dir, "aenv.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	st, err := store.Open(db, dir, slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	files, err := buildfiles.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bs := New(dir, files, st, templates.NewCatalog(st, dir), noHost{}, slog.Default(), 4, 4096)
+	stale, err := bs.Request("stale", nil, 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stale.CreatedAt = time.Now().Add(-waitingTTL - time.Minute)
+	if err := bs.save(stale); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := bs.Request("fresh", nil, 0, 0); err != nil {
+		t.Fatal(err)
+	}
+	hash := strings.Repeat("a", 64)
+	for _, tpl := range []string{"stale", "fresh", "never-requested"} {
+		if err := files.Receive(tpl, hash, strings.NewReader("files")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	bs.Sweep(context.Background(), time.Now())
+	if got, _ := bs.Get("stale", stale.BuildID); got.Status != Failed || !strings.Contains(got.Reason, "never started") {
+		t.Fatalf("a build that waited a day: %+v", got)
+	}
+	for tpl, want := range map[string]bool{"stale": false, "fresh": true, "never-requested": false} {
+		_, err := os.Stat(filepath.Join(dir, "build-files", "pending", tpl, hash+".tar"))
+		if (err == nil) != want {
+			t.Errorf("upload for %s kept: %v, want %v", tpl, err == nil, want)
+		}
+	}
+	if !bs.Pending("fresh") || bs.Pending("stale") {
+		t.Fatalf("pending: fresh %v, stale %v", bs.Pending("fresh"), bs.Pending("stale"))
 	}
 }

@@ -244,12 +244,108 @@ func (bs *Builds) Start(templateID, buildID string, spec Spec) error {
 		if err := bs.save(b); err != nil {
 			bs.log.Error("save build record", "template", templateID, "build", buildID, "err", err)
 		}
+		if b.Status == Failed && !bs.wanted(ctx, templateID) {
+			// The template never came: its uploads and private
+			// archives go (the checked, shared ones stay for a
+			// retry, see buildfiles.Store.Sweep).
+			if err := bs.files.RemoveTemplate(templateID); err != nil {
+				bs.log.Error("remove the build files of a template that never came", "template", templateID, "err", err)
+			}
+		}
 	})
 	return nil
 }
 
+// waitingTTL is how long a requested build may wait for its start.
+const waitingTTL = 24 * time.Hour
+
+// sweepEvery is how often Collect sweeps.
+const sweepEvery = time.Hour
+
+// Collect sweeps (see Sweep) now and then every hour until ctx ends.
+func (bs *Builds) Collect(ctx context.Context) {
+	t := time.NewTicker(sweepEvery)
+	defer t.Stop()
+	for {
+		bs.Sweep(ctx, time.Now())
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// Sweep ends the builds that waited past waitingTTL for their start
+// (recorded as failed), then collects the build files no build will use
+// (buildfiles.Store.Sweep): among them the uploads and private archives of
+// templates that never came.
+func (bs *Builds) Sweep(ctx context.Context, now time.Time) {
+	root := filepath.Join(bs.dataDir, buildsDir)
+	tpls, _ := os.ReadDir(root)
+	for _, t := range tpls {
+		for _, b := range bs.records(t.Name()) {
+			if b.Status == Waiting && now.Sub(b.CreatedAt) > waitingTTL {
+				b.Status, b.Reason, b.FinishedAt = Failed, fmt.Sprintf("never started: a build waits %s for its start", waitingTTL), now.UTC()
+				if err := bs.save(b); err != nil {
+					bs.log.Error("save build record", "template", b.TemplateID, "build", b.BuildID, "err", err)
+				}
+			}
+		}
+	}
+	bs.files.Sweep(now, func(template string) bool { return bs.wanted(ctx, template) })
+}
+
+// wanted reports whether a template's build files may still be used: it
+// exists, or a build of it waits or runs.
+func (bs *Builds) wanted(ctx context.Context, template string) bool {
+	if _, err := bs.cat.Get(ctx, template); !errors.Is(err, errkind.ErrNotFound) {
+		return true
+	}
+	return bs.Pending(template)
+}
+
+// Pending reports whether a build of template waits for its start or
+// runs: while one does, uploads for it are taken.
+func (bs *Builds) Pending(template string) bool {
+	bs.mu.Lock()
+	for k := range bs.live {
+		if strings.HasPrefix(k, template+"/") {
+			bs.mu.Unlock()
+			return true
+		}
+	}
+	bs.mu.Unlock()
+	for _, b := range bs.records(template) {
+		if b.Status == Waiting || b.Status == Building {
+			return true
+		}
+	}
+	return false
+}
+
+// records reads the build records of a template (those it can).
+func (bs *Builds) records(template string) []*Record {
+	if !templates.NameRE.MatchString(template) {
+		return nil
+	}
+	dir := filepath.Join(bs.dataDir, buildsDir, template)
+	files, _ := os.ReadDir(dir)
+	var out []*Record
+	for _, f := range files {
+		var b Record
+		if strings.HasSuffix(f.Name(), ".json") && storage.ReadJSON(filepath.Join(dir, f.Name()), &b) == nil {
+			out = append(out, &b)
+		}
+	}
+	return out
+}
+
 // List lists a template's builds, newest first.
 func (bs *Builds) List(templateID string) ([]*Record, error) {
+	if !templates.NameRE.MatchString(templateID) {
+		return nil, nil
+	}
 	ents, err := os.ReadDir(filepath.Join(bs.dataDir, buildsDir, templateID))
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return nil, err
@@ -271,15 +367,10 @@ func (bs *Builds) Recover() {
 	root := filepath.Join(bs.dataDir, buildsDir)
 	tpls, _ := os.ReadDir(root)
 	for _, t := range tpls {
-		files, _ := os.ReadDir(filepath.Join(root, t.Name()))
-		for _, f := range files {
-			var b Record
-			if !strings.HasSuffix(f.Name(), ".json") || storage.ReadJSON(filepath.Join(root, t.Name(), f.Name()), &b) != nil {
-				continue
-			}
+		for _, b := range bs.records(t.Name()) {
 			if b.Status == Building {
 				b.Status, b.Reason, b.FinishedAt = Failed, "interrupted by a restart of the node", time.Now().UTC()
-				_ = bs.save(&b)
+				_ = bs.save(b)
 			}
 		}
 	}

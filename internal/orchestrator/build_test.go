@@ -41,9 +41,15 @@ func (l *buildLog) has(s string) bool {
 }
 
 // uploadFiles uploads a COPY step's archive for template the way the API
-// does, and returns the files hash an SDK would send with it.
+// does (for a requested build: the node collects the files of templates
+// with none), and returns the files hash an SDK would send with it.
 func uploadFiles(t *testing.T, n *Node, template, src, dest string, files map[string]string) string {
 	t.Helper()
+	if !n.builds.Pending(template) {
+		if _, err := n.RequestBuild(template, nil, 0, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
 	for name, body := range files {

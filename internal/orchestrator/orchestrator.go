@@ -440,6 +440,7 @@ func open(ctx context.Context, cfg Config, qemu vmm.QEMUInfo, lock *datadir.Lock
 	n.endInterruptedInternal(ctx)
 	n.wg.Add(1)
 	go n.expiryLoop()
+	buildHost{n}.Go(n.builds.Collect)
 	n.wg.Add(1)
 	go n.hotExpiryLoop()
 	if cfg.TemplateSnapshots {
