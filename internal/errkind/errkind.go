@@ -37,5 +37,6 @@ func IsNoSpace(err error) bool {
 		return true
 	}
 	msg := strings.ToLower(err.Error())
-	return strings.Contains(msg, "no space left on device") || strings.Contains(msg, "disk quota exceeded")
+	return strings.Contains(msg, "no space left on device") || strings.Contains(msg, "disk quota exceeded") ||
+		strings.Contains(msg, "database or disk is full") // SQLite's SQLITE_FULL
 }

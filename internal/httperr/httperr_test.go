@@ -66,6 +66,7 @@ func TestStatusOf(t *testing.T) {
 		{fmt.Errorf("%w: upload: write /x: no space left on device", errkind.ErrInvalid), 507},
 		{errors.New("qemu-img create overlay /x: exit status 1: qemu-img: /x: Could not write: No space left on device"), 507},
 		{fmt.Errorf("copy: %w", syscall.EDQUOT), 507},
+		{errors.New("update sandbox x state: database or disk is full (13)"), 507},
 		{context.DeadlineExceeded, 504},
 		{errors.New("something else"), 500},
 	} {

@@ -19,6 +19,7 @@ import (
 	"github.com/agentenv/agentenv/internal/network"
 	"github.com/agentenv/agentenv/internal/operation"
 	"github.com/agentenv/agentenv/internal/sandboxes"
+	"github.com/agentenv/agentenv/internal/templates"
 	"github.com/agentenv/agentenv/internal/vmm"
 )
 
@@ -665,5 +666,75 @@ for p in os.listdir("/proc"):
 	}
 	if _, err := fmt.Sscan(guestRun(t, s, "root", "python3 -c '"+envdScore+"'"), &again, &score); err != nil || again == pid || score != "-1000" {
 		t.Fatalf("the restarted envd: pid %s (was %s), oom_score_adj %q (%v)", again, pid, score, err)
+	}
+}
+
+// TestFullDisk runs a node whose data dir's file system (a small tmpfs)
+// fills up: a fork answers with the disk being full (507), not an
+// internal error; a guest that then touches new memory (its RAM file is
+// sparse on that disk) loses its QEMU; and once there is room again the
+// dead sandbox is removed within seconds rather than listed running,
+// unreachable, until a restart.
+func TestFullDisk(t *testing.T) {
+	shared := testData(t)
+	dir := filepath.Join(t.TempDir(), "data")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Mount("tmpfs", dir, "tmpfs", 0, "size=1200m,mode=0700"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { syscall.Unmount(dir, syscall.MNT_DETACH) })
+	cat, closeCat, err := templates.OpenReadOnly(shared)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = cat.Export(context.Background(), "minimal", filepath.Join(dir, templates.LegacyDir, "minimal"))
+	closeCat()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// No floor: the disk is to fill up.
+	n := testNodeIn(t, dir, func(c *Config) { c.MinFreeDiskMiB = -1 })
+	ctx := context.Background()
+	s := create(t, n, CreateRequest{TemplateID: "minimal", MemoryMiB: 256})
+	filler, err := os.Create(filepath.Join(dir, "filler"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for buf := make([]byte, 64<<10); ; {
+		if _, err := filler.Write(buf); err != nil {
+			break
+		}
+	}
+	filler.Close()
+	if _, err := n.Fork(ctx, s.ID, 1, 0); !errkind.IsNoSpace(err) {
+		t.Fatalf("fork on a full disk: %v", err)
+	}
+	// The guest takes 128 MiB of memory it has not touched yet.
+	rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	_, _ = newEnvdClient(s).run(rctx, "root", "dd", "if=/dev/zero", "of=/dev/null", "bs=128M", "count=1")
+	cancel()
+	if err := os.Remove(filler.Name()); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		got, err := n.Get(ctx, s.ID)
+		if errors.Is(err, ErrNotFound) {
+			t.Logf("the sandbox whose QEMU died on the full disk is gone")
+			return
+		}
+		rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		r, rerr := newEnvdClient(s).run(rctx, "", "echo", "ok")
+		cancel()
+		if err == nil && got.State == sandboxes.Running && rerr == nil && r.stdout == "ok\n" {
+			t.Logf("the sandbox outlived the full disk")
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a minute after the disk had room again the sandbox is %+v (%v), unreachable: %v", got, err, rerr)
+		}
+		time.Sleep(500 * time.Millisecond)
 	}
 }

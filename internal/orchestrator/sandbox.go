@@ -528,12 +528,32 @@ func (n *Node) adopt(id string, m *vmm.Machine) {
 			}
 		case sandboxes.Running:
 			n.log.Warn("sandbox's QEMU exited unexpectedly; removing the sandbox", "sandbox", id, "exit", m.ExitErr())
-			if err := n.Kill(ctx, id); err != nil && !errors.Is(err, ErrNotFound) {
-				n.log.Error("clean up dead sandbox", "sandbox", id, "err", err)
-			}
+			n.removeDead(ctx, id)
 		}
 		// Mid-operation, the operation sees the machine gone and settles.
 	}()
+}
+
+// removeDead removes a sandbox whose QEMU died, trying again (every few
+// seconds, up to half a minute apart) while the removal fails, e.g. on a
+// full disk: a dead sandbox listed running would answer nothing until the
+// node restarts. It gives up when the node stops (its recovery finishes
+// the removal) or another operation has the sandbox.
+func (n *Node) removeDead(ctx context.Context, id string) {
+	wait := time.Second
+	for {
+		err := n.Kill(ctx, id)
+		if err == nil || errors.Is(err, ErrNotFound) || errors.Is(err, ErrConflict) {
+			return
+		}
+		n.log.Error("clean up dead sandbox (trying again)", "sandbox", id, "in", wait, "err", err)
+		select {
+		case <-n.stop:
+			return
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, 30*time.Second)
+	}
 }
 
 // Kill stops a sandbox and removes everything it had: QEMU, network, files,
