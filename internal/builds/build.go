@@ -136,8 +136,12 @@ func (bs *Builds) Run(ctx context.Context, spec Spec, logf Logger) (err error) {
 		sum := sha256.Sum256([]byte(spec.FromImage))
 		spec.FromTemplate = "image-" + hex.EncodeToString(sum[:8])
 		logf("info", "", "pulling image "+spec.FromImage)
+		src := image.Source{Ref: spec.FromImage}
+		if err := bs.images.Check(&src); err != nil {
+			return fmt.Errorf("%w: base image %s: %v", errkind.ErrInvalid, spec.FromImage, err)
+		}
 		if err := o.Do("pull-image", func(ctx context.Context) error {
-			_, err := bs.cat.ImportImage(ctx, spec.FromTemplate, image.Source{Ref: spec.FromImage}, 0,
+			_, err := bs.cat.ImportImage(ctx, spec.FromTemplate, src, 0,
 				func(format string, a ...any) { logf("info", "", fmt.Sprintf(format, a...)) })
 			return err
 		}); err != nil {

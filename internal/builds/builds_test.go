@@ -65,7 +65,7 @@ func TestStartChecksCopyFiles(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	bs := New(dir, files, nil, nil, noHost{}, nil, 4, 4096)
+	bs := New(Config{DataDir: dir, Files: files, Host: noHost{}, MaxVCPUs: 4, MaxMemoryMiB: 4096})
 	body := []byte("hello\n")
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
@@ -136,7 +136,7 @@ func TestStepKeysChain(t *testing.T) {
 
 func TestRecords(t *testing.T) {
 	dir := t.TempDir()
-	bs := New(dir, nil, nil, nil, noHost{snapshots: map[string]bool{"snap": true}}, nil, 4, 4096)
+	bs := New(Config{DataDir: dir, Host: noHost{snapshots: map[string]bool{"snap": true}}, MaxVCPUs: 4, MaxMemoryMiB: 4096})
 	for _, tc := range []struct {
 		name       string
 		tags       []string
@@ -187,7 +187,7 @@ func TestRecords(t *testing.T) {
 	if err := bs.save(r1); err != nil {
 		t.Fatal(err)
 	}
-	New(dir, nil, nil, nil, noHost{}, nil, 4, 4096).Recover()
+	New(Config{DataDir: dir, Host: noHost{}, MaxVCPUs: 4, MaxMemoryMiB: 4096}).Recover()
 	got, _ = bs.Get("app", r1.BuildID)
 	if got.Status != Failed || got.Reason == "" {
 		t.Fatalf("interrupted build after a restart: %+v", got)
@@ -216,7 +216,7 @@ func TestSweep(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	bs := New(dir, files, st, templates.NewCatalog(st, dir), noHost{}, slog.Default(), 4, 4096)
+	bs := New(Config{DataDir: dir, Files: files, Store: st, Catalog: templates.NewCatalog(st, dir), Host: noHost{}, MaxVCPUs: 4, MaxMemoryMiB: 4096})
 	stale, err := bs.Request("stale", nil, 0, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -246,5 +246,26 @@ func TestSweep(t *testing.T) {
 	}
 	if !bs.Pending("fresh") || bs.Pending("stale") {
 		t.Fatalf("pending: fresh %v, stale %v", bs.Pending("fresh"), bs.Pending("stale"))
+	}
+}
+
+// TestFromImageKeepsToTheImagePolicy: a build's base image comes from a
+// registry only as the node's image policy allows: one on loopback (the
+// node itself) is refused by default, saying so without a remote's words.
+func TestFromImageKeepsToTheImagePolicy(t *testing.T) {
+	dir := t.TempDir()
+	db, err := statedb.Open(filepath.Join(dir, "aenv.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	st, err := store.Open(db, dir, slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	bs := New(Config{DataDir: dir, Store: st, Catalog: templates.NewCatalog(st, dir), Host: noHost{}, MaxVCPUs: 4, MaxMemoryMiB: 4096})
+	err = bs.Run(context.Background(), Spec{Template: "from-loopback", FromImage: "127.0.0.1:1/x/y:z"}, func(string, string, string) {})
+	if err == nil || !strings.Contains(err.Error(), "does not pull from") {
+		t.Fatalf("a base image on loopback: %v", err)
 	}
 }

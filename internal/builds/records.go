@@ -18,6 +18,7 @@ import (
 	"github.com/agentenv/agentenv/internal/buildfiles"
 	"github.com/agentenv/agentenv/internal/errkind"
 	"github.com/agentenv/agentenv/internal/storage"
+	"github.com/agentenv/agentenv/internal/storage/image"
 	"github.com/agentenv/agentenv/internal/store"
 	"github.com/agentenv/agentenv/internal/templates"
 )
@@ -66,6 +67,23 @@ type Record struct {
 // maxBuildLogs bounds a build's recorded log.
 const maxBuildLogs = 20000
 
+// Config is what a node's builds work with.
+type Config struct {
+	DataDir string
+	// Files are the COPY archives uploaded for builds.
+	Files   *buildfiles.Store
+	Store   *store.Store
+	Catalog *templates.Catalog
+	// Host boots builder sandboxes and snapshots templates.
+	Host Host
+	Log  *slog.Logger
+	// Limits of a build's sandbox.
+	MaxVCPUs, MaxMemoryMiB int
+	// Images says which registries a build's base image (fromImage) may
+	// come from: the node's policy for images users name.
+	Images image.Policy
+}
+
 // Builds is the template builds of one node.
 type Builds struct {
 	dataDir string
@@ -74,6 +92,7 @@ type Builds struct {
 	cat     *templates.Catalog
 	host    Host
 	log     *slog.Logger
+	images  image.Policy
 	// Limits of a build's sandbox.
 	maxVCPUs, maxMemMiB int
 
@@ -81,12 +100,14 @@ type Builds struct {
 	live map[string]*Record // templateID/buildID of running builds; guarded by mu
 }
 
-// New returns the builds of a node: its data dir, COPY files, store and
-// templates, the host that boots builder sandboxes and snapshots templates,
-// and the limits of a build's sandbox.
-func New(dataDir string, files *buildfiles.Store, st *store.Store, cat *templates.Catalog, host Host, log *slog.Logger, maxVCPUs, maxMemMiB int) *Builds {
-	return &Builds{dataDir: dataDir, files: files, st: st, cat: cat, host: host, log: log, maxVCPUs: maxVCPUs, maxMemMiB: maxMemMiB,
-		live: map[string]*Record{}}
+// New returns the builds of a node.
+func New(cfg Config) *Builds {
+	log := cfg.Log
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Builds{dataDir: cfg.DataDir, files: cfg.Files, st: cfg.Store, cat: cfg.Catalog, host: cfg.Host, log: log,
+		images: cfg.Images, maxVCPUs: cfg.MaxVCPUs, maxMemMiB: cfg.MaxMemoryMiB, live: map[string]*Record{}}
 }
 
 func (bs *Builds) path(templateID, buildID string) string {

@@ -430,7 +430,8 @@ func open(ctx context.Context, cfg Config, qemu vmm.QEMUInfo, lock *datadir.Lock
 	if n.files, err = buildfiles.Open(cfg.DataDir); err != nil {
 		return fail(fmt.Errorf("build files: %w", err))
 	}
-	n.builds = builds.New(cfg.DataDir, n.files, st, n.templates, buildHost{n}, n.log, cfg.MaxVCPUs, cfg.MaxMemoryMiB)
+	n.builds = builds.New(builds.Config{DataDir: cfg.DataDir, Files: n.files, Store: st, Catalog: n.templates, Host: buildHost{n}, Log: n.log,
+		MaxVCPUs: cfg.MaxVCPUs, MaxMemoryMiB: cfg.MaxMemoryMiB, Images: cfg.Images})
 	n.builds.Recover()
 	n.remote = templates.NewRemote(n.templates, cfg.Repository, cfg.DataDir, cfg.LayerCacheMiB, cfg.Peers, cfg.PeerToken, n.log)
 	n.remote.Reexport(ctx)
