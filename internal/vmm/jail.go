@@ -245,7 +245,8 @@ type Jail struct {
 	// goes too, see dropCopies.)
 	Drop []string
 	// Need are files outside Hide that QEMU opens (Start adds its binary,
-	// kernel and initrd): the mounts on their way stay.
+	// kernel, initrd and the temporary directory its migration sockets are
+	// made in): the mounts on their way stay.
 	Need []string
 }
 

@@ -409,7 +409,9 @@ func Start(ctx context.Context, cfg Config) (*Machine, error) {
 			joins = nil
 		}
 		jail := cfg.Jail
-		jail.Need = append(slices.Clip(jail.Need), cfg.Kernel, cfg.Initrd)
+		// QEMU opens its kernel and initrd, and its migration sockets
+		// and device-state files in the temporary directory (state.go).
+		jail.Need = append(slices.Clip(jail.Need), cfg.Kernel, cfg.Initrd, os.TempDir())
 		cmd, err := jailCommand(bin, cfg.Args(), joins, jail)
 		if err != nil {
 			return nil, nil, err
