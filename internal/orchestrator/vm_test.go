@@ -490,6 +490,8 @@ func TestCreateBadInputLeavesNothing(t *testing.T) {
 		{"absurd memory", CreateRequest{TemplateID: "minimal", MemoryMiB: 1 << 30}, ErrInvalid},
 		{"tiny memory", CreateRequest{TemplateID: "minimal", MemoryMiB: 16}, ErrInvalid},
 		{"negative timeout", CreateRequest{TemplateID: "minimal", Timeout: -time.Second}, ErrInvalid},
+		{"disk past the node's limit", CreateRequest{TemplateID: "minimal", DiskMiB: 64<<10 + 1}, ErrInvalid},
+		{"negative disk", CreateRequest{TemplateID: "minimal", DiskMiB: -1}, ErrInvalid},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
