@@ -1439,3 +1439,23 @@ func TestTimeoutsEndStreamsWithDeadlineExceeded(t *testing.T) {
 		t.Fatalf("watch ended with %v, want deadline_exceeded", w.Err())
 	}
 }
+
+// TestFilesDownloadProcFiles: the files of /proc report a size of 0 and
+// some cannot seek; a download has their contents all the same.
+func TestFilesDownloadProcFiles(t *testing.T) {
+	e := startServer(t, Config{AccessToken: "tok"})
+	for _, p := range []string{"/proc/version", "/proc/sys/kernel/random/boot_id", "/proc/self/status"} {
+		want, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req, _ := http.NewRequest(http.MethodGet, e.filesURL(url.Values{"path": {p}}), nil)
+		res, b := e.do(req)
+		if res.StatusCode != 200 || len(b) == 0 {
+			t.Fatalf("%s: %d %q", p, res.StatusCode, b)
+		}
+		if p != "/proc/self/status" && string(b) != string(want) {
+			t.Fatalf("%s: %q, want %q", p, b, want)
+		}
+	}
+}

@@ -82,8 +82,9 @@ func (s *Server) handleDownload(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", ctype)
 	w.Header().Set("Content-Disposition", mime.FormatMediaType("attachment", map[string]string{"filename": filepath.Base(p)}))
 	w.Header().Set("Cache-Control", "no-store")
-	if !fi.Mode().IsRegular() {
-		// Devices, FIFOs…: stream without a known length.
+	if !fi.Mode().IsRegular() || fi.Size() == 0 {
+		// Devices, FIFOs, and the files of /proc and /sys (regular,
+		// of size 0, some unseekable): stream without a known length.
 		w.WriteHeader(http.StatusOK)
 		if r.Method != http.MethodHead {
 			_, _ = io.Copy(w, f)
