@@ -494,10 +494,34 @@ func TestFilesystem(t *testing.T) {
 				en.GetOwner() != "root" || en.GetName() != "f.txt" || en.GetModifiedTime().AsTime().IsZero() || en.SymlinkTarget != nil {
 				t.Errorf("stat entry %v", en)
 			}
-			ln, err := fc.Stat(ctx, connect.NewRequest(&filesystempb.StatRequest{Path: filepath.Join(root, "link")}))
-			if err != nil || ln.Msg.GetEntry().GetType() != filesystempb.FileType_FILE_TYPE_SYMLINK || ln.Msg.GetEntry().GetSymlinkTarget() != file {
-				t.Errorf("stat symlink %v %v", ln, err)
+			// A symlink as E2B's envd describes it: the type and mode of
+			// what it leads to, the resolved target, its own mode string;
+			// one leading nowhere has no type and itself as target.
+			if err := os.Symlink("relative/../a/b/f.txt", filepath.Join(root, "rel-link")); err != nil {
+				t.Fatal(err)
 			}
+			if err := os.Symlink(filepath.Join(root, "nowhere"), filepath.Join(root, "dangling")); err != nil {
+				t.Fatal(err)
+			}
+			os.MkdirAll(filepath.Join(root, "relative"), 0o755)
+			for _, c := range []struct {
+				link, target string
+				typ          filesystempb.FileType
+				mode         uint32
+			}{
+				{"link", file, filesystempb.FileType_FILE_TYPE_FILE, 0o640},
+				{"rel-link", file, filesystempb.FileType_FILE_TYPE_FILE, 0o640},
+				{"dangling", filepath.Join(root, "dangling"), filesystempb.FileType_FILE_TYPE_UNSPECIFIED, 0},
+			} {
+				ln, err := fc.Stat(ctx, connect.NewRequest(&filesystempb.StatRequest{Path: filepath.Join(root, c.link)}))
+				en := ln.Msg.GetEntry()
+				if err != nil || en.GetType() != c.typ || en.GetSymlinkTarget() != c.target || en.GetMode() != c.mode || !strings.HasPrefix(en.GetPermissions(), "L") {
+					t.Errorf("stat symlink %s: %v %v", c.link, en, err)
+				}
+			}
+			os.Remove(filepath.Join(root, "rel-link"))
+			os.Remove(filepath.Join(root, "dangling"))
+			os.Remove(filepath.Join(root, "relative"))
 			if _, err := fc.Stat(ctx, connect.NewRequest(&filesystempb.StatRequest{Path: filepath.Join(root, "missing")})); connect.CodeOf(err) != connect.CodeNotFound {
 				t.Errorf("stat missing: %v", err)
 			}
@@ -547,7 +571,8 @@ func TestFilesystem(t *testing.T) {
 			if _, err := os.Stat(filepath.Join(root, "a")); !errors.Is(err, os.ErrNotExist) {
 				t.Errorf("not removed: %v", err)
 			}
-			if _, err := fc.Remove(ctx, connect.NewRequest(&filesystempb.RemoveRequest{Path: filepath.Join(root, "a")})); connect.CodeOf(err) != connect.CodeNotFound {
+			// As E2B's envd: removing what is not there succeeds.
+			if _, err := fc.Remove(ctx, connect.NewRequest(&filesystempb.RemoveRequest{Path: filepath.Join(root, "a")})); err != nil {
 				t.Errorf("remove missing: %v", err)
 			}
 		})

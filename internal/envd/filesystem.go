@@ -79,7 +79,11 @@ func ownerNames(uid, gid uint32) (string, string) {
 	return un, gn
 }
 
-// entryFromInfo describes path from its lstat result.
+// entryFromInfo describes path from its lstat result. A symlink is
+// described as E2B's envd does: the type and permission bits of what it
+// leads to (unspecified and 0 when that is missing), the fully resolved
+// path it leads to as symlink_target (its own path when it leads nowhere),
+// and the link's own size, time, owner and mode string ("Lrwxrwxrwx").
 func entryFromInfo(path string, fi os.FileInfo) *filesystempb.EntryInfo {
 	e := &filesystempb.EntryInfo{
 		Name:         filepath.Base(path),
@@ -88,30 +92,35 @@ func entryFromInfo(path string, fi os.FileInfo) *filesystempb.EntryInfo {
 		Mode:         uint32(fi.Mode().Perm()),
 		Permissions:  fi.Mode().String(),
 		ModifiedTime: timestamppb.New(fi.ModTime()),
+		Type:         fileType(fi),
 	}
-	switch {
-	case fi.Mode()&os.ModeSymlink != 0:
-		e.Type = filesystempb.FileType_FILE_TYPE_SYMLINK
-		if target, err := filepath.EvalSymlinks(path); err == nil {
-			e.SymlinkTarget = proto.String(target)
-		} else if raw, err := os.Readlink(path); err == nil {
-			if !filepath.IsAbs(raw) {
-				raw = filepath.Join(filepath.Dir(path), raw)
-			}
-			e.SymlinkTarget = proto.String(raw)
+	if fi.Mode()&os.ModeSymlink != 0 {
+		e.Type, e.Mode = filesystempb.FileType_FILE_TYPE_UNSPECIFIED, 0
+		if to, err := os.Stat(path); err == nil {
+			e.Type, e.Mode = fileType(to), uint32(to.Mode().Perm())
 		}
-	case fi.IsDir():
-		e.Type = filesystempb.FileType_FILE_TYPE_DIRECTORY
-	case fi.Mode().IsRegular():
-		e.Type = filesystempb.FileType_FILE_TYPE_FILE
-	default:
-		e.Type = filesystempb.FileType_FILE_TYPE_UNSPECIFIED
+		target, err := filepath.EvalSymlinks(path)
+		if err != nil {
+			target = path
+		}
+		e.SymlinkTarget = proto.String(target)
 	}
 	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
 		e.Owner, e.Group = ownerNames(st.Uid, st.Gid)
 	}
 	e.Metadata = readMetadata(path)
 	return e
+}
+
+// fileType is the entry type of a file that is not a symlink.
+func fileType(fi os.FileInfo) filesystempb.FileType {
+	switch {
+	case fi.IsDir():
+		return filesystempb.FileType_FILE_TYPE_DIRECTORY
+	case fi.Mode().IsRegular():
+		return filesystempb.FileType_FILE_TYPE_FILE
+	}
+	return filesystempb.FileType_FILE_TYPE_UNSPECIFIED
 }
 
 func entryInfo(path string) (*filesystempb.EntryInfo, error) {
@@ -266,9 +275,7 @@ func (f *filesystemService) Remove(ctx context.Context, req *connect.Request[fil
 	if p == "/" {
 		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("refusing to remove /"))
 	}
-	if _, err := os.Lstat(p); err != nil {
-		return nil, fsError(err, "remove "+p)
-	}
+	// As E2B's envd: a path that is not there is removed already.
 	if err := os.RemoveAll(p); err != nil {
 		return nil, fsError(err, "remove "+p)
 	}

@@ -69,3 +69,18 @@ async def test_files_async(async_sandbox):
     assert "x.txt" in names
     with pytest.raises(NotFoundException):
         await async_sandbox.files.read(D + "/nope")
+
+
+def test_files_as_e2b_envd_answers(sandbox):
+    """Behaviours E2B's own SDK suite checks (issue 40): removing what is
+    not there succeeds; files of /proc read whole; a symlink's info is the
+    type of what it leads to and its resolved, absolute target."""
+    sandbox.files.remove(D + "/never-was.txt")
+    assert sandbox.files.read("/proc/version").startswith("Linux version")
+    assert len(sandbox.files.read("/proc/sys/kernel/random/boot_id").strip()) == 36
+    sandbox.files.write(D + "/links/target.txt", "t")
+    sandbox.commands.run(f"cd {D}/links && ln -s target.txt rel-link && ln -s {D}/links abs-dir-link")
+    info = sandbox.files.get_info(D + "/links/rel-link")
+    assert info.type == FileType.FILE and info.symlink_target == D + "/links/target.txt", info
+    info = sandbox.files.get_info(D + "/links/abs-dir-link")
+    assert info.type == FileType.DIR and info.symlink_target == D + "/links", info
