@@ -244,16 +244,25 @@ func (s *Server) signedFile(w http.ResponseWriter, r *http.Request) {
 		s.writeNodeError(w, err)
 		return
 	}
+	now := time.Now()
 	for _, sb := range all {
-		if sb.State == sandboxes.Running && proxy.SignedFileRequest(r, sb.AccessToken) {
+		if sb.State != sandboxes.Running || sb.AccessToken == "" {
+			continue
+		}
+		switch err := proxy.FileSignatureError(r, sb.AccessToken, now); {
+		case err == nil:
 			r2 := r.Clone(r.Context())
 			r2.Header.Set(proxy.HeaderSandboxID, sb.ID)
 			r2.Header.Set(proxy.HeaderSandboxPort, fmt.Sprint(orchestrator.EnvdPort))
 			s.cfg.SandboxProxy.ServeHTTP(w, r2)
 			return
+		case errors.Is(err, proxy.ErrSignatureExpired):
+			writeError(w, http.StatusUnauthorized, err.Error())
+			return
 		}
 	}
-	writeError(w, http.StatusUnauthorized, "the signature of this /files URL matches no running sandbox (expired, tampered with, or the sandbox is gone)")
+	// Signed by no running sandbox: tampered with, or its sandbox is gone.
+	writeError(w, http.StatusUnauthorized, proxy.ErrSignatureInvalid.Error())
 }
 
 // requireNodeToken wraps h with the check of the node token: 401 without

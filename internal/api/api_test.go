@@ -2,6 +2,7 @@ package api
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/base64"
 	"encoding/json"
 	"errors"
@@ -11,6 +12,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -1070,6 +1072,34 @@ func TestUploadsNeedAWaitingBuild(t *testing.T) {
 		rec := a.do("PUT", "/templates/"+tpl+"/files/"+hash+"/upload?signature="+sig, "tar bytes")
 		if rec.Code != http.StatusNotFound || !strings.Contains(rec.Body.String(), "no build waiting") {
 			t.Errorf("upload for %s: %d %s", tpl, rec.Code, rec.Body)
+		}
+	}
+}
+
+// TestSignedFileURLWithoutSandbox: a pre-signed /files URL naming no
+// sandbox answers as E2B's envd does when it does not pass: 401 "signature
+// is already expired" when a running sandbox's token signed it, "invalid
+// signature" when none did.
+func TestSignedFileURLWithoutSandbox(t *testing.T) {
+	a := newTestAPI(t)
+	a.node.add(&sandboxes.Sandbox{ID: "sbx1", TemplateID: "base", StartedAt: time.Now(), EndAt: time.Now().Add(time.Minute), AccessToken: "tok"})
+	sign := func(path, token, exp string) string {
+		sum := sha256.Sum256([]byte(path + ":read::" + token + ":" + exp))
+		return "v1_" + base64.RawStdEncoding.EncodeToString(sum[:])
+	}
+	past := strconv.FormatInt(time.Now().Add(-time.Minute).Unix(), 10)
+	for _, c := range []struct{ name, token, msg string }{
+		{"expired", "tok", "signature is already expired"},
+		{"signed by no sandbox", "other", "invalid signature"},
+	} {
+		q := url.Values{"path": {"/home/user/a.txt"}, "signature": {sign("/home/user/a.txt", c.token, past)}, "signature_expiration": {past}}
+		rec := a.do("GET", "/files?"+q.Encode(), "")
+		var body struct {
+			Code    int
+			Message string
+		}
+		if err := json.Unmarshal(rec.Body.Bytes(), &body); err != nil || rec.Code != 401 || body.Message != c.msg {
+			t.Errorf("%s: %d %s", c.name, rec.Code, rec.Body)
 		}
 	}
 }

@@ -833,19 +833,25 @@ func TestAccessToken(t *testing.T) {
 	}
 	exp := strconv.FormatInt(time.Now().Add(time.Minute).Unix(), 10)
 	past := strconv.FormatInt(time.Now().Add(-time.Minute).Unix(), 10)
+	// The 401s say what E2B's envd says: the signature is checked before
+	// its expiry.
 	for _, tc := range []struct {
 		name string
 		q    url.Values
 		want int
+		msg  string
 	}{
-		{"no expiry", url.Values{"path": {f}, "signature": {sign(f, "read", "", "")}}, 200},
-		{"with user and expiry", url.Values{"path": {f}, "username": {"root"}, "signature": {sign(f, "read", "root", exp)}, "signature_expiration": {exp}}, 200},
-		{"expired", url.Values{"path": {f}, "signature": {sign(f, "read", "", past)}, "signature_expiration": {past}}, 401},
-		{"wrong op", url.Values{"path": {f}, "signature": {sign(f, "write", "", "")}}, 401},
-		{"other path", url.Values{"path": {"/etc/passwd"}, "signature": {sign(f, "read", "", "")}}, 401},
+		{"no expiry", url.Values{"path": {f}, "signature": {sign(f, "read", "", "")}}, 200, ""},
+		{"with user and expiry", url.Values{"path": {f}, "username": {"root"}, "signature": {sign(f, "read", "root", exp)}, "signature_expiration": {exp}}, 200, ""},
+		{"expired", url.Values{"path": {f}, "signature": {sign(f, "read", "", past)}, "signature_expiration": {past}}, 401, "signature is already expired"},
+		{"expired and wrong", url.Values{"path": {f}, "signature": {sign(f, "write", "", past)}, "signature_expiration": {past}}, 401, "invalid signature"},
+		{"wrong op", url.Values{"path": {f}, "signature": {sign(f, "write", "", "")}}, 401, "invalid signature"},
+		{"other path", url.Values{"path": {"/etc/passwd"}, "signature": {sign(f, "read", "", "")}}, 401, "invalid signature"},
 	} {
 		code, b := get("/files?"+tc.q.Encode(), "")
-		if code != tc.want {
+		var body struct{ Message string }
+		_ = json.Unmarshal(b, &body)
+		if code != tc.want || body.Message != tc.msg {
 			t.Errorf("signed %s: %d %s", tc.name, code, b)
 		}
 		if tc.want == 200 && string(b) != "signed!" {

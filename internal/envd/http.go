@@ -322,19 +322,20 @@ func (s *Server) checkSignature(r *http.Request, token string) error {
 	default:
 		return errors.New("signature not valid for this method")
 	}
+	// E2B's envd's order and words: the signature first, then its expiry.
 	exp := q.Get("signature_expiration")
+	want := fileSignature(q.Get("path"), op, q.Get("username"), token, exp)
+	if !tokenEqual(q.Get("signature"), want) {
+		return errors.New("invalid signature")
+	}
 	if exp != "" {
 		n, err := strconv.ParseInt(exp, 10, 64)
 		if err != nil {
-			return errors.New("invalid signature_expiration")
+			return errors.New("invalid signature")
 		}
-		if time.Now().Unix() > n {
-			return errors.New("signature expired")
+		if n < time.Now().Unix() {
+			return errors.New("signature is already expired")
 		}
-	}
-	want := fileSignature(q.Get("path"), op, q.Get("username"), token, exp)
-	if !tokenEqual(q.Get("signature"), want) {
-		return fmt.Errorf("invalid signature for %s", op)
 	}
 	return nil
 }

@@ -30,7 +30,7 @@ func envdAuthorized(r *http.Request, token string) bool {
 	case "/health":
 		return r.Method == http.MethodGet || r.Method == http.MethodHead
 	case "/files":
-		return validFileSignature(r, token, time.Now())
+		return FileSignatureError(r, token, time.Now()) == nil
 	}
 	return false
 }
@@ -46,19 +46,25 @@ func fileSignature(path, op, user, token, exp string) string {
 	return "v1_" + base64.RawStdEncoding.EncodeToString(sum[:])
 }
 
-// SignedFileRequest reports whether r is a pre-signed envd /files URL (the
-// SDKs' downloadUrl/uploadUrl) whose signature was made with token. Such URLs
-// name no sandbox when E2B_SANDBOX_URL is set; the node finds the sandbox by
-// the token that signed it.
-func SignedFileRequest(r *http.Request, token string) bool {
-	return token != "" && r.URL.Path == "/files" && validFileSignature(r, token, time.Now())
-}
+// The answers to a pre-signed /files URL that does not pass, in E2B's
+// envd's words (401): the signature is checked before its expiry, so one
+// both wrong and expired is invalid.
+var (
+	ErrSignatureMissing = errors.New("missing signature query parameter")
+	ErrSignatureInvalid = errors.New("invalid signature")
+	ErrSignatureExpired = errors.New("signature is already expired")
+)
 
-func validFileSignature(r *http.Request, token string, now time.Time) bool {
+// FileSignatureError checks a pre-signed envd /files URL (the SDKs'
+// downloadUrl/uploadUrl) against token at now: nil when it was signed with
+// token and has not expired, else one of the ErrSignature errors. Such
+// URLs name no sandbox when E2B_SANDBOX_URL is set; the node finds the
+// sandbox by the token that signed it.
+func FileSignatureError(r *http.Request, token string, now time.Time) error {
 	q := r.URL.Query()
 	sig := q.Get("signature")
 	if sig == "" {
-		return false
+		return ErrSignatureMissing
 	}
 	var op string
 	switch r.Method {
@@ -67,16 +73,22 @@ func validFileSignature(r *http.Request, token string, now time.Time) bool {
 	case http.MethodPost:
 		op = "write"
 	default:
-		return false
+		return ErrSignatureInvalid
 	}
 	exp := q.Get("signature_expiration")
+	if token == "" || r.URL.Path != "/files" || !tokenEqual(sig, fileSignature(q.Get("path"), op, q.Get("username"), token, exp)) {
+		return ErrSignatureInvalid
+	}
 	if exp != "" {
 		n, err := strconv.ParseInt(exp, 10, 64)
-		if err != nil || now.Unix() > n {
-			return false
+		if err != nil {
+			return ErrSignatureInvalid
+		}
+		if n < now.Unix() {
+			return ErrSignatureExpired
 		}
 	}
-	return tokenEqual(sig, fileSignature(q.Get("path"), op, q.Get("username"), token, exp))
+	return nil
 }
 
 var connectErrors = connect.NewErrorWriter()

@@ -3,6 +3,7 @@ package proxy
 import (
 	"net/http/httptest"
 	"testing"
+	"time"
 )
 
 // FuzzParseTarget feeds arbitrary Host values and routing headers to the
@@ -50,7 +51,7 @@ func FuzzSignedFileRequest(f *testing.F) {
 	f.Fuzz(func(t *testing.T, q string) {
 		r := httptest.NewRequest("GET", "/files", nil)
 		r.URL.RawQuery = q
-		if !SignedFileRequest(r, "tok") {
+		if FileSignatureError(r, "tok", time.Now()) != nil {
 			return
 		}
 		v := r.URL.Query()

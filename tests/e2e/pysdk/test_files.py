@@ -42,7 +42,12 @@ def test_files_sync(sandbox):
     ok = httpx.get(url)
     assert ok.status_code == 200 and ok.text == "hello file"
     bad = httpx.get(url.replace("a.txt", "other.txt"))
-    assert bad.status_code == 401
+    assert bad.status_code == 401 and bad.json()["message"] == "invalid signature", bad.text
+    # Expired, in E2B's words (issue 40, gap 4).
+    short = sandbox.download_url(D + "/a.txt", use_signature_expiration=1)
+    time.sleep(2.2)
+    late = httpx.get(short)
+    assert late.status_code == 401 and late.json()["message"] == "signature is already expired", late.text
 
 
 def test_watch_dir_sync(sandbox):
