@@ -522,6 +522,11 @@ func TestListV2(t *testing.T) {
 		// What the SDK sends for {odd: "a b/c&d=e%"}: encodeURIComponent on
 		// key and value, then form encoding, then query encoding.
 		{"metadata with special characters", "metadata=" + url.QueryEscape(url.Values{"odd": {url.PathEscape("a b/c&d=e%")}}.Encode()), "s1"},
+		// As E2B's (issue 40): oldest first on order=asc; startedAfter is
+		// "at or after".
+		{"oldest first", "order=asc", "p0 s0 s1 s2 s3 s4"},
+		{"newest first asked for", "order=desc", "s4 s3 s2 s1 s0 p0"},
+		{"started at or after", "startedAfter=" + url.QueryEscape(base.Add(2*time.Second).Format(time.RFC3339Nano)), "s4 s3 s2"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ids, next := list(tc.q)
@@ -545,6 +550,28 @@ func TestListV2(t *testing.T) {
 			q = "limit=2&state=running&nextToken=" + url.QueryEscape(next)
 		}
 		if strings.Join(all, " ") != "s4 s3 s2 s1 s0" {
+			t.Fatalf("pages gave %v", all)
+		}
+	})
+	t.Run("paging oldest first", func(t *testing.T) {
+		var all []string
+		q := "limit=2&order=asc"
+		for page := 0; ; page++ {
+			ids, next := list(q)
+			all = append(all, ids...)
+			if next == "" {
+				break
+			}
+			if page > 5 {
+				t.Fatal("paging does not end")
+			}
+			// A token is good for its own order only.
+			if rec := a.do("GET", "/v2/sandboxes?limit=2&nextToken="+url.QueryEscape(next), ""); rec.Code != 400 {
+				t.Fatalf("an asc token in a desc query: %d %s", rec.Code, rec.Body)
+			}
+			q = "limit=2&order=asc&nextToken=" + url.QueryEscape(next)
+		}
+		if strings.Join(all, " ") != "p0 s0 s1 s2 s3 s4" {
 			t.Fatalf("pages gave %v", all)
 		}
 	})

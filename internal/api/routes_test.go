@@ -73,7 +73,7 @@ func TestParameterErrorsNameTheParameter(t *testing.T) {
 		{"/v2/sandboxes?limit=abc", "limit"},
 		{"/v2/sandboxes?limit=0", "limit"},
 		{"/v2/sandboxes?startedAfter=yesterday", "startedAfter"},
-		{"/v2/sandboxes?order=asc", "order"},
+		{"/v2/sandboxes?order=sideways", "order"},
 		{"/v2/sandboxes?startedAfter=", "startedAfter"},
 		{"/v2/sandboxes?order=", "order"},
 		{"/v2/sandboxes?limit=", "limit"},

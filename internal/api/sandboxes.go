@@ -668,24 +668,32 @@ func (s *Server) ListSandboxes(w http.ResponseWriter, r *http.Request, params ap
 		}
 	}
 	template := deref(params.Template)
-	startedAfter := deref(params.StartedAfter)
-	if params.Order != nil && *params.Order != apispec.Desc {
-		writeError(w, http.StatusBadRequest, "order: only desc (newest first) is supported")
-		return
+	// "At or after", both times to the microsecond, as E2B compares them.
+	startedAfter := deref(params.StartedAfter).Truncate(time.Microsecond)
+	asc := false
+	if params.Order != nil {
+		switch *params.Order {
+		case apispec.Asc:
+			asc = true
+		case apispec.Desc:
+		default:
+			writeError(w, http.StatusBadRequest, fmt.Sprintf("order %q: want asc or desc", *params.Order))
+			return
+		}
 	}
 	limit, err := intParam("limit", params.Limit, 1, 1000, 100)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	after := ""
+	var after *listCursor
 	if tok := deref(params.NextToken); tok != "" {
-		b, err := base64.RawURLEncoding.DecodeString(tok)
-		if err != nil || !validCursor(string(b)) {
-			writeError(w, http.StatusBadRequest, "invalid nextToken")
+		c, err := parseListCursor(tok)
+		if err != nil || c.asc != asc {
+			writeError(w, http.StatusBadRequest, "invalid nextToken (a token is good for the order it was made in)")
 			return
 		}
-		after = string(b)
+		after = &c
 	}
 	all, err := s.node.List(r.Context())
 	if err != nil {
@@ -697,12 +705,8 @@ func (s *Server) ListSandboxes(w http.ResponseWriter, r *http.Request, params ap
 		s.writeNodeError(w, err)
 		return
 	}
-	// Stable order: newest first, ties by id; the cursor is "<startedAt>|<id>".
 	sort.Slice(all, func(i, j int) bool {
-		if !all[i].StartedAt.Equal(all[j].StartedAt) {
-			return all[i].StartedAt.After(all[j].StartedAt)
-		}
-		return all[i].ID < all[j].ID
+		return ListBefore(all[i].StartedAt, all[i].ID, all[j].StartedAt, all[j].ID, asc)
 	})
 	out := []apispec.ListedSandbox{}
 	var last *sandboxes.Sandbox
@@ -712,10 +716,10 @@ func (s *Server) ListSandboxes(w http.ResponseWriter, r *http.Request, params ap
 		d.Lease = leased(sb)
 		if sb.Internal() || !states[string(d.State)] || !matchMetadata(sb.Metadata, filter) ||
 			(template != "" && sb.TemplateID != template) ||
-			(!startedAfter.IsZero() && !sb.StartedAt.After(startedAfter)) {
+			(!startedAfter.IsZero() && sb.StartedAt.Truncate(time.Microsecond).Before(startedAfter)) {
 			continue
 		}
-		if after != "" && !afterCursor(sb, after) {
+		if after != nil && !ListBefore(after.startedAt, after.id, sb.StartedAt, sb.ID, asc) {
 			continue
 		}
 		if len(out) == limit {
@@ -726,39 +730,56 @@ func (s *Server) ListSandboxes(w http.ResponseWriter, r *http.Request, params ap
 		last = sb
 	}
 	if more && last != nil {
-		w.Header().Set("X-Next-Token", ListCursor(last.StartedAt, last.ID))
+		w.Header().Set("X-Next-Token", ListCursor(last.StartedAt, last.ID, asc))
 	}
 	writeJSON(w, http.StatusOK, out)
 }
 
-// ListCursor is the nextToken of a GET /v2/sandboxes page whose last
-// sandbox started at startedAt and has id: the same on every node, so a
-// gateway merging the nodes' pages hands out tokens the nodes accept.
-func ListCursor(startedAt time.Time, id string) string {
-	return base64.RawURLEncoding.EncodeToString(fmt.Appendf(nil, "%020d|%s", startedAt.UnixNano(), id))
-}
-
-func validCursor(c string) bool {
-	parts := strings.SplitN(c, "|", 2)
-	if len(parts) != 2 || !sandboxIDPattern.MatchString(parts[1]) {
+// ListBefore orders GET /v2/sandboxes as E2B does: newest first, ties by
+// id; or, asc (order=asc), the exact reverse.
+func ListBefore(aStarted time.Time, aID string, bStarted time.Time, bID string, asc bool) bool {
+	if !aStarted.Equal(bStarted) {
+		return aStarted.After(bStarted) != asc
+	}
+	if aID == bID {
 		return false
 	}
-	_, err := strconv.ParseInt(parts[0], 10, 64)
-	return err == nil
+	return (aID < bID) != asc
 }
 
-// afterCursor reports whether sb sorts after the cursor in newest-first order.
-func afterCursor(sb *sandboxes.Sandbox, cursor string) bool {
-	parts := strings.SplitN(cursor, "|", 2)
-	if len(parts) != 2 {
-		return false
+// ListCursor is the nextToken of a GET /v2/sandboxes page in the order asc
+// says whose last sandbox started at startedAt and has id: the same on
+// every node, so a gateway merging the nodes' pages hands out tokens the
+// nodes accept. A token is good for the order it was made in only.
+func ListCursor(startedAt time.Time, id string, asc bool) string {
+	c := fmt.Sprintf("%020d|%s", startedAt.UnixNano(), id)
+	if asc {
+		c += "|asc"
 	}
-	ts, err := strconv.ParseInt(parts[0], 10, 64)
+	return base64.RawURLEncoding.EncodeToString([]byte(c))
+}
+
+// listCursor is a parsed ListCursor.
+type listCursor struct {
+	startedAt time.Time
+	id        string
+	asc       bool
+}
+
+func parseListCursor(tok string) (listCursor, error) {
+	b, err := base64.RawURLEncoding.DecodeString(tok)
 	if err != nil {
-		return false
+		return listCursor{}, err
 	}
-	n := sb.StartedAt.UnixNano()
-	return n < ts || (n == ts && sb.ID > parts[1])
+	parts := strings.Split(string(b), "|")
+	if len(parts) < 2 || len(parts) > 3 || !sandboxIDPattern.MatchString(parts[1]) || (len(parts) == 3 && parts[2] != "asc") {
+		return listCursor{}, errors.New("malformed")
+	}
+	ns, err := strconv.ParseInt(parts[0], 10, 64)
+	if err != nil {
+		return listCursor{}, err
+	}
+	return listCursor{startedAt: time.Unix(0, ns), id: parts[1], asc: len(parts) == 3}, nil
 }
 
 // parseMetadataFilter parses the SDKs' metadata query: "k=v&k2=v2" in which

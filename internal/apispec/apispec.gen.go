@@ -370,12 +370,15 @@ func (e ListSandboxesParamsState) Valid() bool {
 
 // Defines values for ListSandboxesParamsOrder.
 const (
+	Asc  ListSandboxesParamsOrder = "asc"
 	Desc ListSandboxesParamsOrder = "desc"
 )
 
 // Valid indicates whether the value is a known member of the ListSandboxesParamsOrder enum.
 func (e ListSandboxesParamsOrder) Valid() bool {
 	switch e {
+	case Asc:
+		return true
 	case Desc:
 		return true
 	default:
@@ -1279,11 +1282,15 @@ type ListSandboxesParams struct {
 	Metadata *Metadata `form:"metadata,omitempty" json:"metadata,omitempty"`
 
 	// State States (default both), comma-separated or the parameter repeated
-	State        *[]ListSandboxesParamsState `form:"state,omitempty" json:"state,omitempty"`
-	Template     *string                     `form:"template,omitempty" json:"template,omitempty"`
-	StartedAfter *time.Time                  `form:"startedAfter,omitempty" json:"startedAfter,omitempty"`
-	Order        *ListSandboxesParamsOrder   `form:"order,omitempty" json:"order,omitempty"`
-	Limit        *int                        `form:"limit,omitempty" json:"limit,omitempty"`
+	State    *[]ListSandboxesParamsState `form:"state,omitempty" json:"state,omitempty"`
+	Template *string                     `form:"template,omitempty" json:"template,omitempty"`
+
+	// StartedAfter Sandboxes started at or after this time (to the microsecond)
+	StartedAfter *time.Time `form:"startedAfter,omitempty" json:"startedAfter,omitempty"`
+
+	// Order desc (newest first, ties by id) or asc (the exact reverse)
+	Order *ListSandboxesParamsOrder `form:"order,omitempty" json:"order,omitempty"`
+	Limit *int                      `form:"limit,omitempty" json:"limit,omitempty"`
 
 	// NextToken The X-Next-Token of the previous page
 	NextToken *string `form:"nextToken,omitempty" json:"nextToken,omitempty"`

@@ -760,9 +760,9 @@ func writeRaw(w http.ResponseWriter, items []listed) {
 	json.NewEncoder(w).Encode(out)
 }
 
-// gatherSorted sends the request to every node and merges their lists,
-// ordered by start time (newest first when newestFirst), ties by id.
-func (g *Gateway) gatherSorted(w http.ResponseWriter, r *http.Request, newestFirst bool) ([]listed, []http.Header, bool) {
+// gatherSorted sends the request to every node and merges their lists in
+// the order of api.ListBefore (newest first, or oldest first when asc).
+func (g *Gateway) gatherSorted(w http.ResponseWriter, r *http.Request, asc bool) ([]listed, []http.Header, bool) {
 	bodies, hdrs, ok := g.fanOut(w, r)
 	if !ok {
 		return nil, nil, false
@@ -773,27 +773,25 @@ func (g *Gateway) gatherSorted(w http.ResponseWriter, r *http.Request, newestFir
 		return nil, nil, false
 	}
 	sort.SliceStable(all, func(i, j int) bool {
-		if !all[i].StartedAt.Equal(all[j].StartedAt) {
-			return all[i].StartedAt.After(all[j].StartedAt) == newestFirst
-		}
-		return all[i].SandboxID < all[j].SandboxID
+		return api.ListBefore(all[i].StartedAt, all[i].SandboxID, all[j].StartedAt, all[j].SandboxID, asc)
 	})
 	return all, hdrs, true
 }
 
 // listV1 gathers GET /sandboxes from every node (oldest first).
 func (g *Gateway) listV1(w http.ResponseWriter, r *http.Request) {
-	if all, _, ok := g.gatherSorted(w, r, false); ok {
+	if all, _, ok := g.gatherSorted(w, r, true); ok {
 		writeRaw(w, all)
 	}
 }
 
 // listV2 gathers GET /v2/sandboxes: every node answers the same query
-// (filters, limit, cursor); the gateway merges the pages in the nodes'
-// order (newest first, ties by id) and cuts at the limit. The cursor is
-// the nodes' own ("<startedAt ns>|<id>"), so the next page works the same.
+// (filters, order, limit, cursor); the gateway merges the pages in the
+// nodes' order and cuts at the limit. The cursor is the nodes' own
+// (api.ListCursor), so the next page works the same.
 func (g *Gateway) listV2(w http.ResponseWriter, r *http.Request) {
-	all, hdrs, ok := g.gatherSorted(w, r, true)
+	asc := r.URL.Query().Get("order") == "asc"
+	all, hdrs, ok := g.gatherSorted(w, r, asc)
 	if !ok {
 		return
 	}
@@ -810,7 +808,7 @@ func (g *Gateway) listV2(w http.ResponseWriter, r *http.Request) {
 	}
 	if more && len(all) > 0 {
 		last := all[len(all)-1]
-		w.Header().Set("X-Next-Token", api.ListCursor(last.StartedAt, last.SandboxID))
+		w.Header().Set("X-Next-Token", api.ListCursor(last.StartedAt, last.SandboxID, asc))
 	}
 	writeRaw(w, all)
 }

@@ -88,7 +88,7 @@ func standInNode(t *testing.T, sandboxes []listedSandbox, failing *bool) *httpte
 			}
 			if len(out) == limit {
 				last := out[len(out)-1]
-				w.Header().Set("X-Next-Token", api.ListCursor(last.StartedAt, last.SandboxID))
+				w.Header().Set("X-Next-Token", api.ListCursor(last.StartedAt, last.SandboxID, false))
 				break
 			}
 			out = append(out, sb)

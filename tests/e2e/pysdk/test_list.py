@@ -24,6 +24,12 @@ def test_list_filters_and_pages():
         assert sorted(paged) == mine and len(paged) == len(set(paged))
         assert sorted(ids(query=SandboxQuery(metadata={"suite": tag}, state=[SandboxState.RUNNING]))) == mine
         assert ids(query=SandboxQuery(metadata={"suite": tag + "-none"})) == []
+        # As E2B's (issue 40, gap 2): oldest first on order="asc", through
+        # the pages too; started_after is "at or after".
+        newest_first = ids(query=SandboxQuery(metadata={"suite": tag}))
+        assert ids(query=SandboxQuery(metadata={"suite": tag}), order="asc", limit=2) == newest_first[::-1]
+        first = made[0].get_info().started_at
+        assert sorted(ids(query=SandboxQuery(metadata={"suite": tag}, started_after=first))) == mine
         info = made[0].get_info()
         assert info.metadata["suite"] == tag and info.template_id
     finally:
