@@ -7,6 +7,7 @@ package proxy
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -172,7 +173,8 @@ func New(r Resolver, domain string, envdPort int, log *slog.Logger) *Proxy {
 		Transport:     transport,
 		FlushInterval: -1, // stream every write through immediately
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
-			httperr.Internal(w, p.log, http.StatusBadGateway, "the sandbox is not reachable", err)
+			up := r.Context().Value(ctxKey{}).(upstream)
+			p.writeSandboxError(w, up.sandboxID, up.port, portNotOpen, err)
 		},
 	}
 	return p
@@ -199,7 +201,7 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			httperr.Internal(w, p.log, http.StatusBadGateway, "looking the sandbox up failed", err)
 			return
 		}
-		writeError(w, http.StatusBadGateway, fmt.Sprintf("sandbox %q not found", t.SandboxID))
+		p.writeSandboxError(w, t.SandboxID, 0, sandboxNotFound, nil)
 		return
 	}
 	if !route.Running && route.AutoResume {
@@ -221,7 +223,7 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	if !route.Running {
-		writeError(w, http.StatusBadGateway, fmt.Sprintf("sandbox %q is not running", t.SandboxID))
+		p.writeSandboxError(w, t.SandboxID, 0, sandboxNotFound+" (it is paused: resume it, or create it with auto-resume)", nil)
 		return
 	}
 	if t.Port == p.envdPort {
@@ -233,7 +235,7 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusForbidden, "missing or invalid "+HeaderTrafficToken+" header")
 		return
 	}
-	up := upstream{sandboxID: t.SandboxID, addr: net.JoinHostPort(route.Addr, strconv.Itoa(t.Port))}
+	up := upstream{sandboxID: t.SandboxID, port: t.Port, addr: net.JoinHostPort(route.Addr, strconv.Itoa(t.Port))}
 	// The response (headers flushed at once) may start before the request
 	// body has been forwarded; without full duplex Go's HTTP/1 server would
 	// close the request body at the first flush and the transport would
@@ -259,6 +261,7 @@ func validSandboxID(id string) bool {
 
 type upstream struct {
 	sandboxID string
+	port      int    // the guest port asked for
 	addr      string // guest host:port
 }
 
@@ -282,3 +285,36 @@ func dialAddr(hostport string) (string, error) {
 }
 
 func writeError(w http.ResponseWriter, status int, msg string) { httperr.Write(w, status, msg) }
+
+// The messages of the proxy's 502s, in E2B's proxy's words: the SDKs map
+// "was not found" to their sandbox-not-running error and "port is not
+// open" to their sandbox-unreachable one.
+const (
+	sandboxNotFound = "The sandbox was not found"
+	portNotOpen     = "The sandbox is running but port is not open"
+)
+
+// sandboxErrorBody is the body of a 502 about a sandbox, as E2B's proxy
+// answers it.
+type sandboxErrorBody struct {
+	SandboxID string `json:"sandboxId"`
+	Message   string `json:"message"`
+	Port      int    `json:"port,omitempty"`
+	Code      int    `json:"code"`
+}
+
+// writeSandboxError answers 502 about a sandbox (and port, when one was
+// reached for); its message carries the request id, under which err, if
+// any, goes to the log.
+func (p *Proxy) writeSandboxError(w http.ResponseWriter, sandboxID string, port int, msg string, err error) {
+	id := httperr.ID(w)
+	if err != nil {
+		p.log.Error(msg, "request", id, "sandbox", sandboxID, "port", port, "err", err)
+	}
+	if id != "" {
+		msg += " (request id " + id + ")"
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusBadGateway)
+	_ = json.NewEncoder(w).Encode(sandboxErrorBody{SandboxID: sandboxID, Message: msg, Port: port, Code: http.StatusBadGateway})
+}

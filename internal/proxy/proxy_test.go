@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"github.com/agentenv/agentenv/internal/errkind"
+	"github.com/agentenv/agentenv/internal/httperr"
 	"io"
 	"net"
 	"net/http"
@@ -301,4 +302,46 @@ func TestFullDuplexHTTP1(t *testing.T) {
 	front := httptest.NewServer(New(stubResolver{"sbx": {Addr: host, Running: true}}, "", 49983, nil))
 	defer front.Close()
 	proxytest.CheckFullDuplex(t, front.URL+"/echo", http.Header{HeaderSandboxID: {"sbx"}, HeaderSandboxPort: {portStr}})
+}
+
+// TestSandboxErrorsInE2BsWords: the proxy's 502s about a sandbox are E2B's
+// bodies, whose messages the SDKs map to their exceptions: "was not found"
+// (not running) for an unknown or paused sandbox, "port is not open"
+// (unreachable, naming the port) when nothing answers in the guest; each
+// carries the request id.
+func TestSandboxErrorsInE2BsWords(t *testing.T) {
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := closed.Addr().(*net.TCPAddr).Port
+	closed.Close() // nothing listens there now
+	p := httperr.WithIDs(New(stubResolver{
+		"running": {Addr: "127.0.0.1", Running: true},
+		"paused":  {Addr: "127.0.0.1", Running: false},
+	}, "", 49983, nil))
+	for _, c := range []struct {
+		id, msg string
+		port    int
+	}{
+		{"nope", "The sandbox was not found", 0},
+		{"paused", "The sandbox was not found", 0},
+		{"running", "The sandbox is running but port is not open", port},
+	} {
+		r := httptest.NewRequest("GET", "/x", nil)
+		r.Header.Set(HeaderSandboxID, c.id)
+		r.Header.Set(HeaderSandboxPort, strconv.Itoa(port))
+		rec := httptest.NewRecorder()
+		p.ServeHTTP(rec, r)
+		var body struct {
+			SandboxID string `json:"sandboxId"`
+			Message   string `json:"message"`
+			Port      int    `json:"port"`
+			Code      int    `json:"code"`
+		}
+		if err := json.Unmarshal(rec.Body.Bytes(), &body); err != nil || rec.Code != 502 || body.Code != 502 || body.SandboxID != c.id ||
+			!strings.HasPrefix(body.Message, c.msg) || !strings.Contains(body.Message, rec.Header().Get(httperr.Header)) || body.Port != c.port {
+			t.Errorf("%s: %d %s", c.id, rec.Code, rec.Body)
+		}
+	}
 }

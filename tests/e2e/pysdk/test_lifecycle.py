@@ -15,3 +15,21 @@ def test_info_reports_on_timeout(on_timeout):
         assert info.state.value == "running"
     finally:
         sbx.kill()
+
+
+def test_killed_sandbox_is_not_running():
+    """After a kill, envd calls through the proxy raise the SDK's
+    SandboxNotRunningException (issue 40, gap 8: the proxy's 502 says "The
+    sandbox was not found", the words the SDK maps), and a command streaming
+    when its sandbox is killed ends with a sandbox error, not a hang."""
+    from e2b import SandboxException, SandboxNotRunningException
+
+    sbx = Sandbox.create(TEMPLATE, timeout=120)
+    handle = sbx.commands.run("sleep 600", background=True)
+    sbx.kill()
+    with pytest.raises(SandboxNotRunningException):
+        sbx.commands.run("true")
+    with pytest.raises(SandboxNotRunningException):
+        sbx.files.read("/etc/hostname")
+    with pytest.raises(SandboxException):
+        handle.wait()
