@@ -149,6 +149,14 @@ func TestCreateFieldsAndDefaults(t *testing.T) {
 					t.Fatalf("%+v", req)
 				}
 			}},
+		// As E2B applies it (issue 40, gap 5): the SDKs send
+		// allow_internet_access true by default.
+		{"denyOut all with internet access true", "/v2/sandboxes", `{"templateID":"base","allow_internet_access":true,"network":{"denyOut":["0.0.0.0/0"],"allowOut":["10.1.0.0/16"]}}`, true,
+			func(t *testing.T, req orchestrator.CreateRequest) {
+				if req.AllowInternet == nil || *req.AllowInternet || req.Egress == nil || fmt.Sprint(req.Egress.Allow) != "[10.1.0.0/16]" {
+					t.Fatalf("%+v", req)
+				}
+			}},
 		{"SDK extras that are off are accepted", "/v2/sandboxes",
 			`{"templateID":"base","autoPause":false,"autoResume":{"enabled":false},"mcp":null,"network":{"allowPublicTraffic":true},"volumeMounts":[],"unknownField":[1,2]}`, true,
 			func(t *testing.T, req orchestrator.CreateRequest) {
@@ -230,7 +238,6 @@ func TestBadInputChangesNothing(t *testing.T) {
 		{"dnsServers too many", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"dnsServers":[` + strings.Repeat(`"1.1.1.1",`, 10) + `"1.1.1.1"]}}`, 400},
 		{"network update domain in denyOut", "PUT", "/sandboxes/sbx1/network", `{"denyOut":["example.com"]}`, 400},
 		{"denyOut malformed CIDR", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"denyOut":["10.0.0.0/33"]}}`, 400},
-		{"denyOut all but internet on", "POST", "/v2/sandboxes", `{"templateID":"base","allow_internet_access":true,"network":{"denyOut":["0.0.0.0/0"]}}`, 400},
 		{"network rules", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"rules":{"api.example.com":[{}]}}}`, 400},
 		{"network update malformed", "PUT", "/sandboxes/sbx1/network", `{"allowOut":"1.1.1.1"}`, 400},
 		{"network update bad CIDR", "PUT", "/sandboxes/sbx1/network", `{"denyOut":["1.2.3.0/99"]}`, 400},

@@ -301,8 +301,10 @@ func (req *createSandboxRequest) toCreateRequest(secureDefault bool) (orchestrat
 }
 
 // egress reads E2B's allowOut and denyOut lists. Denying everything
-// (ALL_TRAFFIC, 0.0.0.0/0) is internet access off, and contradicts
-// allow_internet_access=true; nil results mean the request gave none.
+// (ALL_TRAFFIC, 0.0.0.0/0) is internet access off (but for allowOut),
+// whatever allow_internet_access says, as E2B applies it (the SDKs send
+// allow_internet_access true unless told otherwise); nil results mean the
+// request gave none.
 func (n *networkJSON) egress(allowInternet *bool) (*bool, *network.Egress, error) {
 	if n.AllowOut == nil && n.DenyOut == nil && n.DNSServers == nil {
 		return allowInternet, nil, nil
@@ -322,9 +324,6 @@ func (n *networkJSON) egress(allowInternet *bool) (*bool, *network.Egress, error
 	internet := allowInternet
 	all := netip.MustParsePrefix(network.AllTraffic)
 	if i := slices.Index(deny, all); i >= 0 {
-		if allowInternet != nil && *allowInternet {
-			return nil, nil, errors.New("allow_internet_access contradicts network.denyOut " + network.AllTraffic)
-		}
 		off := false
 		internet, deny = &off, slices.Delete(deny, i, i+1)
 	}
