@@ -459,10 +459,11 @@ func (res Resolver) Route(ctx context.Context, id string) (proxy.Route, error) {
 func routeOf(sb *sandboxes.Sandbox) proxy.Route {
 	host, _, _ := strings.Cut(sb.EnvdAddr, ":")
 	r := proxy.Route{
-		Addr:        host,
-		Running:     sb.State == sandboxes.Running,
-		AccessToken: sb.AccessToken,
-		AutoResume:  sb.AutoResume,
+		Addr:            host,
+		Running:         sb.State == sandboxes.Running,
+		AccessToken:     sb.AccessToken,
+		AutoResume:      sb.AutoResume,
+		MaskRequestHost: sb.MaskRequestHost,
 	}
 	if !sb.PublicTraffic {
 		r.TrafficToken = sb.TrafficToken

@@ -137,6 +137,12 @@ func TestCreateFieldsAndDefaults(t *testing.T) {
 					t.Fatalf("%+v", req)
 				}
 			}},
+		{"maskRequestHost (issue 40, gap 7)", "/v2/sandboxes", `{"templateID":"base","network":{"maskRequestHost":"app.internal:${PORT}"}}`, true,
+			func(t *testing.T, req orchestrator.CreateRequest) {
+				if req.MaskRequestHost != "app.internal:${PORT}" {
+					t.Fatalf("%+v", req)
+				}
+			}},
 		{"internet off", "/v2/sandboxes", `{"templateID":"base","allow_internet_access":false}`, true,
 			func(t *testing.T, req orchestrator.CreateRequest) {
 				if req.AllowInternet == nil || *req.AllowInternet {
@@ -232,6 +238,10 @@ func TestBadInputChangesNothing(t *testing.T) {
 		{"network wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","network":"open"}`, 400},
 		{"autoResume wrong type", "POST", "/v2/sandboxes", `{"templateID":"base","autoResume":true}`, 400},
 		{"denyOut domain", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"denyOut":["*.example.com"]}}`, 400},
+		{"maskRequestHost with a path", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"maskRequestHost":"a.example/x"}}`, 400},
+		{"maskRequestHost bad port", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"maskRequestHost":"a.example:99999"}}`, 400},
+		{"maskRequestHost empty", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"maskRequestHost":""}}`, 400},
+		{"maskRequestHost not a name", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"maskRequestHost":"a..b"}}`, 400},
 		{"allowOut malformed domain", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowOut":["*.exa_mple.com"]}}`, 400},
 		{"allowOut bare wildcard", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowOut":["*"]}}`, 400},
 		{"dnsServers not an address", "POST", "/v2/sandboxes", `{"templateID":"base","network":{"allowOut":["a.example.com"],"dnsServers":["dns.example.com"]}}`, 400},

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"net/netip"
 	"net/url"
@@ -15,6 +16,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"golang.org/x/net/idna"
 
 	"github.com/agentenv/agentenv/internal/apispec"
 	"github.com/agentenv/agentenv/internal/errkind"
@@ -275,8 +278,15 @@ func (req *createSandboxRequest) toCreateRequest(secureDefault bool) (orchestrat
 		if n.AllowPublicTraffic != nil && !*n.AllowPublicTraffic {
 			cr.PrivateTraffic = true
 		}
-		if n.MaskRequestHost != nil || len(n.HTTPSPorts) > 0 || len(n.Rules) > 0 || (n.EgressProxy != nil && *n.EgressProxy != nil) {
-			return cr, errors.New("network.maskRequestHost, httpsPorts, rules and egressProxy are not supported on this node")
+		if len(n.HTTPSPorts) > 0 || len(n.Rules) > 0 || (n.EgressProxy != nil && *n.EgressProxy != nil) {
+			return cr, errors.New("network.httpsPorts, rules and egressProxy are not supported on this node")
+		}
+		if n.MaskRequestHost != nil {
+			mask, err := maskRequestHost(*n.MaskRequestHost)
+			if err != nil {
+				return cr, err
+			}
+			cr.MaskRequestHost = mask
 		}
 	}
 	if req.Timeout != nil {
@@ -330,6 +340,43 @@ func (n *networkJSON) egress(allowInternet *bool) (*bool, *network.Egress, error
 	return internet, &network.Egress{Allow: allow, Deny: deny, Domains: domains, DNSServers: dns}, nil
 }
 
+// hostNames converts host names as a resolver looks them up, refusing
+// empty labels and names too long for DNS.
+var hostNames = idna.New(idna.MapForLookup(), idna.BidiRule(), idna.VerifyDNSLength(true), idna.StrictDomainName(true))
+
+// maskRequestHost checks E2B's network.maskRequestHost: a host name or
+// address, ASCII once converted from an internationalised name, with an
+// optional port, where "${PORT}" stands for the port a request is for.
+func maskRequestHost(v string) (string, error) {
+	bad := func(why string) error {
+		return fmt.Errorf("network.maskRequestHost %q is not a valid host[:port]: %s", truncate(v, 100), why)
+	}
+	if v == "" || len(v) > 300 {
+		return "", bad("empty or too long")
+	}
+	probe := strings.ReplaceAll(v, "${PORT}", "1")
+	if strings.ContainsAny(probe, "/?#@ \t\r\n\\") {
+		return "", bad("it holds a character a host cannot")
+	}
+	host, port := probe, ""
+	if h, p, err := net.SplitHostPort(probe); err == nil {
+		host, port = h, p
+	}
+	if port != "" {
+		if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
+			return "", bad("the port is not 1..65535")
+		}
+	}
+	if _, err := netip.ParseAddr(host); err == nil {
+		return v, nil
+	}
+	ascii, err := hostNames.ToASCII(host)
+	if err != nil || ascii == "" {
+		return "", bad("the host is not a domain name")
+	}
+	return v, nil
+}
+
 // networkBody is the network part of a sandbox's description.
 func networkBody(sb *sandboxes.Sandbox) *apispec.SandboxNetwork {
 	out := &apispec.SandboxNetwork{AllowOut: append(network.Strings(sb.Egress.Allow), sb.Egress.Domains...),
@@ -345,6 +392,9 @@ func networkBody(sb *sandboxes.Sandbox) *apispec.SandboxNetwork {
 	}
 	if !sb.AllowInternet {
 		out.DenyOut = append(out.DenyOut, network.AllTraffic)
+	}
+	if sb.MaskRequestHost != "" {
+		out.MaskRequestHost = &sb.MaskRequestHost
 	}
 	return out
 }

@@ -630,7 +630,7 @@ type NewSandbox struct {
 		// HttpsPorts Not supported
 		HttpsPorts *[]int `json:"httpsPorts,omitempty"`
 
-		// MaskRequestHost Not supported
+		// MaskRequestHost The Host header the sandbox's ports other than envd's see (host[:port]; ${PORT} stands for the port); the client's goes in X-Forwarded-Host
 		MaskRequestHost *string `json:"maskRequestHost,omitempty"`
 
 		// Rules Refused (400) when not empty: egress transforms (and the secrets they carry) are not supported
@@ -782,6 +782,9 @@ type SandboxNetwork struct {
 	AllowOut   []string  `json:"allowOut"`
 	DenyOut    []string  `json:"denyOut"`
 	DnsServers *[]string `json:"dnsServers,omitempty"`
+
+	// MaskRequestHost The Host header the sandbox's ports other than envd's see
+	MaskRequestHost *string `json:"maskRequestHost,omitempty"`
 }
 
 // SandboxVolumeMount defines model for SandboxVolumeMount.

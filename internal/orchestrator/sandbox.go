@@ -40,7 +40,10 @@ type CreateRequest struct {
 	// PrivateTraffic requires the sandbox's traffic token on ports other
 	// than envd's (E2B's allowPublicTraffic: false).
 	PrivateTraffic bool
-	Secure         bool
+	// MaskRequestHost is the Host header the guest's ports other than
+	// envd's see (see sandboxes.Sandbox).
+	MaskRequestHost string
+	Secure          bool
 	// AllowInternet nil means allowed (or, for a named snapshot, as the
 	// snapshotted sandbox was).
 	AllowInternet *bool
@@ -163,6 +166,7 @@ func (n *Node) create(ctx context.Context, req CreateRequest) (*sandboxes.Sandbo
 		AutoPauseFilesystem: req.AutoPause && req.AutoPauseFilesystem,
 		AutoResume:          req.AutoResume,
 		PublicTraffic:       !req.PrivateTraffic,
+		MaskRequestHost:     req.MaskRequestHost,
 		TrafficToken:        newToken(),
 		DefaultUser:         t.DefaultUser,
 		DefaultWorkdir:      t.DefaultWorkdir,

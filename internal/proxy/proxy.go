@@ -101,6 +101,10 @@ type Route struct {
 	// TrafficToken, when set (sandboxes without public traffic), is
 	// required in e2b-traffic-access-token on every other port.
 	TrafficToken string
+	// MaskRequestHost, when set, is the Host header requests to ports
+	// other than envd's carry to the guest ("${PORT}" replaced by the
+	// port); the client's goes in X-Forwarded-Host.
+	MaskRequestHost string
 }
 
 // Resolver finds a sandbox's route.
@@ -165,10 +169,13 @@ func New(r Resolver, domain string, envdPort int, log *slog.Logger) *Proxy {
 			pr.Out.URL.Scheme = "http"
 			pr.Out.URL.Host = upstreamHost(up.sandboxID, up.addr)
 			pr.Out.Host = up.addr
+			if up.host != "" {
+				pr.Out.Host = up.host
+			}
 			pr.Out.Header.Del(HeaderSandboxID)
 			pr.Out.Header.Del(HeaderSandboxPort)
 			pr.Out.Header.Del(HeaderTrafficToken)
-			pr.SetXForwarded()
+			pr.SetXForwarded() // X-Forwarded-Host: the Host the client sent
 		},
 		Transport:     transport,
 		FlushInterval: -1, // stream every write through immediately
@@ -236,6 +243,9 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	up := upstream{sandboxID: t.SandboxID, port: t.Port, addr: net.JoinHostPort(route.Addr, strconv.Itoa(t.Port))}
+	if route.MaskRequestHost != "" && t.Port != p.envdPort {
+		up.host = strings.ReplaceAll(route.MaskRequestHost, "${PORT}", strconv.Itoa(t.Port))
+	}
 	// The response (headers flushed at once) may start before the request
 	// body has been forwarded; without full duplex Go's HTTP/1 server would
 	// close the request body at the first flush and the transport would
@@ -263,6 +273,7 @@ type upstream struct {
 	sandboxID string
 	port      int    // the guest port asked for
 	addr      string // guest host:port
+	host      string // the Host header the guest sees ("": addr)
 }
 
 // upstreamHost is the URL host the transport pools connections by:

@@ -345,3 +345,36 @@ func TestSandboxErrorsInE2BsWords(t *testing.T) {
 		}
 	}
 }
+
+// TestMaskRequestHost: a sandbox made with network.maskRequestHost has its
+// ports other than envd's see that Host ("${PORT}" replaced by the port)
+// and the client's in X-Forwarded-Host; envd's port keeps the usual Host.
+func TestMaskRequestHost(t *testing.T) {
+	seen := make(chan [2]string, 1)
+	backend := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		seen <- [2]string{r.Host, r.Header.Get("X-Forwarded-Host")}
+	}))
+	defer backend.Close()
+	host, portStr, _ := net.SplitHostPort(strings.TrimPrefix(backend.URL, "http://"))
+	port, _ := strconv.Atoi(portStr)
+	route := stubResolver{"masked": {Addr: host, Running: true, MaskRequestHost: "app.internal:${PORT}"}}
+	for _, c := range []struct {
+		name            string
+		envdPort        int
+		wantHost, wantX string
+	}{
+		{"app port", 49983, "app.internal:" + portStr, portStr + "-masked.sandbox.test"},
+		{"envd port", port, net.JoinHostPort(host, portStr), portStr + "-masked.sandbox.test"},
+	} {
+		p := New(route, "sandbox.test", c.envdPort, nil)
+		r := httptest.NewRequest("GET", "http://"+portStr+"-masked.sandbox.test/", nil)
+		rec := httptest.NewRecorder()
+		p.ServeHTTP(rec, r)
+		if rec.Code != 200 {
+			t.Fatalf("%s: %d %s", c.name, rec.Code, rec.Body)
+		}
+		if got := <-seen; got[0] != c.wantHost || got[1] != c.wantX {
+			t.Errorf("%s: the guest saw Host %q, X-Forwarded-Host %q; want %q, %q", c.name, got[0], got[1], c.wantHost, c.wantX)
+		}
+	}
+}

@@ -49,7 +49,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 	volume_slots   INTEGER NOT NULL DEFAULT 0,
 	volumes        TEXT NOT NULL DEFAULT '',
 	lease          TEXT NOT NULL DEFAULT '',
-	request        TEXT NOT NULL DEFAULT ''
+	request        TEXT NOT NULL DEFAULT '',
+	mask_request_host TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 -- A volume is mounted in one sandbox at most (its filesystem has one
@@ -113,6 +114,7 @@ var laterColumns = []struct{ name, decl string }{
 	{"volumes", "TEXT NOT NULL DEFAULT ''"},
 	{"lease", "TEXT NOT NULL DEFAULT ''"},
 	{"request", "TEXT NOT NULL DEFAULT ''"},
+	{"mask_request_host", "TEXT NOT NULL DEFAULT ''"},
 }
 
 func addMissingColumns(db *sql.DB) error {
@@ -133,7 +135,7 @@ func addMissingColumns(db *sql.DB) error {
 const sandboxColumns = `id, template_id, state, vcpus, memory_mib, disk_mib, slot, pid, allow_internet, secure,
 	auto_pause, access_token, traffic_token, default_user, metadata, env_vars, created_at, started_at, end_at,
 	mem_file, mem_private, snapshot_id, auto_resume, public_traffic, base_layer, egress, default_workdir, auto_pause_fs,
-	volume_slots, volumes, lease, request`
+	volume_slots, volumes, lease, request, mask_request_host`
 
 func scanSandbox(row interface{ Scan(...any) error }) (*Sandbox, error) {
 	var s Sandbox
@@ -143,7 +145,7 @@ func scanSandbox(row interface{ Scan(...any) error }) (*Sandbox, error) {
 		&s.AllowInternet, &s.Secure, &s.AutoPause, &s.AccessToken, &s.TrafficToken, &s.DefaultUser,
 		&meta, &env, &created, &started, &end, &s.MemFile, &s.MemPrivate, &s.SnapshotID,
 		&s.AutoResume, &s.PublicTraffic, &s.BaseLayer, &egress, &s.DefaultWorkdir, &s.AutoPauseFilesystem,
-		&s.VolumeSlots, &volumes, &s.Lease, &s.Request); err != nil {
+		&s.VolumeSlots, &volumes, &s.Lease, &s.Request, &s.MaskRequestHost); err != nil {
 		return nil, err
 	}
 	if volumes != "" {
@@ -177,12 +179,12 @@ func (r *Records) Insert(ctx context.Context, s *Sandbox) error {
 	env, _ := json.Marshal(nonNil(s.EnvVars))
 	err := r.st.Tx(ctx, func(tx *sql.Tx) error {
 		if _, err := tx.ExecContext(ctx, `INSERT INTO sandboxes (`+sandboxColumns+`, updated_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`,
 			s.ID, s.TemplateID, s.State, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure,
 			s.AutoPause, s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env),
 			s.CreatedAt.UnixMilli(), s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID,
 			s.AutoResume, s.PublicTraffic, s.BaseLayer, egressJSON(s.Egress), s.DefaultWorkdir, s.AutoPauseFilesystem,
-			s.VolumeSlots, volumesJSON(s.Volumes), s.Lease, s.Request, time.Now().UnixMilli()); err != nil {
+			s.VolumeSlots, volumesJSON(s.Volumes), s.Lease, s.Request, s.MaskRequestHost, time.Now().UnixMilli()); err != nil {
 			return err
 		}
 		if err := holdVolumes(ctx, tx, s); err != nil {
@@ -210,12 +212,13 @@ func (r *Records) SaveTx(ctx context.Context, tx *sql.Tx, s *Sandbox) error {
 		disk_mib = ?, slot = ?, pid = ?, allow_internet = ?, secure = ?, auto_pause = ?, access_token = ?,
 		traffic_token = ?, default_user = ?, metadata = ?, env_vars = ?, created_at = ?, started_at = ?, end_at = ?,
 		mem_file = ?, mem_private = ?, snapshot_id = ?, auto_resume = ?, public_traffic = ?, base_layer = ?, egress = ?,
-		default_workdir = ?, auto_pause_fs = ?, volume_slots = ?, volumes = ?, lease = ?, request = ?, updated_at = ? WHERE id = ?`,
+		default_workdir = ?, auto_pause_fs = ?, volume_slots = ?, volumes = ?, lease = ?, request = ?, mask_request_host = ?,
+		updated_at = ? WHERE id = ?`,
 		s.TemplateID, s.VCPUs, s.MemoryMiB, s.DiskMiB, s.Slot, s.PID, s.AllowInternet, s.Secure, s.AutoPause,
 		s.AccessToken, s.TrafficToken, s.DefaultUser, string(meta), string(env), s.CreatedAt.UnixMilli(),
 		s.StartedAt.UnixMilli(), s.EndAt.UnixMilli(), s.MemFile, s.MemPrivate, s.SnapshotID, s.AutoResume, s.PublicTraffic,
 		s.BaseLayer, egressJSON(s.Egress), s.DefaultWorkdir, s.AutoPauseFilesystem, s.VolumeSlots, volumesJSON(s.Volumes),
-		s.Lease, s.Request, time.Now().UnixMilli(), s.ID)
+		s.Lease, s.Request, s.MaskRequestHost, time.Now().UnixMilli(), s.ID)
 	if err != nil {
 		return fmt.Errorf("record sandbox %s: %w", s.ID, err)
 	}

@@ -385,3 +385,24 @@ func volumeHolders(t *testing.T, r *Records) map[string]string {
 	}
 	return out
 }
+
+// TestRecordsKeepTheMaskRequestHost: the Host a sandbox's ports see is
+// recorded at insert and rewritten by Save.
+func TestRecordsKeepTheMaskRequestHost(t *testing.T) {
+	r, _ := openRecords(t, 8)
+	s := newSandbox("m1", Creating)
+	s.MaskRequestHost = "app.internal:${PORT}"
+	if err := r.InsertNew(t.Context(), s); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := r.Get(t.Context(), "m1"); err != nil || got.MaskRequestHost != "app.internal:${PORT}" {
+		t.Fatalf("%+v %v", got, err)
+	}
+	s.MaskRequestHost = "other.internal"
+	if err := r.Save(t.Context(), s); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := r.Get(t.Context(), "m1"); err != nil || got.MaskRequestHost != "other.internal" {
+		t.Fatalf("%+v %v", got, err)
+	}
+}

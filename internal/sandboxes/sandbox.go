@@ -37,9 +37,14 @@ type Sandbox struct {
 	AutoResume bool
 	// PublicTraffic: ports other than envd's need no traffic token.
 	PublicTraffic bool
-	AccessToken   string
-	TrafficToken  string
-	DefaultUser   string
+	// MaskRequestHost, when set, is the Host header the guest's ports other
+	// than envd's see (E2B's network.maskRequestHost; "${PORT}" in it
+	// stands for the port); the one the client sent is in
+	// X-Forwarded-Host.
+	MaskRequestHost string
+	AccessToken     string
+	TrafficToken    string
+	DefaultUser     string
 	// DefaultWorkdir is where commands run unless they say otherwise ("":
 	// the default user's home).
 	DefaultWorkdir string

@@ -33,3 +33,41 @@ def test_killed_sandbox_is_not_running():
         sbx.files.read("/etc/hostname")
     with pytest.raises(SandboxException):
         handle.wait()
+
+
+SERVE_HOST = """
+import http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = (self.headers.get("Host", "") + "|" + self.headers.get("X-Forwarded-Host", "")).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.HTTPServer(("0.0.0.0", 8000), H).serve_forever()
+"""
+
+
+def test_mask_request_host():
+    """network.mask_request_host (issue 40, gap 7): the sandbox's ports see
+    that Host, ${PORT} replaced, and the client's in X-Forwarded-Host."""
+    import os
+    import time
+
+    import httpx
+
+    sbx = Sandbox.create(TEMPLATE, timeout=120, network={"mask_request_host": "app.internal:${PORT}"})
+    try:
+        sbx.files.write("/tmp/serve_host.py", SERVE_HOST)
+        sbx.commands.run("python3 /tmp/serve_host.py", background=True)
+        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"}
+        for _ in range(100):
+            r = httpx.get(os.environ["E2B_SANDBOX_URL"], headers=headers)
+            if r.status_code == 200:
+                break
+            time.sleep(0.2)
+        host, forwarded = r.text.split("|")
+        assert r.status_code == 200 and host == "app.internal:8000", r.text
+        assert forwarded, r.text
+    finally:
+        sbx.kill()
