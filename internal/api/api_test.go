@@ -137,6 +137,7 @@ func TestCreateFieldsAndDefaults(t *testing.T) {
 					t.Fatalf("%+v", req)
 				}
 			}},
+		{"mcp is left to the SDK (issue 40, gap 6)", "/v2/sandboxes", `{"templateID":"base","mcp":{"github":{"githubPersonalAccessToken":"x"}}}`, true, nil},
 		{"maskRequestHost (issue 40, gap 7)", "/v2/sandboxes", `{"templateID":"base","network":{"maskRequestHost":"app.internal:${PORT}"}}`, true,
 			func(t *testing.T, req orchestrator.CreateRequest) {
 				if req.MaskRequestHost != "app.internal:${PORT}" {

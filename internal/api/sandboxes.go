@@ -231,9 +231,9 @@ func (req *createSandboxRequest) toCreateRequest(secureDefault bool) (orchestrat
 			return cr, fmt.Errorf("envVars key %q is not a valid environment variable name", truncate(k, 64))
 		}
 	}
-	if len(req.MCP) > 0 {
-		return cr, errors.New("mcp is not supported on this node")
-	}
+	// mcp is taken and left to the SDK, as E2B's API does: the SDK starts
+	// the template's mcp-gateway in the sandbox after the create (and
+	// kills the sandbox with an error when the template has none).
 	for i, m := range req.VolumeMounts {
 		if err := volumes.ValidName(m.Name); err != nil {
 			return cr, fmt.Errorf("volumeMounts[%d].name: %v", i, err)

@@ -589,7 +589,7 @@ type NewSandbox struct {
 	// Lease AgentENV: binds the sandbox to a client lease, made (or renewed, an expired one revived) with ttl. When the lease is not renewed in time (POST /leases/{leaseID}/keepalive) its sandboxes end as their autoPause says; DELETE /leases/{leaseID} kills them. A fork's children are bound to their parent's lease.
 	Lease *LeaseBinding `json:"lease,omitempty"`
 
-	// Mcp Not supported
+	// Mcp MCP servers for the SDK's mcp-gateway: taken and left to the SDK, which starts the template's gateway after the create
 	Mcp      *map[string]interface{} `json:"mcp,omitempty"`
 	MemoryMB *int                    `json:"memoryMB,omitempty"`
 
