@@ -77,10 +77,12 @@ def test_mcp_without_a_gateway_in_the_template():
     """mcp at create (issue 40, gap 6) is taken by the API and left to the
     SDK, as E2B's is: the SDK starts the template's mcp-gateway, and a
     template without one ends in the SDK's own error, the sandbox killed."""
-    from e2b import SandboxException
+    import os
 
-    before = {s.sandbox_id for s in Sandbox.list().next_items()}
+    from e2b import SandboxException, SandboxQuery
+
+    tag = f"pymcp-{os.getpid()}"
     with pytest.raises(SandboxException, match="Failed to start MCP gateway"):
-        Sandbox.create(TEMPLATE, timeout=120, mcp={"exa": {"apiKey": "not-used"}})
-    after = {s.sandbox_id for s in Sandbox.list().next_items()}
-    assert after <= before, after - before
+        Sandbox.create(TEMPLATE, timeout=120, metadata={"suite": tag}, mcp={"exa": {"apiKey": "not-used"}})
+    left = Sandbox.list(query=SandboxQuery(metadata={"suite": tag})).next_items()
+    assert left == [], left
