@@ -10,9 +10,11 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -34,6 +36,36 @@ const (
 
 // BasePackages are installed into the base rootfs on top of minbase.
 var BasePackages = []string{"bash", "python3", "git", "curl", "ca-certificates", "procps", "sudo", "iproute2"}
+
+// defaultHostname is a rootfs's /etc/hostname when its spec names none.
+const defaultHostname = "aenv"
+
+// BaseToolPackages are what E2B's base has beside those, so that code
+// ported from E2B finds them: `python` (python3), `pip`, `node` and `npm`,
+// Debian's. They are installed with apt in the tree after debootstrap.
+var BaseToolPackages = []string{"python-is-python3", "python3-pip", "nodejs", "npm"}
+
+// basePackages is every package of a base rootfs of spec, BasePackages
+// first.
+func (spec RootfsSpec) basePackages() []string {
+	return slices.Concat(BasePackages, BaseToolPackages, spec.ExtraPackages)
+}
+
+// baseFiles are the files written into every base rootfs (spec's
+// ExtraFiles come after), by path in the tree.
+func baseFiles(hostname string) map[string]string {
+	return map[string]string{
+		"etc/sudoers.d/user": "user ALL=(ALL:ALL) NOPASSWD: ALL\n",
+		"etc/hostname":       hostname + "\n",
+		"etc/hosts":          "127.0.0.1\tlocalhost\n127.0.1.1\t" + hostname + "\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+		"etc/fstab":          "# The root filesystem is mounted by aenv-init (the initramfs).\n/dev/vda\t/\text4\trw,relatime\t0\t1\n",
+		"etc/resolv.conf":    "# written by aenv-init from aenv.dns= at boot\n",
+		// A sandbox is the user's own machine: `pip install` works there
+		// as in E2B's sandboxes (into ~/.local for user), without
+		// Debian's refusal to touch an "externally managed" Python.
+		"etc/pip.conf": "[global]\nbreak-system-packages = true\n",
+	}
+}
 
 // RootfsSpec describes a root filesystem image to build.
 type RootfsSpec struct {
@@ -60,8 +92,14 @@ func (spec RootfsSpec) Recipe() string {
 	}
 	fmt.Fprintf(h, "kind %q\nsuite %q\n", spec.Kind, suite)
 	if spec.Kind == RootfsBase {
-		for _, p := range append(append([]string{}, BasePackages...), spec.ExtraPackages...) {
+		for _, p := range spec.basePackages() {
 			fmt.Fprintf(h, "package %q\n", p)
+		}
+		// The hostname is not what tells images apart (the guest's is
+		// set at boot).
+		files := baseFiles(defaultHostname)
+		for _, name := range slices.Sorted(maps.Keys(files)) {
+			fmt.Fprintf(h, "base file %q %x\n", name, sha256.Sum256([]byte(files[name])))
 		}
 		for _, f := range spec.ExtraFiles {
 			fmt.Fprintf(h, "file %q %o %x\n", f.Path, f.Mode.Perm(), sha256.Sum256(f.Data))
@@ -124,7 +162,7 @@ func BuildRootfs(ctx context.Context, spec RootfsSpec, out string, log func(stri
 		spec.Suite = "bookworm"
 	}
 	if spec.Hostname == "" {
-		spec.Hostname = "aenv"
+		spec.Hostname = defaultHostname
 	}
 	if os.Geteuid() != 0 {
 		return fmt.Errorf("build %s rootfs: must run as root (debootstrap and file ownership)", spec.Kind)
@@ -155,7 +193,7 @@ func BuildRootfs(ctx context.Context, spec RootfsSpec, out string, log func(stri
 	var pkgs []string
 	switch spec.Kind {
 	case RootfsBase:
-		pkgs = append(append([]string{}, BasePackages...), spec.ExtraPackages...)
+		pkgs = spec.basePackages()
 		if err := buildBaseTree(ctx, spec, pkgs, tree, log); err != nil {
 			return fmt.Errorf("build base rootfs: %w", err)
 		}
@@ -274,14 +312,7 @@ func buildBaseTree(ctx context.Context, spec RootfsSpec, pkgs []string, tree str
 			return err
 		}
 	}
-	files := map[string]string{
-		"etc/sudoers.d/user": "user ALL=(ALL:ALL) NOPASSWD: ALL\n",
-		"etc/hostname":       spec.Hostname + "\n",
-		"etc/hosts":          "127.0.0.1\tlocalhost\n127.0.1.1\t" + spec.Hostname + "\n::1\tlocalhost ip6-localhost ip6-loopback\n",
-		"etc/fstab":          "# The root filesystem is mounted by aenv-init (the initramfs).\n/dev/vda\t/\text4\trw,relatime\t0\t1\n",
-		"etc/resolv.conf":    "# written by aenv-init from aenv.dns= at boot\n",
-	}
-	for name, content := range files {
+	for name, content := range baseFiles(spec.Hostname) {
 		p := filepath.Join(tree, name)
 		_ = os.Remove(p)
 		if err := os.WriteFile(p, []byte(content), 0o644); err != nil {

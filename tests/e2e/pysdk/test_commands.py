@@ -65,3 +65,24 @@ async def test_async_watch_timeout_reaches_on_exit(async_sandbox):
     )
     err = await asyncio.wait_for(ended, 20)
     assert isinstance(err, TimeoutException), f"on_exit got {err!r}"
+
+
+def test_base_has_what_e2b_base_has(sandbox):
+    """Code ported from E2B finds python, pip, node and npm in base (issue
+    40, gap 10), and `pip install` works for the sandbox's user (a wheel
+    from a file: the tests reach nothing but this machine)."""
+    import io
+    import zipfile
+
+    for cmd, want in [("python --version", "Python 3"), ("pip --version", "pip "), ("node --version", "v"), ("npm --version", "")]:
+        r = sandbox.commands.run(cmd)
+        assert r.exit_code == 0 and (r.stdout + r.stderr).startswith(want), (cmd, r)
+    whl = io.BytesIO()
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("aenvprobe/__init__.py", "VALUE = 42\n")
+        z.writestr("aenvprobe-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: aenvprobe\nVersion: 1.0\n")
+        z.writestr("aenvprobe-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: aenv-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("aenvprobe-1.0.dist-info/RECORD", "")
+    sandbox.files.write("/tmp/aenvprobe-1.0-py3-none-any.whl", whl.getvalue())
+    r = sandbox.commands.run("pip install --no-index /tmp/aenvprobe-1.0-py3-none-any.whl && python -c 'import aenvprobe; print(aenvprobe.VALUE)'")
+    assert r.stdout.strip().endswith("42"), r
