@@ -1029,6 +1029,9 @@ type N409 = Error
 // N413 defines model for 413.
 type N413 = Error
 
+// N413Uploads defines model for 413Uploads.
+type N413Uploads = Error
+
 // N415 defines model for 415.
 type N415 = Error
 
@@ -1046,6 +1049,9 @@ type N501 = Error
 
 // N502 defines model for 502.
 type N502 = Error
+
+// N507 defines model for 507.
+type N507 = Error
 
 // VolumeEntry defines model for VolumeEntry.
 type VolumeEntry = VolumeEntryStat
