@@ -202,16 +202,7 @@ func TestRecords(t *testing.T) {
 // as failed, and the uploads of templates with no build waiting (nor the
 // template itself) are collected; those of a waiting build stay.
 func TestSweep(t *testing.T) {
-	dir := t.TempDir()
-	db, err := statedb.Open(filepath.Join(dir, "aenv.db"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
-	st, err := store.Open(db, dir, slog.Default())
-	if err != nil {
-		t.Fatal(err)
-	}
+	dir, st := openStore(t)
 	files, err := buildfiles.Open(dir)
 	if err != nil {
 		t.Fatal(err)
@@ -253,19 +244,26 @@ func TestSweep(t *testing.T) {
 // registry only as the node's image policy allows: one on loopback (the
 // node itself) is refused by default, saying so without a remote's words.
 func TestFromImageKeepsToTheImagePolicy(t *testing.T) {
+	dir, st := openStore(t)
+	bs := New(Config{DataDir: dir, Store: st, Catalog: templates.NewCatalog(st, dir), Host: noHost{}, MaxVCPUs: 4, MaxMemoryMiB: 4096})
+	err := bs.Run(context.Background(), Spec{Template: "from-loopback", FromImage: "127.0.0.1:1/x/y:z"}, func(string, string, string) {})
+	if err == nil || !strings.Contains(err.Error(), "does not pull from") {
+		t.Fatalf("a base image on loopback: %v", err)
+	}
+}
+
+// openStore opens the store of a new data dir.
+func openStore(t *testing.T) (string, *store.Store) {
+	t.Helper()
 	dir := t.TempDir()
 	db, err := statedb.Open(filepath.Join(dir, "aenv.db"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer db.Close()
+	t.Cleanup(func() { db.Close() })
 	st, err := store.Open(db, dir, slog.Default())
 	if err != nil {
 		t.Fatal(err)
 	}
-	bs := New(Config{DataDir: dir, Store: st, Catalog: templates.NewCatalog(st, dir), Host: noHost{}, MaxVCPUs: 4, MaxMemoryMiB: 4096})
-	err = bs.Run(context.Background(), Spec{Template: "from-loopback", FromImage: "127.0.0.1:1/x/y:z"}, func(string, string, string) {})
-	if err == nil || !strings.Contains(err.Error(), "does not pull from") {
-		t.Fatalf("a base image on loopback: %v", err)
-	}
+	return dir, st
 }

@@ -44,20 +44,30 @@ type logRing struct {
 // be a regular one (it is made by this package in a run dir only the node
 // writes, but nothing in that is taken on trust).
 func openLogRing(path string, capBytes int64) (*logRing, error) {
-	f, err := os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	f, _, err := openLog(path, os.O_RDWR)
 	if err != nil {
 		return nil, err
-	}
-	st, err := f.Stat()
-	if err != nil {
-		f.Close()
-		return nil, err
-	}
-	if !st.Mode().IsRegular() {
-		f.Close()
-		return nil, fmt.Errorf("%s is not a regular file", path)
 	}
 	return &logRing{f: f, cap: capBytes}, nil
+}
+
+// openLog opens the log at path (flag: O_RDONLY or O_RDWR) without
+// following a link or blocking on a special file, and refuses anything but
+// a regular file.
+func openLog(path string, flag int) (*os.File, os.FileInfo, error) {
+	f, err := os.OpenFile(path, flag|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, nil, err
+	}
+	st, err := f.Stat()
+	if err == nil && !st.Mode().IsRegular() {
+		err = fmt.Errorf("%s is not a regular file", path)
+	}
+	if err != nil {
+		f.Close()
+		return nil, nil, err
+	}
+	return f, st, nil
 }
 
 // trim drops the oldest bytes of the log once it holds more than its cap,
@@ -144,7 +154,7 @@ func (m *Machine) boundLogs(capBytes int64) {
 // (all of it when maxBytes is 0): the bytes a ring punched out are skipped.
 // A missing log reads as empty.
 func ReadLogTail(path string, maxBytes int64) ([]byte, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	f, st, err := openLog(path, os.O_RDONLY)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
 	}
@@ -152,13 +162,6 @@ func ReadLogTail(path string, maxBytes int64) ([]byte, error) {
 		return nil, err
 	}
 	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return nil, err
-	}
-	if !st.Mode().IsRegular() {
-		return nil, fmt.Errorf("%s is not a regular file", path)
-	}
 	size := st.Size()
 	off := int64(0)
 	if maxBytes > 0 && size > maxBytes {
