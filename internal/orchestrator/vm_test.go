@@ -99,7 +99,9 @@ func releaseTestSlot(i int) {
 func testInstance(slot int) (instance, cidr string) {
 	lane := testLane()
 	if lane > 0 {
-		return fmt.Sprintf("ae%dt%d", lane, slot), fmt.Sprintf("10.%d.%d.0/20", 214+lane, 16*slot)
+		// Lane 1: 10.215.0.0/16; lane 2: 10.223.0.0/16 (10.216 to 10.222
+		// are other tests').
+		return fmt.Sprintf("ae%dt%d", lane, slot), fmt.Sprintf("10.%d.%d.0/20", []int{0, 215, 223}[lane], 16*slot)
 	}
 	instance = "aetst"
 	if slot > 0 {
@@ -111,8 +113,8 @@ func testInstance(slot int) (instance, cidr string) {
 // testLane is AENV_TEST_LANE (0 when unset).
 func testLane() int {
 	l, _ := strconv.Atoi(os.Getenv("AENV_TEST_LANE"))
-	if l < 0 || l > 1 {
-		panic("AENV_TEST_LANE must be 0 or 1")
+	if l < 0 || l > 2 {
+		panic("AENV_TEST_LANE must be 0, 1 or 2")
 	}
 	return l
 }
