@@ -274,10 +274,8 @@ func (s *Server) buildWaitsForFiles(id string) error {
 	if err != nil {
 		return err
 	}
-	for _, b := range bs {
-		if b.Status == builds.Waiting || b.Status == builds.Building {
-			return nil
-		}
+	if builds.WaitsOrRuns(bs) {
+		return nil
 	}
 	return fmt.Errorf("%w: template %q has no build waiting for its files (request one first: POST /v3/templates)", errkind.ErrNotFound, id)
 }

@@ -175,10 +175,9 @@ func (bs *Builds) Get(templateID, buildID string) (*Record, error) {
 	}
 	bs.mu.Lock()
 	if b := bs.live[templateID+"/"+buildID]; b != nil {
-		cp := *b
-		cp.Logs = append([]LogEntry(nil), b.Logs...)
+		cp := copyRecord(b)
 		bs.mu.Unlock()
-		return &cp, nil
+		return cp, nil
 	}
 	bs.mu.Unlock()
 	var b Record
@@ -189,6 +188,13 @@ func (bs *Builds) Get(templateID, buildID string) (*Record, error) {
 		return nil, err
 	}
 	return &b, nil
+}
+
+// copyRecord copies a live build's record (its log too), under bs.mu.
+func copyRecord(b *Record) *Record {
+	cp := *b
+	cp.Logs = append([]LogEntry(nil), b.Logs...)
+	return &cp
 }
 
 // Start runs a requested build in the background.
@@ -302,15 +308,11 @@ func (bs *Builds) Collect(ctx context.Context) {
 // (buildfiles.Store.Sweep): among them the uploads and private archives of
 // templates that never came.
 func (bs *Builds) Sweep(ctx context.Context, now time.Time) {
-	root := filepath.Join(bs.dataDir, buildsDir)
-	tpls, _ := os.ReadDir(root)
-	for _, t := range tpls {
-		for _, b := range bs.records(t.Name()) {
-			if b.Status == Waiting && now.Sub(b.CreatedAt) > waitingTTL {
-				b.Status, b.Reason, b.FinishedAt = Failed, fmt.Sprintf("never started: a build waits %s for its start", waitingTTL), now.UTC()
-				if err := bs.save(b); err != nil {
-					bs.log.Error("save build record", "template", b.TemplateID, "build", b.BuildID, "err", err)
-				}
+	for _, b := range bs.allRecords() {
+		if b.Status == Waiting && now.Sub(b.CreatedAt) > waitingTTL {
+			b.Status, b.Reason, b.FinishedAt = Failed, fmt.Sprintf("never started: a build waits %s for its start", waitingTTL), now.UTC()
+			if err := bs.save(b); err != nil {
+				bs.log.Error("save build record", "template", b.TemplateID, "build", b.BuildID, "err", err)
 			}
 		}
 	}
@@ -329,15 +331,14 @@ func (bs *Builds) wanted(ctx context.Context, template string) bool {
 // Pending reports whether a build of template waits for its start or
 // runs: while one does, uploads for it are taken.
 func (bs *Builds) Pending(template string) bool {
-	bs.mu.Lock()
-	for k := range bs.live {
-		if strings.HasPrefix(k, template+"/") {
-			bs.mu.Unlock()
-			return true
-		}
-	}
-	bs.mu.Unlock()
-	for _, b := range bs.records(template) {
+	rs, _ := bs.List(template)
+	return WaitsOrRuns(rs)
+}
+
+// WaitsOrRuns reports whether one of a template's builds waits for its
+// start or runs.
+func WaitsOrRuns(rs []*Record) bool {
+	for _, b := range rs {
 		if b.Status == Waiting || b.Status == Building {
 			return true
 		}
@@ -345,13 +346,17 @@ func (bs *Builds) Pending(template string) bool {
 	return false
 }
 
-// records reads the build records of a template (those it can).
-func (bs *Builds) records(template string) []*Record {
+// records reads the build records of a template as they are on disk
+// (those it can).
+func (bs *Builds) records(template string) ([]*Record, error) {
 	if !templates.NameRE.MatchString(template) {
-		return nil
+		return nil, nil
 	}
 	dir := filepath.Join(bs.dataDir, buildsDir, template)
-	files, _ := os.ReadDir(dir)
+	files, err := os.ReadDir(dir)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
 	var out []*Record
 	for _, f := range files {
 		var b Record
@@ -359,40 +364,45 @@ func (bs *Builds) records(template string) []*Record {
 			out = append(out, &b)
 		}
 	}
+	return out, nil
+}
+
+// allRecords reads the build records of every template as they are on
+// disk.
+func (bs *Builds) allRecords() []*Record {
+	tpls, _ := os.ReadDir(filepath.Join(bs.dataDir, buildsDir))
+	var out []*Record
+	for _, t := range tpls {
+		rs, _ := bs.records(t.Name())
+		out = append(out, rs...)
+	}
 	return out
 }
 
-// List lists a template's builds, newest first.
+// List lists a template's builds, newest first (a running one as it is
+// now).
 func (bs *Builds) List(templateID string) ([]*Record, error) {
-	if !templates.NameRE.MatchString(templateID) {
-		return nil, nil
-	}
-	ents, err := os.ReadDir(filepath.Join(bs.dataDir, buildsDir, templateID))
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
+	out, err := bs.records(templateID)
+	if err != nil {
 		return nil, err
 	}
-	var out []*Record
-	for _, e := range ents {
-		if id, ok := strings.CutSuffix(e.Name(), ".json"); ok {
-			if b, err := bs.Get(templateID, id); err == nil {
-				out = append(out, b)
-			}
+	bs.mu.Lock()
+	for i, b := range out {
+		if l := bs.live[templateID+"/"+b.BuildID]; l != nil {
+			out[i] = copyRecord(l)
 		}
 	}
+	bs.mu.Unlock()
 	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.After(out[j].CreatedAt) })
 	return out, nil
 }
 
 // Recover marks builds a restart interrupted as failed.
 func (bs *Builds) Recover() {
-	root := filepath.Join(bs.dataDir, buildsDir)
-	tpls, _ := os.ReadDir(root)
-	for _, t := range tpls {
-		for _, b := range bs.records(t.Name()) {
-			if b.Status == Building {
-				b.Status, b.Reason, b.FinishedAt = Failed, "interrupted by a restart of the node", time.Now().UTC()
-				_ = bs.save(b)
-			}
+	for _, b := range bs.allRecords() {
+		if b.Status == Building {
+			b.Status, b.Reason, b.FinishedAt = Failed, "interrupted by a restart of the node", time.Now().UTC()
+			_ = bs.save(b)
 		}
 	}
 }
