@@ -31,6 +31,7 @@ import (
 	"github.com/agentenv/agentenv/internal/orchestrator"
 	"github.com/agentenv/agentenv/internal/proxy"
 	"github.com/agentenv/agentenv/internal/sandboxes"
+	"github.com/agentenv/agentenv/internal/signedurl"
 	"github.com/agentenv/agentenv/internal/storage/lazy"
 	"github.com/agentenv/agentenv/internal/templates"
 	"github.com/agentenv/agentenv/internal/volumes"
@@ -256,13 +257,13 @@ func (s *Server) signedFile(w http.ResponseWriter, r *http.Request) {
 			r2.Header.Set(proxy.HeaderSandboxPort, fmt.Sprint(orchestrator.EnvdPort))
 			s.cfg.SandboxProxy.ServeHTTP(w, r2)
 			return
-		case errors.Is(err, proxy.ErrSignatureExpired):
+		case errors.Is(err, signedurl.ErrExpired):
 			writeError(w, http.StatusUnauthorized, err.Error())
 			return
 		}
 	}
 	// Signed by no running sandbox: tampered with, or its sandbox is gone.
-	writeError(w, http.StatusUnauthorized, proxy.ErrSignatureInvalid.Error())
+	writeError(w, http.StatusUnauthorized, signedurl.ErrInvalid.Error())
 }
 
 // requireNodeToken wraps h with the check of the node token: 401 without

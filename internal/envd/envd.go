@@ -23,6 +23,7 @@ import (
 
 	"github.com/agentenv/agentenv/internal/envd/gen/filesystempb/filesystempbconnect"
 	"github.com/agentenv/agentenv/internal/envd/gen/processpb/processpbconnect"
+	"github.com/agentenv/agentenv/internal/signedurl"
 )
 
 // DefaultPort is the port E2B SDKs expect envd on.
@@ -236,7 +237,7 @@ func (s *Server) authMiddleware(next http.Handler) http.Handler {
 			next.ServeHTTP(w, r)
 			return
 		case r.URL.Path == "/files" && r.URL.Query().Get("signature") != "":
-			if err := s.checkSignature(r, tok); err != nil {
+			if err := signedurl.Check(r, tok, time.Now()); err != nil {
 				writeJSONError(w, http.StatusUnauthorized, err.Error())
 				return
 			}

@@ -30,6 +30,7 @@ import (
 	"github.com/agentenv/agentenv/internal/envd/gen/filesystempb/filesystempbconnect"
 	"github.com/agentenv/agentenv/internal/envd/gen/processpb"
 	"github.com/agentenv/agentenv/internal/envd/gen/processpb/processpbconnect"
+	"github.com/agentenv/agentenv/internal/signedurl"
 )
 
 type testEnv struct {
@@ -829,7 +830,7 @@ func TestAccessToken(t *testing.T) {
 	f := filepath.Join(t.TempDir(), "signed.txt")
 	os.WriteFile(f, []byte("signed!"), 0o644)
 	sign := func(path, op, user, exp string) string {
-		return fileSignature(path, op, user, "secret-token", exp)
+		return signedurl.Sign(path, op, user, "secret-token", exp)
 	}
 	exp := strconv.FormatInt(time.Now().Add(time.Minute).Unix(), 10)
 	past := strconv.FormatInt(time.Now().Add(-time.Minute).Unix(), 10)
@@ -859,7 +860,7 @@ func TestAccessToken(t *testing.T) {
 		}
 	}
 	// Known SDK value: "v1_" + unpadded base64 of sha256.
-	if got := fileSignature("/a", "read", "user", "tok", ""); !strings.HasPrefix(got, "v1_") || strings.HasSuffix(got, "=") || len(got) != 3+43 {
+	if got := signedurl.Sign("/a", "read", "user", "tok", ""); !strings.HasPrefix(got, "v1_") || strings.HasSuffix(got, "=") || len(got) != 3+43 {
 		t.Errorf("signature format %q", got)
 	}
 	// Signed upload.

@@ -2,8 +2,6 @@ package envd
 
 import (
 	"bufio"
-	"crypto/sha256"
-	"encoding/base64"
 	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
@@ -297,47 +295,6 @@ func (c *cpuStat) usedPct() float64 {
 	}
 	c.lastResult = float64(da-di) / float64(da) * 100
 	return c.lastResult
-}
-
-// fileSignature computes the signature the E2B SDKs attach to pre-signed
-// /files URLs: "v1_" + unpadded base64(sha256("path:op:user:token[:exp]")).
-func fileSignature(path, op, user, token, exp string) string {
-	raw := path + ":" + op + ":" + user + ":" + token
-	if exp != "" {
-		raw += ":" + exp
-	}
-	sum := sha256.Sum256([]byte(raw))
-	return "v1_" + base64.RawStdEncoding.EncodeToString(sum[:])
-}
-
-// checkSignature validates the signature query parameters of a /files call.
-func (s *Server) checkSignature(r *http.Request, token string) error {
-	q := r.URL.Query()
-	var op string
-	switch r.Method {
-	case http.MethodGet, http.MethodHead:
-		op = "read"
-	case http.MethodPost:
-		op = "write"
-	default:
-		return errors.New("signature not valid for this method")
-	}
-	// E2B's envd's order and words: the signature first, then its expiry.
-	exp := q.Get("signature_expiration")
-	want := fileSignature(q.Get("path"), op, q.Get("username"), token, exp)
-	if !tokenEqual(q.Get("signature"), want) {
-		return errors.New("invalid signature")
-	}
-	if exp != "" {
-		n, err := strconv.ParseInt(exp, 10, 64)
-		if err != nil {
-			return errors.New("invalid signature")
-		}
-		if n < time.Now().Unix() {
-			return errors.New("signature is already expired")
-		}
-	}
-	return nil
 }
 
 // Ioctls of the kernel's random device (linux/random.h).

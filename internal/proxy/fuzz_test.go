@@ -4,6 +4,8 @@ import (
 	"net/http/httptest"
 	"testing"
 	"time"
+
+	"github.com/agentenv/agentenv/internal/signedurl"
 )
 
 // FuzzParseTarget feeds arbitrary Host values and routing headers to the
@@ -46,7 +48,7 @@ func FuzzParseTarget(f *testing.F) {
 // the token's signature.
 func FuzzSignedFileRequest(f *testing.F) {
 	f.Add("path=/a&signature=v1_x")
-	f.Add("path=/home/user/a.txt&signature=" + fileSignature("/home/user/a.txt", "read", "", "tok", ""))
+	f.Add("path=/home/user/a.txt&signature=" + signedurl.Sign("/home/user/a.txt", "read", "", "tok", ""))
 	f.Add("signature_expiration=1&signature=v1_")
 	f.Fuzz(func(t *testing.T, q string) {
 		r := httptest.NewRequest("GET", "/files", nil)
@@ -55,7 +57,7 @@ func FuzzSignedFileRequest(f *testing.F) {
 			return
 		}
 		v := r.URL.Query()
-		if v.Get("signature") != fileSignature(v.Get("path"), "read", v.Get("username"), "tok", v.Get("signature_expiration")) {
+		if v.Get("signature") != signedurl.Sign(v.Get("path"), "read", v.Get("username"), "tok", v.Get("signature_expiration")) {
 			t.Fatalf("accepted %q", q)
 		}
 	})

@@ -4,8 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"github.com/agentenv/agentenv/internal/errkind"
-	"github.com/agentenv/agentenv/internal/httperr"
 	"io"
 	"net"
 	"net/http"
@@ -17,7 +15,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/agentenv/agentenv/internal/errkind"
+	"github.com/agentenv/agentenv/internal/httperr"
 	"github.com/agentenv/agentenv/internal/proxy/proxytest"
+	"github.com/agentenv/agentenv/internal/signedurl"
 )
 
 // These unit tests check the proxy's routing and token rules against a
@@ -55,7 +56,7 @@ func TestTokensAndRouting(t *testing.T) {
 	app := New(stubResolver{
 		"private": {Addr: host, Running: true, AccessToken: "tok", TrafficToken: "traffic"},
 	}, "", 49983, nil)
-	sig := url.QueryEscape(fileSignature("/a", "read", "", "tok", ""))
+	sig := url.QueryEscape(signedurl.Sign("/a", "read", "", "tok", ""))
 	expired := strconv.FormatInt(time.Now().Add(-time.Minute).Unix(), 10)
 	future := strconv.FormatInt(time.Now().Add(time.Minute).Unix(), 10)
 	for _, tc := range []struct {
@@ -76,9 +77,9 @@ func TestTokensAndRouting(t *testing.T) {
 		{"signed files wrong op", envd, "secure", "POST", "/files?path=/a&signature=" + sig, nil, 401},
 		{"signed files other path", envd, "secure", "GET", "/files?path=/b&signature=" + sig, nil, 401},
 		{"signed files expired", envd, "secure", "GET", "/files?path=/a&signature_expiration=" + expired +
-			"&signature=" + url.QueryEscape(fileSignature("/a", "read", "", "tok", expired)), nil, 401},
+			"&signature=" + url.QueryEscape(signedurl.Sign("/a", "read", "", "tok", expired)), nil, 401},
 		{"signed files not expired", envd, "secure", "GET", "/files?path=/a&signature_expiration=" + future +
-			"&signature=" + url.QueryEscape(fileSignature("/a", "read", "", "tok", future)), nil, 200},
+			"&signature=" + url.QueryEscape(signedurl.Sign("/a", "read", "", "tok", future)), nil, 200},
 		{"open sandbox needs no token", envd, "open", "GET", "/envs", nil, 200},
 		{"paused", envd, "paused", "GET", "/health", nil, 502},
 		{"unknown", envd, "nope", "GET", "/health", nil, 502},
